@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` (set up + run the CPU default) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel of torch; a GPU node sets TORCH_SPEC to what it has (or to "" to keep it).
+TORCH_SPEC ?= torch==2.13.0
+PIP_QUIET  ?= -q
+# pip.conf on some machines points at absent local indexes: drop that noise, keep failures.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+FILTER := sed "/^WARNING: Location/d"
+
+.PHONY: setup demo test test-slow test-all clean-outputs
+
+setup: $(VENV)/.d3d-installed
+
+$(VENV)/.d3d-installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | $(FILTER)
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install $(PIP_QUIET) "$(TORCH_SPEC)" 2>&1 | $(FILTER); fi
+	$(PY) -m pip install $(PIP_QUIET) -e ".[dev,deepspeed]" 2>&1 | $(FILTER)
+	$(PY) -c "import d3d, torch, transformers, hydra; print('d3d ready: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# The main job on the embedded CPU default (SmolLM2-135M-Instruct target, offline math prompts).
+demo: setup
+	$(PY) -m d3d.generate
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+test-all: setup
+	$(PY) -m pytest -q -m "not gpu"

@@ -1,0 +1,84 @@
+"""Where the Hydra config tree lives, and the small helpers every job uses to read it.
+
+The tree is the top-level `conf/` of the repository. An installed wheel carries a copy as
+`d3d/conf` (pyproject maps it there); an editable install or a source checkout reads `conf/`
+two levels above this package. One function, `config_dir()`, decides, so the jobs and the tests
+always compose the same files.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def config_dir() -> Path:
+    """The conf/ folder: $D3D_CONFIG_DIR, else the wheel's copy, else the checkout's."""
+    candidates = []
+    if os.environ.get("D3D_CONFIG_DIR"):
+        candidates.append(Path(os.environ["D3D_CONFIG_DIR"]))
+    candidates += [PACKAGE_DIR / "conf", PACKAGE_DIR.parents[1] / "conf"]
+    for path in candidates:
+        if (path / "generate.yaml").is_file():
+            return path
+    raise FileNotFoundError(
+        "d3d cannot find its Hydra configs (conf/). Looked in: "
+        + ", ".join(str(p) for p in candidates)
+        + ". Reinstall the package (pip install -e . from the repository) or set D3D_CONFIG_DIR."
+    )
+
+
+def _register_resolvers() -> None:
+    # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name.
+    if not OmegaConf.has_resolver("d3d.slug"):
+        OmegaConf.register_new_resolver(
+            "d3d.slug", lambda value: str(value).replace("/", "_").replace("=", "-").replace(" ", "")
+        )
+
+
+_register_resolvers()
+
+
+def hydra_job(config_name: str) -> Callable:
+    """Decorator: `@hydra_job("generate")` == `@hydra.main` on the packaged config tree."""
+    import hydra
+
+    def wrap(fn: Callable[[DictConfig], object]) -> Callable:
+        @functools.wraps(fn)
+        def main():
+            return hydra.main(config_path=str(config_dir()), config_name=config_name, version_base="1.3")(fn)()
+
+        return main
+
+    return wrap
+
+
+def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
+    """Compose a root config outside a Hydra app (tests, notebooks, scripts)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def resolve_path(value: str | os.PathLike) -> Path:
+    """Config paths are relative to the directory the job was launched from."""
+    return Path(os.path.expanduser(str(value))).resolve()
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    """The resolved config as plain Python (for result files)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]

@@ -1,0 +1,35 @@
+"""`python -m d3d.data`: list every benchmark, where it loads from here, and its item counts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from d3d.config import config_dir
+from d3d.data.benchmarks import BenchmarkUnavailable, load_records, seeded_subset
+from d3d.data.prompts import benchmark_spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cache-dir", default="data/cache", help="local cache root (default: data/cache)")
+    args = parser.parse_args(argv)
+    names = sorted(p.stem for p in (config_dir() / "benchmark").glob("*.yaml") if p.stem not in ("all", "all_plus"))
+    suite = OmegaConf.load(config_dir() / "benchmark" / "all.yaml")["suite"]
+    print(f"{'benchmark':<15}{'in suite':<10}{'source':<10}{'items':>7}{'subset n':>10}  note")
+    for name in names:
+        spec = benchmark_spec(name)
+        try:
+            records, source = load_records(spec, Path(args.cache_dir))
+            n = len(seeded_subset(records, spec.get("n"), int(spec.get("seed", 0))))
+            print(f"{name:<15}{'yes' if name in suite else '':<10}{source:<10}{len(records):>7}{n:>10}")
+        except BenchmarkUnavailable as err:
+            print(f"{name:<15}{'yes' if name in suite else '':<10}{'-':<10}{'-':>7}{'-':>10}  skipped: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

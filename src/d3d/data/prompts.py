@@ -1,0 +1,123 @@
+"""Training prompt sets (conf/data/*.yaml): what the target answers to make the drafter's data.
+
+Three sources: `benchmarks` (the shipped benchmark items that are in no evaluation subset: the
+offline CPU default), `hub` (a chat dataset on a networked GPU node), `local` (a jsonl file).
+Every set drops any prompt that appears in an evaluation subset, by id and by normalised text, so
+no benchmark number is measured on a prompt the drafter was trained on.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import OmegaConf
+
+from d3d.config import config_dir
+from d3d.data.benchmarks import (
+    BenchmarkUnavailable, first_turn_messages, load_benchmark, load_records, normalise_text, read_rows,
+)
+
+
+@dataclass
+class Prompt:
+    id: str
+    messages: list[dict]
+    raw: str | None = None  # the untemplated question, for overlap checks
+
+    @property
+    def text(self) -> str:
+        return self.raw if self.raw is not None else self.messages[0]["content"]
+
+
+class EmptyPromptSetError(ValueError):
+    pass
+
+
+def benchmark_spec(name: str) -> dict:
+    """The shipped spec of one benchmark, read from conf/benchmark/<name>.yaml."""
+    path = config_dir() / "benchmark" / f"{name}.yaml"
+    if not path.is_file():
+        raise KeyError(f"no benchmark named {name!r} (no {path}); see `python -m d3d.data` for the list")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)["specs"][name]  # type: ignore[index]
+
+
+def eval_exclusions(names: list[str], cache_dir: Path) -> tuple[set[str], set[str]]:
+    """Ids and normalised texts of every evaluation subset that can be loaded here."""
+    ids, texts = set(), set()
+    for name in names:
+        try:
+            subset = load_benchmark(benchmark_spec(name), cache_dir)
+        except BenchmarkUnavailable:
+            continue  # not loadable here, so it cannot be a source of training prompts either
+        for rec in subset:
+            ids.add(rec.id)
+            texts.update(normalise_text(t) for t in rec.turns)
+    return ids, texts
+
+
+def _from_benchmarks(cfg: Mapping[str, Any], cache_dir: Path) -> list[Prompt]:
+    out = []
+    for name in cfg["benchmarks"]:
+        spec = benchmark_spec(name)
+        records, _ = load_records(spec, cache_dir)
+        out += [Prompt(f"train/{rec.id}", first_turn_messages(spec, rec), rec.turns[0]) for rec in records]
+    return out
+
+
+def _rows_to_prompts(rows: list[dict], prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
+    out = []
+    for i, row in enumerate(rows):
+        if row.get(messages_field):
+            first_user = next(m for m in row[messages_field] if m["role"] == "user")
+            messages = [{"role": "user", "content": first_user["content"]}]
+        else:
+            messages = [{"role": "user", "content": row[prompt_field]}]
+        out.append(Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), messages))
+    return out
+
+
+def _from_hub(cfg: Mapping[str, Any]) -> list[Prompt]:
+    import datasets
+
+    hub = cfg["hub"]
+    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "train"))
+    if cfg.get("limit"):  # avoid materialising 200k rows to keep 10k
+        ds = ds.shuffle(seed=int(cfg.get("seed", 0))).select(range(min(len(ds), 2 * int(cfg["limit"]))))
+    return _rows_to_prompts([dict(r) for r in ds], cfg["name"], hub.get("messages_field", "messages"),
+                            hub.get("prompt_field", "prompt"))
+
+
+def load_prompt_set(cfg: Mapping[str, Any], cache_dir: str | Path) -> list[Prompt]:
+    """The prompts of a prompt-set config, minus every evaluation item, seeded, capped at `limit`."""
+    cache_dir = Path(cache_dir)
+    source = cfg["source"]
+    if source == "benchmarks":
+        prompts = _from_benchmarks(cfg, cache_dir)
+    elif source == "hub":
+        from d3d.models.target import _hub_reachable
+
+        if not _hub_reachable():
+            raise BenchmarkUnavailable(
+                f"prompt set {cfg['name']!r} comes from the Hugging Face Hub ({cfg['hub']['path']}), which this "
+                "machine cannot reach. Fix: data=cpu_math (offline) or data=local data.local_file=prompts.jsonl"
+            )
+        prompts = _from_hub(cfg)
+    elif source == "local":
+        prompts = _rows_to_prompts(read_rows(cfg["local_file"]), cfg["name"])
+    else:
+        raise ValueError(f"data.source={source!r}: use benchmarks, hub or local")
+
+    ids, texts = eval_exclusions(list(cfg.get("exclude_eval") or []), cache_dir)
+    kept = [p for p in prompts if p.id.removeprefix("train/") not in ids and normalise_text(p.text) not in texts]
+    if cfg.get("limit") and len(kept) > int(cfg["limit"]):
+        keep = set(random.Random(int(cfg.get("seed", 0))).sample(range(len(kept)), int(cfg["limit"])))
+        kept = [p for i, p in enumerate(kept) if i in keep]
+    if not kept:
+        raise EmptyPromptSetError(
+            f"prompt set {cfg['name']!r} is empty after removing evaluation items (source {source!r}, "
+            f"{len(prompts)} prompts before). Fix: point it at a non-empty source or raise data.limit."
+        )
+    return kept

