@@ -102,6 +102,7 @@ def generate_batch(model, tokenizer, batch: list[tuple[Prompt, list[int]]], kwar
         attention[row, width - len(ids):] = 1
     out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), **kwargs)
     stop = kwargs["generation_config"].eos_token_id
+    stop = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
     return [split_response(out[row, width:].tolist(), stop, pad) for row in range(len(batch))]
 
 

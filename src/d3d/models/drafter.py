@@ -1,0 +1,225 @@
+"""The D3D drafter: an ordinary HF causal LM that drafts a whole block in one pass.
+
+Nothing in the network changes: block diffusion lives in the inputs. A block is
+`[anchor, MASK x (B-1)]` at positions a..a+B-1, attending to the committed prefix (causal, in the
+drafter's own KV cache) and bidirectionally to itself (d3d.models.masks). With the autoregressive
+label convention, the output at block slot k predicts the token at position a+k+1: slots 0..B-2
+give the B-1 drafts and slot B-1 guesses the bonus token (used by the async all-accepted tray).
+
+So a drafter saves and loads with plain `save_pretrained` / `from_pretrained`; its d3d settings
+(block size, mask token id, target vocab size, which original layers it keeps, tokenizer
+fingerprint) ride along in `config.d3d`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from d3d.models.masks import Layout, build_mask, float_mask
+from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
+
+
+class TokenizerMismatchError(ValueError):
+    """The drafter and the target do not share a tokenizer."""
+
+
+@dataclass
+class DrafterSettings:
+    block_size: int = 16
+    mask_token_id: int = -1
+    vocab_size: int = 0  # the target's vocabulary: drafts never leave it
+    kept_layers: list[int] = field(default_factory=list)  # original layer indices still present
+    init: str = "target"
+    target: str = ""
+    tokenizer_fingerprint: str = ""
+
+    @classmethod
+    def of(cls, model) -> "DrafterSettings":
+        raw = getattr(model.config, "d3d", None)
+        if raw is None:
+            raise ValueError("this model has no d3d settings in its config: it is not a d3d drafter checkpoint")
+        return cls(**raw)
+
+    def attach(self, model) -> None:
+        model.config.d3d = asdict(self)
+
+
+def tokenizer_fingerprint(tokenizer, ignore: tuple[str, ...] = ()) -> str:
+    """A hash of the vocabulary (token -> id), ignoring the drafter's added mask token."""
+    vocab = {t: i for t, i in tokenizer.get_vocab().items() if t not in ignore}
+    return hashlib.sha1(json.dumps(vocab, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(drafter_tok, target_tok, settings: DrafterSettings) -> None:
+    mask_token = drafter_tok.convert_ids_to_tokens(settings.mask_token_id)
+    mine = tokenizer_fingerprint(drafter_tok, ignore=(mask_token,))
+    theirs = tokenizer_fingerprint(target_tok, ignore=(mask_token,))
+    if mine != theirs:
+        raise TokenizerMismatchError(
+            f"the drafter's tokenizer ({drafter_tok.name_or_path}) does not match the target's "
+            f"({target_tok.name_or_path}): drafts would be other tokens than the target verifies. Fix: build "
+            "the drafter from a model of the target's family (same vocabulary), e.g. drafter=target_copy."
+        )
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    return model.base_model.layers
+
+
+def _set_layers(model, layers: list[nn.Module]) -> None:
+    model.base_model.layers = nn.ModuleList(layers)
+    for new_idx, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and hasattr(attn, "layer_idx"):
+            attn.layer_idx = new_idx  # KV-cache slot
+    model.config.num_hidden_layers = len(layers)
+
+
+def keep_layers(model, keep: list[int]) -> None:
+    """Keep only the decoder layers at these (current) indices, in order; updates config.d3d too."""
+    layers = list(decoder_layers(model))
+    types = getattr(model.config, "layer_types", None)
+    if types is not None:
+        model.config.layer_types = [types[i] for i in keep]
+    _set_layers(model, [layers[i] for i in keep])
+    if getattr(model.config, "d3d", None):
+        settings = DrafterSettings.of(model)
+        settings.kept_layers = [settings.kept_layers[i] for i in keep]
+        settings.attach(model)
+
+
+@contextlib.contextmanager
+def skipping_layers(model, drop: list[int]) -> Iterator[None]:
+    """Run the model without some layers, without copying it (pruning's scorer)."""
+    layers = list(decoder_layers(model))
+    types = getattr(model.config, "layer_types", None)
+    keep = [i for i in range(len(layers)) if i not in set(drop)]
+    try:
+        if types is not None:
+            model.config.layer_types = [types[i] for i in keep]
+        _set_layers(model, [layers[i] for i in keep])
+        yield
+    finally:
+        if types is not None:
+            model.config.layer_types = types
+        _set_layers(model, layers)
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _add_mask_token(model, tokenizer, name: str, vocab_size: int) -> int:
+    """The mask token id; a new token's embedding row starts at the mean of the vocabulary's."""
+    if name not in tokenizer.get_vocab():
+        tokenizer.add_tokens([name], special_tokens=True)
+    mask_id = tokenizer.convert_tokens_to_ids(name)
+    emb = model.get_input_embeddings()
+    if mask_id >= emb.weight.shape[0]:
+        model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
+        emb = model.get_input_embeddings()
+    if mask_id >= vocab_size:  # a row of its own: start it in the middle of the vocabulary
+        with torch.no_grad():
+            emb.weight[mask_id] = emb.weight[:vocab_size].mean(dim=0)
+    return mask_id
+
+
+def build_drafter(drafter_cfg, target_cfg, cache_dir: str | Path, device: str = "cpu", dtype: str | None = "auto"):
+    """A drafter (model, tokenizer) as conf/drafter/*.yaml describes, ready to train."""
+    cache_dir = Path(cache_dir)
+    if drafter_cfg.get("checkpoint"):
+        return load_drafter(drafter_cfg["checkpoint"], device=device, dtype=dtype)
+    target_path = resolve_model_path(target_cfg, cache_dir)
+    target_tok = load_tokenizer(target_path)
+    init = drafter_cfg["init"]
+    if init in ("target", "target_layers"):
+        model = load_model(target_path, dtype, device)
+        tok = load_tokenizer(target_path)
+    elif init == "pretrained":
+        path = resolve_model_path(drafter_cfg["model"], cache_dir)
+        model, tok = load_model(path, dtype, device), load_tokenizer(path)
+    elif init == "random":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = copy.deepcopy(AutoConfig.from_pretrained(target_path))
+        torch.manual_seed(int(drafter_cfg.get("seed", 1)))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype, device)).to(device)
+        tok = load_tokenizer(target_path)
+    else:
+        raise ValueError(f"drafter.init={init!r}: use target, target_layers, pretrained or random")
+    vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width the target shares
+    probe = DrafterSettings(mask_token_id=-1)
+    if tokenizer_fingerprint(tok) != tokenizer_fingerprint(target_tok):
+        check_same_tokenizer(tok, target_tok, probe)
+    settings = DrafterSettings(
+        block_size=int(drafter_cfg["block_size"]),
+        vocab_size=vocab_size,
+        kept_layers=list(range(model.config.num_hidden_layers)),
+        init=init, target=str(target_cfg["name"]),
+    )
+    settings.mask_token_id = _add_mask_token(model, tok, drafter_cfg["mask_token"], settings.vocab_size)
+    settings.tokenizer_fingerprint = tokenizer_fingerprint(tok, ignore=(drafter_cfg["mask_token"],))
+    settings.attach(model)
+    if init == "target_layers":
+        keep_layers(model, list(drafter_cfg["layers"]))
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def save_drafter(model, tokenizer, out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto"):
+    model = load_model(str(path), dtype, device)
+    DrafterSettings.of(model)  # fails clearly on a non-drafter folder
+    return model, load_tokenizer(str(path))
+
+
+# ---------------------------------------------------------------------------- forward passes
+
+
+def attention_mask_for(model, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA (and flex, via its own path) take the boolean mask; eager wants an additive one."""
+    if model.config._attn_implementation == "eager":
+        return float_mask(mask, model.dtype)
+    return mask
+
+
+def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
+                  cache_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given."""
+    mask = build_mask(layout, cache_len, cache_valid).to(input_ids.device)
+    out = model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask_for(model, mask),
+        position_ids=layout.pos.to(input_ids.device), use_cache=cache is not None, **cache_kwarg(model, cache),
+    )
+    return out.last_hidden_state
+
+
+def cache_kwarg(model, cache) -> dict:
+    """transformers >= 5.24 calls the KV cache `cache`; earlier releases `past_key_values`."""
+    import inspect
+
+    params = inspect.signature(type(model.base_model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def logits_at(model, hidden: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """LM-head logits of selected hidden rows, cut to the target's vocabulary."""
+    logits = model.get_output_embeddings()(hidden)
+    return logits[..., :vocab_size] if vocab_size else logits

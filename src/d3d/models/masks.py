@@ -1,0 +1,100 @@
+"""The one attention-mask builder of d3d: training, the offline estimator and every decoding loop.
+
+Every token is either *clean* (part of the committed text, processed causally) or belongs to a
+*block* (an anchor token followed by masks, drafted in one pass). One rule covers every layout:
+
+    a clean query at position p sees clean keys at positions <= p;
+    a block query whose anchor sits at position a sees clean keys at positions < a,
+      and every token of its own block (bidirectional inside the block);
+    nothing else: blocks never see each other, clean tokens never see blocks, padding is unseen.
+
+Keys already in a KV cache are clean tokens at positions 0..C-1. A layout is described per token
+by three integer tensors: `pos` (its position id), `block` (block index, -1 for clean) and `limit`
+(the exclusive upper bound on the clean positions it may see: p+1 for clean tokens, the anchor
+position for block tokens). Padding has block = -2 and is never seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CLEAN, PAD = -1, -2
+
+
+@dataclass
+class Layout:
+    """Per-token description of a packed input (batch, T) — see the module docstring."""
+
+    pos: torch.Tensor  # (b, T) position ids
+    block: torch.Tensor  # (b, T) block index, CLEAN or PAD
+    limit: torch.Tensor  # (b, T) clean keys visible: position < limit
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.pos.shape
+
+
+def clean_layout(length: int, start: int = 0, batch: int = 1) -> Layout:
+    """`length` causal tokens at positions start..start+length-1."""
+    pos = torch.arange(start, start + length).expand(batch, -1)
+    return Layout(pos.clone(), torch.full_like(pos, CLEAN), pos + 1)
+
+
+def block_layout(anchors: torch.Tensor, block_size: int, first_block: int = 0) -> Layout:
+    """Blocks of `block_size` at the given anchor positions (b, n): n*B tokens per row."""
+    b, n = anchors.shape
+    offsets = torch.arange(block_size, device=anchors.device)
+    pos = (anchors[:, :, None] + offsets).reshape(b, n * block_size)
+    block = (torch.arange(n, device=anchors.device)[:, None].expand(n, block_size) + first_block)
+    block = block.reshape(1, n * block_size).expand(b, -1).clone()
+    limit = anchors[:, :, None].expand(b, n, block_size).reshape(b, n * block_size).clone()
+    return Layout(pos, block, limit)
+
+
+def concat(*layouts: Layout) -> Layout:
+    return Layout(*(torch.cat([getattr(l, f) for l in layouts], dim=1) for f in ("pos", "block", "limit")))
+
+
+def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask (b, 1, T, cache_len + T): True where a query may attend to a key.
+
+    Keys are the `cache_len` cached clean tokens (positions 0..cache_len-1, or `cache_valid`
+    (b, cache_len) to hide left padding) followed by the query tokens themselves.
+    """
+    b, t = query.shape
+    dev = query.pos.device
+    c = int(cache_len)
+    cache_pos = torch.arange(c, device=dev).expand(b, c)
+    key_pos = torch.cat([cache_pos, query.pos], dim=1)  # (b, K)
+    key_block = torch.cat([torch.full((b, c), CLEAN, device=dev, dtype=query.block.dtype), query.block], dim=1)
+    key_clean = key_block == CLEAN
+    if cache_valid is not None:
+        key_clean = key_clean & torch.cat([cache_valid.to(dev), torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
+    sees_clean = key_clean[:, None, :] & (key_pos[:, None, :] < query.limit[:, :, None])
+    same_block = (key_block[:, None, :] == query.block[:, :, None]) & (query.block[:, :, None] >= 0)
+    mask = sees_clean | same_block
+    # A padding query sees only itself, so softmax never runs over an empty row (no NaNs).
+    is_pad = query.block == PAD
+    if is_pad.any():
+        eye = torch.zeros(b, t, c + t, dtype=torch.bool, device=dev)
+        eye[:, torch.arange(t), c + torch.arange(t)] = True
+        mask = torch.where(is_pad[:, :, None], eye, mask)
+    return mask[:, None]
+
+
+def pad_layout(layout: Layout, length: int) -> Layout:
+    """Right-pad a layout to `length` tokens with unseen padding."""
+    b, t = layout.shape
+    if t >= length:
+        return layout
+    extra = length - t
+    fill = lambda v: torch.full((b, extra), v, dtype=layout.pos.dtype, device=layout.pos.device)
+    return Layout(torch.cat([layout.pos, fill(0)], 1), torch.cat([layout.block, fill(PAD)], 1),
+                  torch.cat([layout.limit, fill(0)], 1))
+
+
+def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask for eager attention (SDPA takes the boolean mask as it is)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

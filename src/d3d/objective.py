@@ -1,0 +1,157 @@
+"""The D3D training objective (DESIGN §4): blockwise denoising + weighted AR loss, one packed pass.
+
+Per sequence the packed input is `[clean sequence | block_1 | ... | block_N]`:
+- the clean sequence runs causally; its outputs on the response give the AR loss (weight λ);
+- block i is `[x_a, MASK x (B-1)]` at positions a..a+B-1 for an anchor a in the response; it sees
+  the clean tokens before a and itself (d3d.models.masks). Slot j predicts x_{a+j+1} with weight
+  exp(-j/γ) (= exp(-(k-1)/γ) for the k-th draft). Slot B-1's target, x_{a+B}, is the bonus token.
+Only rows that carry a loss go through the LM head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from d3d.models.drafter import hidden_states, logits_at
+from d3d.models.masks import Layout, block_layout, clean_layout, concat, pad_layout
+
+
+@dataclass
+class Example:
+    ids: list[int]  # prompt + response token ids
+    prompt_len: int  # loss is taken on positions >= prompt_len only
+
+
+@dataclass
+class ObjectiveConfig:
+    block_size: int = 16
+    anchors_per_seq: int = 32
+    block_aligned: bool = False
+    gamma: float = 7.0
+    uniform_weights: bool = False
+    partial_mask: float = 0.0
+    ar_weight: float = 1.0
+    predict_bonus: bool = True  # train slot B-1 on x_{a+B} (the all-accepted tray's anchor guess)
+
+    @classmethod
+    def from_cfg(cls, train_cfg, block_size: int) -> "ObjectiveConfig":
+        keys = {f for f in cls.__dataclass_fields__ if f != "block_size"}
+        return cls(block_size=block_size, **{k: train_cfg[k] for k in keys if k in train_cfg})
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (b, T)
+    layout: Layout
+    dn_rows: torch.Tensor  # flat indices into b*T of block slots carrying a denoising loss
+    dn_targets: torch.Tensor
+    dn_weights: torch.Tensor
+    dn_slots: torch.Tensor  # slot index j of each denoising row (for per-slot accuracy)
+    ar_rows: torch.Tensor  # flat indices of clean positions predicting a response token
+    ar_targets: torch.Tensor
+    n_tokens: int  # real (non-padding) tokens in the packed batch
+
+
+def slot_weights(cfg: ObjectiveConfig) -> torch.Tensor:
+    """w_j for slots j = 0..B-1 (the k-th draft is slot k-1)."""
+    j = torch.arange(cfg.block_size, dtype=torch.float32)
+    return torch.ones_like(j) if cfg.uniform_weights else torch.exp(-j / cfg.gamma)
+
+
+def sample_anchors(ex: Example, cfg: ObjectiveConfig, gen: torch.Generator) -> torch.Tensor:
+    """Anchor positions a in [prompt_len-1, len-2]: the block at a drafts response tokens a+1..."""
+    lo, hi = ex.prompt_len - 1, len(ex.ids) - 2
+    if hi < lo:
+        return torch.empty(0, dtype=torch.long)
+    if cfg.block_aligned:
+        candidates = torch.arange(lo, hi + 1, cfg.block_size)
+    else:
+        candidates = torch.arange(lo, hi + 1)
+    if len(candidates) > cfg.anchors_per_seq:
+        pick = torch.randperm(len(candidates), generator=gen)[: cfg.anchors_per_seq]
+        candidates = candidates[pick]
+    return candidates.sort().values
+
+
+def pack(examples: list[Example], cfg: ObjectiveConfig, mask_id: int, pad_id: int,
+         gen: torch.Generator, anchors: list[torch.Tensor] | None = None) -> PackedBatch:
+    """Build the packed batch; `anchors` fixes the anchors (tests), else they are sampled."""
+    B = cfg.block_size
+    w = slot_weights(cfg)
+    anchors = anchors if anchors is not None else [sample_anchors(ex, cfg, gen) for ex in examples]
+    rows_ids, layouts = [], []
+    dn_rows, dn_t, dn_w, dn_s, ar_rows, ar_t = [], [], [], [], [], []
+    width = max(len(ex.ids) + len(a) * B for ex, a in zip(examples, anchors))
+    n_tokens = 0
+    for r, (ex, anc) in enumerate(zip(examples, anchors)):
+        ids = torch.tensor(ex.ids, dtype=torch.long)
+        L, n = len(ids), len(anc)
+        blocks = torch.full((n, B), mask_id, dtype=torch.long)
+        if n:
+            blocks[:, 0] = ids[anc]
+            if cfg.partial_mask > 0:  # some slots show their clean token (an option, off by default)
+                show = torch.rand((n, B), generator=gen) < cfg.partial_mask
+                show[:, 0] = False
+                pos = (anc[:, None] + torch.arange(B)).clamp(max=L - 1)
+                blocks = torch.where(show & (anc[:, None] + torch.arange(B) < L), ids[pos], blocks)
+        layout = concat(clean_layout(L), block_layout(anc[None], B))
+        layouts.append(pad_layout(layout, width))
+        row = torch.full((width,), pad_id, dtype=torch.long)
+        row[:L] = ids
+        row[L : L + n * B] = blocks.reshape(-1)
+        rows_ids.append(row)
+        n_tokens += L + n * B
+        # AR loss: clean position i predicts x_{i+1}, for response targets i+1 >= prompt_len.
+        src = torch.arange(ex.prompt_len - 1, L - 1)
+        ar_rows.append(r * width + src)
+        ar_t.append(ids[src + 1])
+        # Denoising loss: block b slot j predicts x_{a_b+j+1} while that position exists.
+        slots = B if cfg.predict_bonus else B - 1
+        for b, a in enumerate(anc.tolist()):
+            j = torch.arange(min(slots, L - 1 - a))
+            dn_rows.append(r * width + L + b * B + j)
+            dn_t.append(ids[a + 1 + j])
+            dn_w.append(w[j])
+            dn_s.append(j)
+    cat = lambda xs, dtype=torch.long: torch.cat(xs) if xs else torch.empty(0, dtype=dtype)
+    return PackedBatch(
+        torch.stack(rows_ids), Layout(*(torch.cat([getattr(l, f) for l in layouts]) .reshape(len(examples), width)
+                                        for f in ("pos", "block", "limit"))),
+        cat(dn_rows), cat(dn_t), cat(dn_w, torch.float32), cat(dn_s), cat(ar_rows), cat(ar_t), n_tokens,
+    )
+
+
+def d3d_loss(model, batch: PackedBatch, ar_weight: float, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
+    """L = L_denoise + λ·L_AR, with logits only at loss rows. Returns (loss, metrics)."""
+    dev = next(model.parameters()).device
+    h = hidden_states(model, batch.input_ids.to(dev), batch.layout)
+    h = h.reshape(-1, h.shape[-1])
+    metrics: dict = {}
+    dn_logits = logits_at(model, h[batch.dn_rows.to(dev)], vocab_size).float()
+    ce = F.cross_entropy(dn_logits, batch.dn_targets.to(dev), reduction="none")
+    w = batch.dn_weights.to(dev)
+    loss_dn = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    loss = loss_dn
+    metrics["loss_denoise"] = loss_dn.item()
+    with torch.no_grad():
+        hit = (dn_logits.argmax(-1) == batch.dn_targets.to(dev)).float().cpu()
+        for j in range(int(batch.dn_slots.max().item()) + 1 if len(batch.dn_slots) else 0):
+            sel = batch.dn_slots == j
+            if sel.any():
+                metrics[f"acc_slot{j + 1}"] = hit[sel].mean().item()
+    if ar_weight > 0 and len(batch.ar_rows):
+        ar_logits = logits_at(model, h[batch.ar_rows.to(dev)], vocab_size).float()
+        loss_ar = F.cross_entropy(ar_logits, batch.ar_targets.to(dev))
+        loss = loss + ar_weight * loss_ar
+        metrics["loss_ar"] = loss_ar.item()
+    metrics["loss"] = loss.item()
+    return loss, metrics
+
+
+def weight_of_draft(k: int, gamma: float) -> float:
+    """w_k = exp(-(k-1)/γ) for the k-th draft (1-based), as DESIGN §4 writes it."""
+    return math.exp(-(k - 1) / gamma)

@@ -1,0 +1,125 @@
+"""Drafter: contract 3 (training forward == inference forward), save/load, tokenizer checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.estimator import match_lengths
+from d3d.models.drafter import (
+    DrafterSettings, TokenizerMismatchError, build_drafter, hidden_states, keep_layers, load_drafter, logits_at,
+    save_drafter, skipping_layers,
+)
+from d3d.models.masks import block_layout, clean_layout
+from d3d.objective import Example, ObjectiveConfig, pack
+from tests.conftest import compose
+
+
+def tiny_drafter(tmp_path, arch="llama", layers=2, block=4, init="target"):
+    cfg = compose("train", ["+experiment=smoke", f"drafter.block_size={block}", f"drafter.init={init}",
+                            f"target.tiny.model_type={arch}", f"target.tiny.num_hidden_layers={layers}",
+                            f"target.name=tiny_{arch}_{layers}"], tmp_path)
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    torch.manual_seed(0)
+    with torch.no_grad():  # random weights, so the test would notice any mixing of positions
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval(), tok, cfg
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_contract3_training_forward_equals_inference_forward(arch, tmp_path):
+    model, tok, _ = tiny_drafter(tmp_path, arch)
+    s = DrafterSettings.of(model)
+    B = s.block_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 200, (40,), generator=g).tolist()
+    ex = Example(ids, prompt_len=12)
+    anchors = torch.tensor([11, 15, 20, 33, 38])
+    batch = pack([ex], ObjectiveConfig(block_size=B, anchors_per_seq=5), s.mask_token_id, 0, g, [anchors])
+    with torch.no_grad():
+        h = hidden_states(model, batch.input_ids, batch.layout)[0]
+        train_logits = logits_at(model, h[len(ids):].reshape(len(anchors), B, -1), s.vocab_size)
+        from transformers import DynamicCache
+
+        for i, a in enumerate(anchors.tolist()):
+            # Inference path: the committed prefix x_0..x_{a-1} in the KV cache, then the block.
+            cache = DynamicCache(config=model.config)
+            hidden_states(model, torch.tensor([ids[:a]]), clean_layout(a), cache=cache)
+            block = torch.tensor([[ids[a]] + [s.mask_token_id] * (B - 1)])
+            hb = hidden_states(model, block, block_layout(torch.tensor([[a]]), B), cache=cache, cache_len=a)
+            infer = logits_at(model, hb[0], s.vocab_size)
+            torch.testing.assert_close(train_logits[i], infer, atol=2e-5, rtol=1e-4)
+            # and the labels line up: slot j of the training batch is trained on x_{a+j+1}
+            rows = batch.dn_rows[(batch.dn_rows >= len(ids) + i * B) & (batch.dn_rows < len(ids) + (i + 1) * B)]
+            targets = batch.dn_targets[(batch.dn_rows >= len(ids) + i * B) & (batch.dn_rows < len(ids) + (i + 1) * B)]
+            assert targets.tolist() == ids[a + 1 : a + 1 + len(rows)]
+
+
+def test_estimator_match_lengths_use_the_same_forward(tmp_path):
+    model, _, _ = tiny_drafter(tmp_path)
+    s = DrafterSettings.of(model)
+    ids = torch.randint(4, 200, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    m = match_lengths(model, ids, 10, s.block_size, s.mask_token_id, s.vocab_size, chunk=3)
+    # Slow reference: one block at a time with a fresh cache.
+    from transformers import DynamicCache
+
+    B = s.block_size
+    for i, a in enumerate(range(9, 29)):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            hidden_states(model, torch.tensor([ids[:a]]), clean_layout(a), cache=cache)
+            hb = hidden_states(model, torch.tensor([[ids[a]] + [s.mask_token_id] * (B - 1)]),
+                               block_layout(torch.tensor([[a]]), B), cache=cache, cache_len=a)
+        drafts = logits_at(model, hb[0], s.vocab_size).argmax(-1).tolist()[: B - 1]
+        k = 0
+        while k < B - 1 and a + 1 + k < len(ids) and drafts[k] == ids[a + 1 + k]:
+            k += 1
+        assert int(m[i]) == k
+
+
+def test_save_and_load_keeps_settings(tmp_path):
+    model, tok, _ = tiny_drafter(tmp_path)
+    save_drafter(model, tok, tmp_path / "d")
+    model2, tok2 = load_drafter(tmp_path / "d", dtype="float32")
+    assert DrafterSettings.of(model2) == DrafterSettings.of(model)
+    assert tok2.convert_tokens_to_ids("<|mask|>") == DrafterSettings.of(model).mask_token_id
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "d")  # an ordinary HF folder
+    assert plain.config.d3d["block_size"] == 4
+
+
+def test_mask_token_is_added_with_mean_embedding(tmp_path):
+    """SmolLM2-like case: no free row, so the token is added and its row starts at the mean."""
+    cfg = compose("train", ["+experiment=smoke", "drafter.mask_token='<|brand_new_mask|>'"], tmp_path)
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    s = DrafterSettings.of(model)
+    emb = model.get_input_embeddings().weight
+    assert s.mask_token_id == s.vocab_size == emb.shape[0] - 1
+    torch.testing.assert_close(emb[s.mask_token_id], emb[: s.vocab_size].mean(0))
+
+
+def test_layer_subset_and_skipping(tmp_path):
+    model, _, _ = tiny_drafter(tmp_path, layers=4)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad(), skipping_layers(model, [1, 2]):
+        skipped = model(ids).logits
+    assert model.config.num_hidden_layers == 4  # restored
+    keep_layers(model, [0, 3])
+    with torch.no_grad():
+        rebuilt = model(ids).logits
+    torch.testing.assert_close(skipped, rebuilt)
+    assert DrafterSettings.of(model).kept_layers == [0, 3]
+
+
+def test_tokenizer_mismatch_is_refused(tmp_path):
+    from d3d.models.drafter import check_same_tokenizer
+    from d3d.models.tiny import build_byte_tokenizer
+
+    model, tok, _ = tiny_drafter(tmp_path)
+    other = build_byte_tokenizer()
+    other.add_tokens(["<|something_else|>", "extra"], special_tokens=False)
+    with pytest.raises(TokenizerMismatchError, match="family"):
+        check_same_tokenizer(tok, other, DrafterSettings.of(model))
+    check_same_tokenizer(tok, build_byte_tokenizer(), DrafterSettings.of(model))  # same vocab: fine
