@@ -201,9 +201,9 @@ def attention_mask_for(model, mask: torch.Tensor) -> torch.Tensor:
 
 
 def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
-                  cache_valid: torch.Tensor | None = None) -> torch.Tensor:
+                  cache_valid: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given."""
-    mask = build_mask(layout, cache_len, cache_valid).to(input_ids.device)
+    mask = build_mask(layout, cache_len, cache_valid, cache_pos).to(input_ids.device)
     out = model.base_model(
         input_ids=input_ids, attention_mask=attention_mask_for(model, mask),
         position_ids=layout.pos.to(input_ids.device), use_cache=cache is not None, **cache_kwarg(model, cache),

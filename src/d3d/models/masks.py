@@ -57,16 +57,21 @@ def concat(*layouts: Layout) -> Layout:
     return Layout(*(torch.cat([getattr(l, f) for l in layouts], dim=1) for f in ("pos", "block", "limit")))
 
 
-def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: torch.Tensor | None = None) -> torch.Tensor:
+def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: torch.Tensor | None = None,
+               cache_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask (b, 1, T, cache_len + T): True where a query may attend to a key.
 
-    Keys are the `cache_len` cached clean tokens (positions 0..cache_len-1, or `cache_valid`
-    (b, cache_len) to hide left padding) followed by the query tokens themselves.
+    Keys are the `cache_len` cached clean tokens followed by the query tokens themselves. Cached
+    keys sit at positions 0..cache_len-1 unless `cache_pos` (b, cache_len) says otherwise (batched
+    decoding, where rows advance at different speeds); `cache_valid` (b, cache_len) hides cache
+    slots that hold padding or rejected drafts.
     """
     b, t = query.shape
     dev = query.pos.device
+    if cache_pos is not None:
+        cache_len = cache_pos.shape[1]
     c = int(cache_len)
-    cache_pos = torch.arange(c, device=dev).expand(b, c)
+    cache_pos = torch.arange(c, device=dev).expand(b, c) if cache_pos is None else cache_pos.to(dev)
     key_pos = torch.cat([cache_pos, query.pos], dim=1)  # (b, K)
     key_block = torch.cat([torch.full((b, c), CLEAN, device=dev, dtype=query.block.dtype), query.block], dim=1)
     key_clean = key_block == CLEAN

@@ -1,0 +1,89 @@
+"""Verification, shared by every loop: greedy, and lossless rejection sampling (DESIGN §5).
+
+Inputs for a batch of b rows and a block of B positions:
+- `p_logits` (b, B, V): the target's logits at the block's positions; position k scores the token
+  after the k-th block token, so p[:, k] judges draft k+1 and p[:, B-1] gives the bonus token;
+- `drafts` (b, B-1): the drafts; `q` (b, B-1, V): the distributions they were sampled from (T > 0).
+Returns (accepted (b,), next_token (b,)): the number of drafts accepted and the token that follows
+them (the correction at the first rejection, or the bonus after a full accept). τ = accepted + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, applied identically to target and drafter logits."""
+    logits = logits.float() / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, idx = p.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < s.top_p  # keep the smallest prefix with mass >= top_p
+        sorted_p = sorted_p * keep
+        p = torch.zeros_like(p).scatter(-1, idx, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def greedy_verify(p_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    target = p_logits.argmax(-1)  # (b, B)
+    n = drafts.shape[1]
+    match = (drafts == target[:, :n]).int()
+    accepted = match.cumprod(dim=1).sum(dim=1) if n else torch.zeros(len(target), dtype=torch.long)
+    next_token = target.gather(1, accepted[:, None]).squeeze(1)
+    return accepted.long(), next_token
+
+
+def sample_verify(p_logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, s: Sampling,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept draft k with prob min(1, p/q); at the first rejection sample norm(max(0, p - q));
+    after a full accept sample the bonus from p. The output follows the target's distribution."""
+    p = probs(p_logits, s)  # (b, B, V)
+    b, n = drafts.shape
+    dev = p.device
+    accepted = torch.zeros(b, dtype=torch.long, device=dev)
+    next_token = torch.zeros(b, dtype=torch.long, device=dev)
+    u = torch.rand((b, max(n, 1)), generator=generator, device=dev)
+    for row in range(b):
+        k = 0
+        while k < n:
+            d = drafts[row, k]
+            pk, qk = p[row, k, d], q[row, k, d]
+            if qk > 0 and u[row, k] * qk <= pk:  # u < p/q, without dividing by zero
+                k += 1
+                continue
+            residual = (p[row, k] - q[row, k]).clamp(min=0)
+            total = residual.sum()
+            dist = residual / total if total > 0 else p[row, k]
+            next_token[row] = torch.multinomial(dist, 1, generator=generator)[0]
+            break
+        else:
+            next_token[row] = torch.multinomial(p[row, n], 1, generator=generator)[0]
+        accepted[row] = k
+    return accepted, next_token
+
+
+def draft_from(q_logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None):
+    """Drafts and the distributions they come from: argmax at T = 0, samples from q at T > 0."""
+    if s.greedy:
+        return q_logits.argmax(-1), None
+    q = probs(q_logits, s)
+    flat = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator)
+    return flat.reshape(q.shape[:-1]), q

@@ -1,0 +1,170 @@
+"""Decoding: contract 1 (greedy == target.generate), 2 (lossless sampling), 4 (estimator == loop),
+async == sync, hits and misses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.verify import Sampling, probs, sample_verify
+from d3d.estimator import greedy_rounds, match_lengths
+from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.drafter import DrafterSettings, build_drafter
+from tests.conftest import compose
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target with lively random weights and a drafter copied from it, slightly perturbed."""
+    cfg = compose("train", ["+experiment=smoke", "drafter.block_size=6"])
+    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    tok = load_tokenizer(path)
+    target = load_model(path, "float32", "cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    out = tmp_path_factory.mktemp("tgt")
+    target.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg.target.tiny = None
+    cfg.target.path = str(out)
+    drafter, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return target, drafter, tok
+
+
+PROMPTS = ["Hello there, how are you?", "2+2=", "def f(x):\n    return", "Once upon a time"]
+
+
+def reference(target, tok, prompt_ids, n, eos):
+    out = target.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+CASES = [("ar", 1, 1, 0), ("sync", 2, 1, 0), ("sync", 6, 1, 0), ("async", 6, 3, 2), ("async", 4, 4, 1),
+         ("async", 6, 6, 3)]
+
+
+@pytest.mark.parametrize("method,B,C,F", CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_contract1_greedy_equals_generate(models, method, B, C, F, batch):
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
+    gen = SpecGenerator(target, tok, None if method == "ar" else drafter,
+                        DecodeConfig(method=method, block_size=B, C=C, F=F, max_new_tokens=40))
+    res = gen.generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 40, tok.eos_token_id), (method, row)
+    assert sum(res.taus()) == res.new_tokens
+
+
+@pytest.mark.parametrize("method", ["sync", "async"])
+def test_eos_inside_a_block_ends_there(models, method):
+    target, drafter, tok = models
+    prompt = tok(PROMPTS[0])["input_ids"]
+    free = reference(target, tok, prompt, 30, tok.eos_token_id)
+    eos = free[7]  # pretend the 8th generated token is an end-of-sequence token
+    gen = SpecGenerator(target, tok, drafter, DecodeConfig(method=method, block_size=6, C=3, F=2, max_new_tokens=30),
+                        eos_token_ids=[eos])
+    res = gen.generate([prompt])
+    assert res.token_ids[0] == reference(target, tok, prompt, 30, eos) == free[: free.index(eos) + 1]
+    assert res.finish_reasons == ["stop"]
+
+
+def test_max_new_tokens_is_exact(models):
+    target, drafter, tok = models
+    for n in (1, 5, 13):
+        res = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=n)).generate(
+            [tok(PROMPTS[1])["input_ids"]])
+        assert len(res.token_ids[0]) == n
+
+
+def test_async_returns_the_sync_tokens_and_rounds(models):
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    sync = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=30)).generate(prompts)
+    asyn = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=4, F=2,
+                                                            max_new_tokens=30)).generate(prompts)
+    assert asyn.token_ids == sync.token_ids
+    assert asyn.taus() == sync.taus()  # a hit serves exactly the block a synchronous draft would
+
+
+def test_hits_and_misses_on_a_constructed_case(models):
+    """With every slot covered and every alternative tray present (F = V-1), a round that ends in
+    a rejection is always a hit; with F = 0 only the all-accepted tray exists, so only rounds that
+    accept every draft can hit."""
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    prompt = [tok(PROMPTS[2])["input_ids"]]
+    full = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=4, C=4, F=s.vocab_size - 1,
+                                                            max_new_tokens=24)).generate(prompt)
+    pairs = [(r["tau"][0], r["hit"][0]) for r in full.rounds if "hit" in r]
+    assert pairs and all(hit for tau, hit in pairs if tau < 4)
+    assert full.hit_rate > 0.5
+    for C, F in [(4, 0), (1, 2)]:
+        none = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=4, C=C, F=F,
+                                                                max_new_tokens=24)).generate(prompt)
+        pairs = [(r["tau"][0], r["hit"][0]) for r in none.rounds if "hit" in r]
+        assert not any(hit for tau, hit in pairs if tau < 4)
+        assert none.token_ids == full.token_ids
+
+
+def test_contract4_estimator_equals_loop_tau(models):
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    for text in PROMPTS:
+        prompt = tok(text)["input_ids"]
+        res = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=40)).generate([prompt])
+        ids = prompt + res.token_ids[0]
+        m = match_lengths(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size)
+        assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus()
+
+
+def test_contract2_one_verification_step_is_lossless():
+    """Toy vocabulary of 6: the first token out of a verification step follows p exactly."""
+    torch.manual_seed(0)
+    V, B, n = 6, 3, 60000
+    p_logits = torch.randn(1, B, V).expand(n, B, V).clone() * 1.5
+    q_logits = torch.randn(1, B - 1, V).expand(n, B - 1, V).clone() * 1.5
+    s = Sampling(temperature=1.0)
+    q = probs(q_logits, s)
+    g = torch.Generator().manual_seed(1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, B - 1)
+    accepted, token = sample_verify(p_logits, drafts, q, s, g)
+    first = torch.where(accepted > 0, drafts[:, 0], token)
+    emp = torch.bincount(first, minlength=V).float() / n
+    exact = probs(p_logits[0, 0], s)
+    tv = 0.5 * (emp - exact).abs().sum().item()
+    # TV of n=60000 samples from the right law is ~0.005; a wrong residual (e.g. sampling the
+    # correction from p instead of norm(max(0, p - q))) shifts it by > 0.05 here.
+    assert tv < 0.015, tv
+    wrong = torch.where(accepted > 0, drafts[:, 0], torch.multinomial(exact.expand(n, V), 1, generator=g)[:, 0])
+    assert 0.5 * ((torch.bincount(wrong, minlength=V).float() / n) - exact).abs().sum().item() > 0.03
+
+
+def test_contract2_end_to_end_two_tokens(models):
+    """Sync loop at T = 1 on a 2-token horizon: the joint law of (x1, x2) is the target's."""
+    target, drafter, tok = models
+    prompt = tok("ab")["input_ids"]
+    n = 3000
+    s = Sampling(temperature=1.0, top_k=4)  # top-k keeps the support small enough to test
+    res = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=4, temperature=1.0, top_k=4,
+                                                           max_new_tokens=2), seed=0).generate([prompt] * n)
+    with torch.no_grad():
+        p1 = probs(target(torch.tensor([prompt])).logits[0, -1], s)
+        exact = {}
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            p2 = probs(target(torch.tensor([prompt + [x1]])).logits[0, -1], s)
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                exact[(x1, x2)] = (p1[x1] * p2[x2]).item()
+    counts: dict = {}
+    for t in res.token_ids:
+        counts[tuple(t)] = counts.get(tuple(t), 0) + 1
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
+    assert tv < 0.06, tv  # 16 outcomes, n = 3000: sampling noise gives TV ~0.03
