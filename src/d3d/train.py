@@ -90,6 +90,13 @@ def freeze_embeddings_except_mask(model, mask_id: int) -> None:
         out.weight.requires_grad_(False)
 
 
+def freeze_lower_layers(model, first_trainable: int) -> None:
+    """Train only layers >= first_trainable (and the final norm): a cheaper backward on CPU."""
+    for i, layer in enumerate(model.base_model.layers):
+        if i < first_trainable:
+            layer.requires_grad_(False)
+
+
 def make_optimizer(model, cfg: DictConfig):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -157,6 +164,8 @@ def run_train(cfg: DictConfig) -> Path:
     cache_dir = resolve_path(cfg.paths.cache_dir)
     examples = load_examples(resolve_path(tc.responses_dir), int(tc.max_len))
     train, val = split_examples(examples, int(tc.val_size), int(cfg.seed))
+    if tc.get("val_max_new_tokens"):  # τ on the first N response tokens keeps validation cheap
+        val = [Example(e.ids[: e.prompt_len + int(tc.val_max_new_tokens)], e.prompt_len) for e in val]
 
     resume_dir = out_dir / "last"
     resuming = bool(tc.resume) and (resume_dir / "trainer_state.json").is_file()
@@ -164,6 +173,8 @@ def run_train(cfg: DictConfig) -> Path:
     settings = DrafterSettings.of(model)
     if tc.freeze_embeddings:
         freeze_embeddings_except_mask(model, settings.mask_token_id)
+    if tc.get("trainable_from_layer"):
+        freeze_lower_layers(model, int(tc.trainable_from_layer))
     objective = ObjectiveConfig.from_cfg(tc, settings.block_size)
     optimizer = make_optimizer(model, tc)
     scheduler = make_scheduler(optimizer, tc)

@@ -1,0 +1,131 @@
+"""Decoding speed on one CPU/GPU: our AR loop, sync and async speculative decoding, against
+transformers' generate (greedy), assisted generation and prompt-lookup decoding — same target,
+same prompts, one process, greedy, batch 1.
+
+    python scripts/bench_decode.py --drafter checkpoints/cpu_default_lam1/final \
+        --n-prompts 8 --max-new-tokens 128 --budgets 4x1 8x2 12x2
+
+Per method and prompt: wall time of the whole call (prefill included, as generate reports it
+that way too), new tokens, τ and hit rate for our loops, and whether the tokens equal generate's.
+One warm-up call per method on a prompt outside the set. Prints a markdown table of medians and
+writes outputs/bench/decode_<target>.json (every row) and .md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from d3d.config import compose, resolve_path
+from d3d.data.benchmarks import first_turn_messages, load_benchmark
+from d3d.data.chat import chat_prompt_ids, eos_ids
+from d3d.data.prompts import benchmark_spec
+from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.drafter import load_drafter
+from d3d.utils.io import write_json
+from d3d.utils.runinfo import run_info
+
+
+def hf_call(target, tok, eos, **kw):
+    def run(ids, n):
+        out = target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                              pad_token_id=tok.pad_token_id, **kw)
+        new = out[0, len(ids):].tolist()
+        return new, {}
+    return run
+
+
+def our_call(gen: SpecGenerator):
+    def run(ids, n):
+        res = gen.generate([ids], max_new_tokens=n)
+        return res.token_ids[0], {"tau": res.mean_tau, "hit_rate": res.hit_rate, "prefill_s": res.prefill_s,
+                                  "decode_s": res.decode_s, "rounds": len(res.rounds)}
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True, help="a trained drafter folder (save_pretrained)")
+    ap.add_argument("--benchmark", default="gsm8k")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--budgets", nargs="*", default=["4x1", "8x2", "12x2"], help="async C x F pairs")
+    ap.add_argument("--overlap", default="auto", help="async overlap: auto/thread or none")
+    ap.add_argument("--no-hf-baselines", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    cfg = compose("eval", args.overrides)
+    cache = resolve_path(cfg.paths.cache_dir)
+    path = resolve_model_path(cfg.target, cache)
+    tok = load_tokenizer(path)
+    target = load_model(path, cfg.target.dtype, "auto")
+    drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
+    eos = eos_ids(tok, target)
+    spec = benchmark_spec(args.benchmark)
+    records = load_benchmark(spec, cache, n=args.n_prompts + 1)
+    prompts = [chat_prompt_ids(tok, first_turn_messages(spec, r)) for r in records]
+    warm, prompts = prompts[0], prompts[1:]
+
+    methods = {}
+    if not args.no_hf_baselines:
+        methods["hf_generate"] = hf_call(target, tok, eos)
+    methods["d3d_ar"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar"), eos))
+    methods[f"d3d_sync_b{args.block_size}"] = our_call(
+        SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=args.block_size), eos))
+    for budget in args.budgets:
+        C, F = (int(x) for x in budget.split("x"))
+        dc = DecodeConfig(method="async", block_size=args.block_size, C=C, F=F, overlap=args.overlap)
+        methods[f"d3d_async_c{C}_f{F}({dc.budget}tok)"] = our_call(SpecGenerator(target, tok, drafter, dc, eos))
+    if not args.no_hf_baselines:
+        assistant = load_model(path, cfg.target.dtype, "auto")  # an AR copy of the target: the drafter's cost
+        methods["hf_assisted(copy)"] = hf_call(target, tok, eos, assistant_model=assistant)
+        methods["hf_prompt_lookup"] = hf_call(target, tok, eos, prompt_lookup_num_tokens=10)
+
+    rows, reference = [], {}
+    for name, run in methods.items():
+        run(warm, 16)  # warm-up
+        for i, ids in enumerate(prompts):
+            start = time.perf_counter()
+            new, extra = run(ids, args.max_new_tokens)
+            wall = time.perf_counter() - start
+            if name in ("hf_generate", "d3d_ar") and i not in reference:
+                reference[i] = new
+            rows.append({"method": name, "prompt": i, "new_tokens": len(new), "wall_s": wall,
+                         "tokens_per_s": len(new) / wall, "equal_to_reference": new == reference.get(i), **extra})
+        print(f"done {name}", flush=True)
+
+    def med(name, key):
+        vals = [r[key] for r in rows if r["method"] == name and r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    base = "hf_generate" if "hf_generate" in methods else "d3d_ar"
+    base_tps = med(base, "tokens_per_s")
+    table = [f"| method | tokens/s (median) | × {base} | τ | hit rate | equal to {base} |", "|---|---|---|---|---|---|"]
+    summary = []
+    for name in methods:
+        tps = med(name, "tokens_per_s")
+        eq = [r["equal_to_reference"] for r in rows if r["method"] == name]
+        entry = {"method": name, "tokens_per_s": tps, "ratio": tps / base_tps, "tau": med(name, "tau"),
+                 "hit_rate": med(name, "hit_rate"), "equal_rate": sum(eq) / len(eq)}
+        summary.append(entry)
+        fmt = lambda v: "—" if v is None else f"{v:.2f}"
+        table.append(f"| {name} | {tps:.1f} | {entry['ratio']:.2f} | {fmt(entry['tau'])} | {fmt(entry['hit_rate'])} "
+                     f"| {entry['equal_rate']:.2f} |")
+    text = "\n".join(table)
+    print(text)
+    out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")
+    write_json(out, {"summary": summary, "rows": rows, "args": vars(args), "target": cfg.target.name,
+                     "dtype": str(target.dtype), "run": run_info(target.device)})
+    out.with_suffix(".md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
