@@ -22,9 +22,11 @@ $(VENV)/.d3d-installed: pyproject.toml
 	$(PY) -c "import d3d, torch, transformers, hydra; print('d3d ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-# The main job on the embedded CPU default (SmolLM2-135M-Instruct target, offline math prompts).
+# The pipeline so far on the embedded CPU default (SmolLM2-135M-Instruct target, offline math
+# prompts): the target's responses, then the drafter trained on them. Both stages resume.
 demo: setup
 	$(PY) -m d3d.generate
+	$(PY) -m d3d.train
 
 test: setup
 	$(PY) -m pytest -q
