@@ -43,8 +43,12 @@ def hf_call(target, tok, eos, **kw):
 def our_call(gen: SpecGenerator):
     def run(ids, n):
         res = gen.generate([ids], max_new_tokens=n)
+        mean = lambda key: statistics.mean(r.get(key, 0.0) for r in res.rounds)
+        # where a round's time goes: synchronous drafting, verification, waiting for the trays
         return res.token_ids[0], {"tau": res.mean_tau, "hit_rate": res.hit_rate, "prefill_s": res.prefill_s,
-                                  "decode_s": res.decode_s, "rounds": len(res.rounds)}
+                                  "decode_s": res.decode_s, "rounds": len(res.rounds),
+                                  "round_ms": 1000 * mean("wall_s"), "draft_ms": 1000 * mean("draft_s"),
+                                  "verify_ms": 1000 * mean("verify_s"), "tray_wait_ms": 1000 * mean("tray_wait_s")}
     return run
 
 
@@ -108,7 +112,8 @@ def main() -> None:
 
     base = "hf_generate" if "hf_generate" in methods else "d3d_ar"
     base_tps = med(base, "tokens_per_s")
-    table = [f"| method | tokens/s (median) | × {base} | τ | hit rate | equal to {base} |", "|---|---|---|---|---|---|"]
+    table = [f"| method | tokens/s (median) | × {base} | τ | hit rate | equal to {base} | round ms (draft / verify / tray wait) |",
+             "|---|---|---|---|---|---|---|"]
     summary = []
     for name in methods:
         tps = med(name, "tokens_per_s")
@@ -117,8 +122,11 @@ def main() -> None:
                  "hit_rate": med(name, "hit_rate"), "equal_rate": sum(eq) / len(eq)}
         summary.append(entry)
         fmt = lambda v: "—" if v is None else f"{v:.2f}"
+        split = "—" if med(name, "round_ms") is None else (
+            f"{med(name, 'round_ms'):.0f} ({med(name, 'draft_ms'):.0f} / {med(name, 'verify_ms'):.0f} / "
+            f"{med(name, 'tray_wait_ms'):.0f})")
         table.append(f"| {name} | {tps:.1f} | {entry['ratio']:.2f} | {fmt(entry['tau'])} | {fmt(entry['hit_rate'])} "
-                     f"| {entry['equal_rate']:.2f} |")
+                     f"| {entry['equal_rate']:.2f} | {split} |")
     text = "\n".join(table)
     print(text)
     out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")

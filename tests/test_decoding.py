@@ -168,3 +168,15 @@ def test_contract2_end_to_end_two_tokens(models):
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
     assert tv < 0.06, tv  # 16 outcomes, n = 3000: sampling noise gives TV ~0.03
+
+
+def test_stop_string_inside_an_accepted_run(models):
+    target, drafter, tok = models
+    prompt = tok(PROMPTS[3])["input_ids"]
+    free = reference(target, tok, prompt, 30, tok.eos_token_id)
+    stop = tok.decode(free[9:11])  # text made by the 10th and 11th tokens
+    res = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=30,
+                                                           stop_strings=[stop])).generate([prompt])
+    out = res.token_ids[0]
+    assert out == free[: len(out)] and stop in tok.decode(out) and stop not in tok.decode(out[:-1])
+    assert res.finish_reasons == ["stop"]

@@ -233,12 +233,12 @@ def run_train(cfg: DictConfig) -> Path:
         row = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / (time.perf_counter() - t0),
                **{k: round(v, 6) for k, v in sums.items()}}
         bar.set_postfix(loss=f"{sums['loss']:.3f}")
-        if tc.eval_every and (step % int(tc.eval_every) == 0 or step == max_steps):
+        out_of_time = budget_s is not None and time.perf_counter() - start > budget_s
+        if tc.eval_every and (step % int(tc.eval_every) == 0 or step == max_steps or out_of_time):
             row.update(evaluate(accelerator.unwrap_model(model), val, settings))
             model.train()
         if step % int(tc.log_every) == 0 or "val_tau" in row or step == max_steps:
             log_row(row)
-        out_of_time = budget_s is not None and time.perf_counter() - start > budget_s
         state = {"step": step, "elapsed_s": time.perf_counter() - start}
         if step % int(tc.save_every) == 0 or step == max_steps or out_of_time:
             save_checkpoint(accelerator, model, tokenizer, out_dir, state)
