@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="*", default=["4x1", "8x2", "12x2"], help="async C x F pairs")
     ap.add_argument("--overlap", default="auto", help="async overlap: auto/thread or none")
     ap.add_argument("--no-hf-baselines", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these method names (prefix match)")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -93,6 +94,8 @@ def main() -> None:
         methods["hf_assisted(copy)"] = hf_call(target, tok, eos, assistant_model=assistant)
         methods["hf_prompt_lookup"] = hf_call(target, tok, eos, prompt_lookup_num_tokens=10)
 
+    if args.only:
+        methods = {k: v for k, v in methods.items() if any(k.startswith(p) for p in args.only)}
     rows, reference = [], {}
     for name, run in methods.items():
         run(warm, 16)  # warm-up

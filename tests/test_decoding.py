@@ -180,3 +180,21 @@ def test_stop_string_inside_an_accepted_run(models):
     out = res.token_ids[0]
     assert out == free[: len(out)] and stop in tok.decode(out) and stop not in tok.decode(out[:-1])
     assert res.finish_reasons == ["stop"]
+
+
+@pytest.mark.slow
+def test_contract1_on_the_real_smollm2_target(cache_dir):
+    """fp32 greedy equality with generate on the CPU default target, drafter = its untrained copy."""
+    cfg = compose("train", [])
+    path = resolve_model_path(cfg.target, cache_dir)
+    tok, target = load_tokenizer(path), load_model(path, "float32", "cpu")
+    drafter, _ = build_drafter(cfg.drafter, cfg.target, cache_dir, dtype="float32")
+    from d3d.data.chat import chat_prompt_ids
+
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}]) for q in
+               ["What is 12 times 7? Explain briefly.", "Write a Python function that reverses a string."]]
+    for method in ["sync", "async"]:
+        res = SpecGenerator(target, tok, drafter, DecodeConfig(method=method, block_size=16, C=4, F=2,
+                                                               max_new_tokens=48)).generate(prompts)
+        for row, p in enumerate(prompts):
+            assert res.token_ids[row] == reference(target, tok, p, 48, tok.eos_token_id), (method, row)

@@ -202,13 +202,33 @@ def attention_mask_for(model, mask: torch.Tensor) -> torch.Tensor:
 
 def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
                   cache_valid: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None) -> torch.Tensor:
-    """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given."""
-    mask = build_mask(layout, cache_len, cache_valid, cache_pos).to(input_ids.device)
+    """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given.
+
+    When the mask would be plain causal attention over an all-visible prefix (batch-1 decoding),
+    no mask is passed, so HF/SDPA take their causal fast path; the result is the same."""
+    if _is_plain_causal(layout, cache_len, cache_valid, cache_pos):
+        attention_mask = None
+    else:
+        attention_mask = attention_mask_for(model, build_mask(layout, cache_len, cache_valid, cache_pos).to(input_ids.device))
     out = model.base_model(
-        input_ids=input_ids, attention_mask=attention_mask_for(model, mask),
+        input_ids=input_ids, attention_mask=attention_mask,
         position_ids=layout.pos.to(input_ids.device), use_cache=cache is not None, **cache_kwarg(model, cache),
     )
     return out.last_hidden_state
+
+
+def _is_plain_causal(layout: Layout, cache_len, cache_valid, cache_pos) -> bool:
+    """True when every token is clean, the cache is fully visible and positions run on from it."""
+    from d3d.models.masks import CLEAN
+
+    if layout.pos.shape[0] != 1 or not bool((layout.block == CLEAN).all()):
+        return False
+    c = cache_pos.shape[1] if cache_pos is not None else int(cache_len)
+    if cache_valid is not None and not bool(cache_valid.all()):
+        return False
+    if cache_pos is not None and c and not torch.equal(cache_pos[0], torch.arange(c)):
+        return False
+    return torch.equal(layout.pos[0].cpu(), torch.arange(c, c + layout.pos.shape[1]))
 
 
 def cache_kwarg(model, cache) -> dict:
