@@ -1,0 +1,193 @@
+"""`python -m d3d.prune drafter.checkpoint=<folder>`: acceptance-guided layer pruning (DESIGN §6).
+
+Greedy, one layer at a time: score every remaining layer by the exact greedy τ of the drafter
+without it (offline estimator on calibration responses; the layer is skipped in place, not copied),
+remove the layer whose absence keeps τ highest, run a short recovery training with the D3D
+objective, and repeat until `prune.num_layers` are gone or τ < min_retention × τ_full. Baselines
+for the same budget: `prune.method=last` (drop the last layer) and `similarity` (drop the layer
+whose output is closest to its input). After every step: steps.jsonl (layers kept, τ before and
+after recovery, retention, draft latency) and a normal checkpoint in step_<k>/; `final/` is the
+last step that kept the retention. A killed run resumes from its last finished step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from d3d.config import ConfigError, hydra_job, resolve_path
+from d3d.estimator import estimate_acceptance
+from d3d.models.drafter import DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers
+from d3d.models.masks import block_layout, clean_layout
+from d3d.objective import ObjectiveConfig, d3d_loss, pack
+from d3d.train import batch_at, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples
+from d3d.utils.io import JsonlWriter, read_jsonl, write_json
+
+log = logging.getLogger("d3d.prune")
+
+
+def tau_of(model, calib, s: DrafterSettings) -> float:
+    return estimate_acceptance(model, calib, s.block_size, s.mask_token_id, s.vocab_size).tau
+
+
+def score_by_acceptance(model, calib, s: DrafterSettings) -> list[float]:
+    """τ of the drafter without each of its current layers."""
+    scores = []
+    for i in range(len(decoder_layers(model))):
+        with skipping_layers(model, [i]):
+            scores.append(tau_of(model, calib, s))
+    return scores
+
+
+@torch.no_grad()
+def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
+    """Mean cosine similarity between each layer's input and output on the calibration text."""
+    sims = [0.0] * len(decoder_layers(model))
+    for ex in calib:
+        out = model(torch.tensor([ex.ids]), output_hidden_states=True)
+        hs = out.hidden_states  # embeddings, then after each layer
+        for i in range(len(sims)):
+            sims[i] += torch.nn.functional.cosine_similarity(hs[i][0], hs[i + 1][0], dim=-1).mean().item() / len(calib)
+    return sims
+
+
+def choose_layer(method: str, model, calib, s: DrafterSettings) -> tuple[int, list[float] | None]:
+    if method == "acceptance":
+        scores = score_by_acceptance(model, calib, s)
+        return max(range(len(scores)), key=lambda i: scores[i]), scores
+    if method == "similarity":
+        scores = score_by_similarity(model, calib, s)
+        return max(range(len(scores)), key=lambda i: scores[i]), scores
+    if method == "last":
+        return len(decoder_layers(model)) - 1, None
+    raise ConfigError(f"prune.method={method!r}: use acceptance, last or similarity")
+
+
+def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:
+    """A short continuation of the training objective (same loss, constant LR)."""
+    if steps <= 0:
+        return
+    tc = cfg.train
+    objective = ObjectiveConfig.from_cfg(tc, s.block_size)
+    optimizer = make_optimizer(model, tc)
+    model.train()
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        batch = pack(batch_at(train, step, 0, int(tc.batch_size), int(tc.batch_size), seed), objective,
+                     s.mask_token_id, pad_id, gen)
+        loss, _ = d3d_loss(model, batch, objective.ar_weight, s.vocab_size)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(tc.clip))
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+@torch.no_grad()
+def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int = 5, blocks: int = 1) -> float:
+    """Median time of a pass of `blocks` blocks after a cached prefix: 1 block is a synchronous
+    draft; (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block)."""
+    from transformers import DynamicCache
+
+    from d3d.models.drafter import hidden_states
+
+    ids = torch.randint(10, s.vocab_size - 1, (1, prefix))
+    block = torch.full((1, blocks * s.block_size), s.mask_token_id)
+    anchors = torch.full((1, blocks), prefix)
+    times = []
+    for _ in range(repeats + 1):
+        cache = DynamicCache(config=model.config)
+        hidden_states(model, ids, clean_layout(prefix), cache=cache)
+        start = time.perf_counter()
+        hidden_states(model, block, block_layout(anchors, s.block_size), cache=cache, cache_len=prefix)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[1:])
+
+
+def latencies(model, s: DrafterSettings, pc: DictConfig) -> dict:
+    packed = int(pc.packed_blocks)
+    return {"draft_latency_ms": draft_latency_ms(model, s),
+            f"packed_{packed * s.block_size}tok_latency_ms": draft_latency_ms(model, s, blocks=packed)}
+
+
+def run_prune(cfg: DictConfig) -> Path:
+    pc = cfg.prune
+    torch.manual_seed(int(cfg.seed))
+    out_dir = resolve_path(pc.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    examples = load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len))
+    train, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
+    calib = val[: int(pc.calib_size)]
+    if cfg.train.get("val_max_new_tokens"):
+        from d3d.objective import Example
+
+        calib = [Example(e.ids[: e.prompt_len + int(cfg.train.val_max_new_tokens)], e.prompt_len) for e in calib]
+
+    history = list(read_jsonl(out_dir / "steps.jsonl"))
+    if history and (out_dir / "last").is_dir():
+        model, tok = load_drafter(out_dir / "last", dtype="float32")
+        log.info("resuming after step %d", history[-1]["step"])
+    elif cfg.drafter.get("checkpoint"):
+        model, tok = load_drafter(cfg.drafter.checkpoint, dtype="float32")
+    else:
+        model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), dtype="float32")
+    model.eval()
+    s = DrafterSettings.of(model)
+    if cfg.train.freeze_embeddings:
+        freeze_embeddings_except_mask(model, s.mask_token_id)
+    writer = JsonlWriter(out_dir / "steps.jsonl")
+    if not history:
+        tau_full = tau_of(model, calib, s)
+        row = {"step": 0, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
+               "tau_before_recovery": tau_full, "tau": tau_full, "retention": 1.0,
+               **latencies(model, s, pc)}
+        writer.write([row])
+        history.append(row)
+        save_drafter(model, tok, out_dir / "final")
+    tau_full = history[0]["tau"]
+    step = history[-1]["step"]
+    while step < int(pc.num_layers) and history[-1]["retention"] >= float(pc.min_retention):
+        step += 1
+        layer, scores = choose_layer(pc.method, model, calib, s)
+        original = DrafterSettings.of(model).kept_layers[layer]
+        keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
+        s = DrafterSettings.of(model)
+        before = tau_of(model, calib, s)
+        recover(model, train, cfg, s, int(pc.recovery_steps), int(cfg.seed) + step, tok.pad_token_id)
+        after = tau_of(model, calib, s)
+        row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
+               "scores": scores, "tau_before_recovery": before, "tau": after, "retention": after / tau_full,
+               **latencies(model, s, pc)}
+        save_drafter(model, tok, out_dir / f"step_{step}")
+        if row["retention"] >= float(pc.min_retention):
+            save_drafter(model, tok, out_dir / "final")
+        save_drafter(model, tok, out_dir / "last.partial")
+        import shutil
+
+        shutil.rmtree(out_dir / "last", ignore_errors=True)
+        (out_dir / "last.partial").rename(out_dir / "last")
+        writer.write([row])  # the step counts as finished once its row is on disk
+        history.append(row)
+        print(f"[d3d.prune] step {step}: removed layer {original}, {row['layers']} left, τ {before:.3f} -> "
+              f"{after:.3f} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
+        if pc.get("stop_at_step") and step >= int(pc.stop_at_step):
+            break
+    writer.close()
+    write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full, "steps": history,
+                                          "final": str(out_dir / "final")})
+    return out_dir
+
+
+@hydra_job("prune")
+def main(cfg: DictConfig) -> None:
+    run_prune(cfg)
+
+
+if __name__ == "__main__":
+    main()

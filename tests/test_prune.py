@@ -1,0 +1,73 @@
+"""d3d.prune on the smoke setup: contract 6, estimator == loop on a pruned drafter, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.estimator import greedy_rounds, match_lengths
+from d3d.generate import run_generate
+from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.drafter import DrafterSettings
+from d3d.prune import run_prune
+from d3d.utils.io import read_jsonl
+from tests.conftest import compose
+
+TINY4 = ["+experiment=smoke", "target.tiny.num_hidden_layers=4", "target.name=tiny4", "data.limit=10",
+         "generate.max_new_tokens=24", "train.val_size=3"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prune_root")
+    run_generate(compose("generate", TINY4, path))
+    return path
+
+
+def prune(root, name, *extra):
+    cfg = compose("prune", TINY4 + ["prune.num_layers=2", "prune.recovery_steps=1", "prune.min_retention=0",
+                                    "prune.calib_size=3", f"prune.out_dir={root}/pruned/{name}", *extra], root)
+    out = run_prune(cfg)
+    return list(read_jsonl(out / "steps.jsonl")), out, cfg
+
+
+def test_contract6_pruned_checkpoint_loads_plainly_and_decodes(root):
+    rows, out, cfg = prune(root, "acc")
+    assert [r["layers"] for r in rows] == [4, 3, 2]
+    assert len({r["removed"] for r in rows[1:]}) == 2
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert plain.config.num_hidden_layers == 2
+    assert DrafterSettings.of(plain).kept_layers == rows[-1]["kept_layers"]
+    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    tok, target = load_tokenizer(path), load_model(path, "float32", "cpu")
+    prompt = tok("Hello there")["input_ids"]
+    res = SpecGenerator(target, tok, plain.eval(), DecodeConfig(method="sync", block_size=4, max_new_tokens=20)).generate([prompt])
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=tok.eos_token_id,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert res.token_ids[0] == ref
+    # contract 4 on the pruned drafter: the estimator's rounds are the loop's rounds
+    s = DrafterSettings.of(plain)
+    m = match_lengths(plain, prompt + res.token_ids[0], len(prompt), 4, s.mask_token_id, s.vocab_size)
+    assert greedy_rounds(m, len(prompt), len(prompt) + len(res.token_ids[0]), 4) == res.taus()
+
+
+def test_killed_prune_resumes_from_its_last_step(root):
+    full, _, _ = prune(root, "full")
+    part, _, _ = prune(root, "resumed", "prune.stop_at_step=1")
+    assert [r["step"] for r in part] == [0, 1]
+    resumed, _, _ = prune(root, "resumed")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert [r["removed"] for r in resumed] == [r["removed"] for r in full]
+
+
+@pytest.mark.parametrize("method", ["last", "similarity"])
+def test_baselines(root, method):
+    rows, _, _ = prune(root, method, f"prune.method={method}")
+    assert [r["layers"] for r in rows] == [4, 3, 2]
+    if method == "last":
+        assert [r["removed"] for r in rows[1:]] == [3, 2]
