@@ -15,8 +15,7 @@ from pathlib import Path
 from d3d.config import compose, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, load_drafter
-from d3d.objective import Example
-from d3d.train import load_examples, split_examples
+from d3d.train import cut_responses, load_examples, split_examples
 
 
 def main() -> None:
@@ -28,8 +27,7 @@ def main() -> None:
     cfg = compose("train", args.overrides)
     examples = load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len))
     _, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
-    if args.max_new_tokens:
-        val = [Example(e.ids[: e.prompt_len + args.max_new_tokens], e.prompt_len) for e in val]
+    val = cut_responses(val, args.max_new_tokens)
     model, _ = load_drafter(args.drafter, dtype="float32")
     s = DrafterSettings.of(model)
     stats = estimate_acceptance(model, val, s.block_size, s.mask_token_id, s.vocab_size).as_dict(s.block_size)

@@ -39,7 +39,8 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
         path = config_dir() / "decode" / f"{name}.yaml"
         if not path.is_file():
             raise KeyError(f"eval.methods names {name!r} but conf/decode/{name}.yaml does not exist")
-        dc = cfg.decode if cfg.decode.method == OmegaConf.load(path).method else OmegaConf.load(path)
+        own = OmegaConf.load(path)
+        dc = cfg.decode if cfg.decode.method == own.method else own
         dc = DecodeConfig.from_cfg(OmegaConf.to_container(dc, resolve=False))
         dc.max_new_tokens = int(cfg.eval.max_new_tokens)
         out[name] = dc

@@ -12,8 +12,8 @@ last step that kept the retention. A killed run resumes from its last finished s
 
 from __future__ import annotations
 
-import json
 import logging
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +26,9 @@ from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import ObjectiveConfig, d3d_loss, pack
-from d3d.train import batch_at, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples
+from d3d.train import (
+    batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples,
+)
 from d3d.utils.io import JsonlWriter, read_jsonl, write_json
 
 log = logging.getLogger("d3d.prune")
@@ -123,11 +125,7 @@ def run_prune(cfg: DictConfig) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len))
     train, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
-    calib = val[: int(pc.calib_size)]
-    if cfg.train.get("val_max_new_tokens"):
-        from d3d.objective import Example
-
-        calib = [Example(e.ids[: e.prompt_len + int(cfg.train.val_max_new_tokens)], e.prompt_len) for e in calib]
+    calib = cut_responses(val[: int(pc.calib_size)], cfg.train.get("val_max_new_tokens"))
 
     history = list(read_jsonl(out_dir / "steps.jsonl"))
     if history and (out_dir / "last").is_dir():
@@ -168,8 +166,6 @@ def run_prune(cfg: DictConfig) -> Path:
         if row["retention"] >= float(pc.min_retention):
             save_drafter(model, tok, out_dir / "final")
         save_drafter(model, tok, out_dir / "last.partial")
-        import shutil
-
         shutil.rmtree(out_dir / "last", ignore_errors=True)
         (out_dir / "last.partial").rename(out_dir / "last")
         writer.write([row])  # the step counts as finished once its row is on disk

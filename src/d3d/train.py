@@ -66,14 +66,24 @@ def split_examples(examples: list[Example], val_size: int, seed: int) -> tuple[l
 def batch_at(train: list[Example], step: int, micro: int, per_step: int, batch_size: int, seed: int) -> list[Example]:
     """The micro-batch of a given step: data order is a pure function of (seed, position), so a
     resumed run reads exactly what the uninterrupted run would have read."""
-    start = (step * per_step + micro * batch_size)
-    epoch, out = start // len(train), []
+    start = step * per_step + micro * batch_size
+    orders: dict[int, list[int]] = {}  # one seeded shuffle per epoch the batch touches
+    out = []
     for i in range(start, start + batch_size):
-        ep, idx = divmod(i, len(train))
-        order = list(range(len(train)))
-        random.Random(seed * 7919 + ep).shuffle(order)
-        out.append(train[order[idx]])
+        epoch, idx = divmod(i, len(train))
+        if epoch not in orders:
+            orders[epoch] = list(range(len(train)))
+            random.Random(seed * 7919 + epoch).shuffle(orders[epoch])
+        out.append(train[orders[epoch][idx]])
     return out
+
+
+def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[Example]:
+    """Keep the first `max_new_tokens` response tokens of each example (all when None): τ on a
+    prefix of each held-out response keeps validation and pruning's calibration cheap."""
+    if not max_new_tokens:
+        return examples
+    return [Example(e.ids[: e.prompt_len + int(max_new_tokens)], e.prompt_len) for e in examples]
 
 
 # ---------------------------------------------------------------------------- model and optimizer
@@ -164,8 +174,7 @@ def run_train(cfg: DictConfig) -> Path:
     cache_dir = resolve_path(cfg.paths.cache_dir)
     examples = load_examples(resolve_path(tc.responses_dir), int(tc.max_len))
     train, val = split_examples(examples, int(tc.val_size), int(cfg.seed))
-    if tc.get("val_max_new_tokens"):  # τ on the first N response tokens keeps validation cheap
-        val = [Example(e.ids[: e.prompt_len + int(tc.val_max_new_tokens)], e.prompt_len) for e in val]
+    val = cut_responses(val, tc.get("val_max_new_tokens"))
 
     resume_dir = out_dir / "last"
     resuming = bool(tc.resume) and (resume_dir / "trainer_state.json").is_file()

@@ -109,8 +109,6 @@ class SpecGenerator:
         self.device = next(target.parameters()).device
         self.settings = DrafterSettings.of(drafter) if drafter is not None else None
         self.B = 1 if self.cfg.method == "ar" else int(self.cfg.block_size)
-        if self.settings is not None and self.B > self.settings.block_size and self.cfg.method != "ar":
-            pass  # a drafter trained with a smaller block can still be asked for a larger one
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.pool = ThreadPoolExecutor(max_workers=1) if self.cfg.method == "async" else None

@@ -60,9 +60,9 @@ def tokenizer_fingerprint(tokenizer, ignore: tuple[str, ...] = ()) -> str:
 
 
 def check_same_tokenizer(drafter_tok, target_tok, settings: DrafterSettings) -> None:
-    mask_token = drafter_tok.convert_ids_to_tokens(settings.mask_token_id)
-    mine = tokenizer_fingerprint(drafter_tok, ignore=(mask_token,))
-    theirs = tokenizer_fingerprint(target_tok, ignore=(mask_token,))
+    ignore = (drafter_tok.convert_ids_to_tokens(settings.mask_token_id),) if settings.mask_token_id >= 0 else ()
+    mine = tokenizer_fingerprint(drafter_tok, ignore=ignore)
+    theirs = tokenizer_fingerprint(target_tok, ignore=ignore)
     if mine != theirs:
         raise TokenizerMismatchError(
             f"the drafter's tokenizer ({drafter_tok.name_or_path}) does not match the target's "
@@ -159,9 +159,7 @@ def build_drafter(drafter_cfg, target_cfg, cache_dir: str | Path, device: str = 
     else:
         raise ValueError(f"drafter.init={init!r}: use target, target_layers, pretrained or random")
     vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width the target shares
-    probe = DrafterSettings(mask_token_id=-1)
-    if tokenizer_fingerprint(tok) != tokenizer_fingerprint(target_tok):
-        check_same_tokenizer(tok, target_tok, probe)
+    check_same_tokenizer(tok, target_tok, DrafterSettings())  # before the mask token is added
     settings = DrafterSettings(
         block_size=int(drafter_cfg["block_size"]),
         vocab_size=vocab_size,
