@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from d3d.eval import run_eval, summarise
+from d3d.eval import run_eval
+from d3d.report import compare_markdown, main as report_main, read_rows, summarise
 from d3d.utils.io import read_jsonl
 from tests.conftest import compose
 
@@ -31,6 +32,12 @@ def test_eval_gsm8k_and_mt_bench_turns(tmp_path, monkeypatch):
     assert summary["benchmarks"]["gsm8k"]["ar"]["speedup_token_weighted"] == pytest.approx(1.0)
     assert summary["benchmarks"] == json.loads(json.dumps(summarise(rows)["benchmarks"]))
     assert "| gsm8k | async |" in (out / "summary.md").read_text()
+    # task-level check: graded where cheap (math, code), ungraded MT-Bench, same verdicts as AR
+    graded = [r for r in rows if r["benchmark"] in ("gsm8k", "humaneval")]
+    assert all(isinstance(r["correct"], bool) for r in graded)
+    assert all(r["correct"] is None for r in mt)
+    assert all(r["task_equal_to_ar"] in (True, None) for r in rows)
+    assert {p.name for p in out.glob("*.png")} >= {"speedup_tau.png", "tau_histogram.png"}
 
 
 def test_resume_skips_finished_rows(tmp_path, monkeypatch):
@@ -75,3 +82,65 @@ def test_eval_cli_writes_into_its_run_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "eval" / "runs").glob("*/*/summary.md"))
     assert len(runs) == 1 and "| gsm8k | ar |" in runs[0].read_text()
+
+
+def test_load_test_and_budget_study(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = evaluate(tmp_path, "eval.n=4", "eval.concurrency=[1,2]", "eval.async_budgets=[2x1,3x2]")
+    rows = read_rows(out)
+    assert {r["method"] for r in rows} == {"ar", "sync", "async_c2_f1", "async_c3_f2"}
+    batched = [r for r in rows if r["concurrency"] == 2]
+    assert len(batched) == 2 * 4 and all(len(r["token_ids"]) == 2 for r in batched)
+    assert all(r["equal_to_ar"] for r in rows)
+    ar = [r for r in batched if r["method"] == "ar"]
+    assert all(r["rounds"] == r["new_tokens"] for r in ar)  # AR: one token per request-round
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["load"]) == {"1", "2"}
+    assert summary["load"]["2"]["ar"]["speedup_token_weighted"] == pytest.approx(1.0)
+    assert {"budget.png", "load.png"} <= set(summary["plots"])
+    assert "Load test" in (out / "summary.md").read_text()
+
+
+def test_compare_two_result_folders(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    a = evaluate(tmp_path, "eval.n=1", "eval.methods=[ar,sync]")
+    b = run_eval(compose("eval", SMOKE + [f"eval.out_dir={tmp_path}/ev2", "eval.n=1", "eval.methods=[ar,sync]",
+                                          "decode.block_size=2"], tmp_path))
+    table = compare_markdown([a, b], ["B4", "B2"])
+    assert "| gsm8k | sync |" in table and "B4 speedup" in table and "B2 τ" in table
+    report_main(["compare", str(a), str(b), "--out", str(tmp_path / "cmp.md")])
+    assert (tmp_path / "cmp.md").read_text() == compare_markdown([a, b], None)
+    assert "| gsm8k | sync |" in capsys.readouterr().out
+
+
+def test_unknown_method_and_bad_budget_are_named(tmp_path):
+    from d3d.config import ConfigError
+    from d3d.eval import method_configs
+
+    with pytest.raises(ConfigError, match="conf/decode/fast.yaml"):
+        method_configs(compose("eval", SMOKE + ["eval.methods=[ar,fast]"], tmp_path))
+    with pytest.raises(ConfigError, match="write CxF"):
+        method_configs(compose("eval", SMOKE + ["eval.async_budgets=[8by2]"], tmp_path))
+
+
+@pytest.mark.slow
+def test_accelerate_two_processes_split_and_merge(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import CACHE_DIR, ROOT
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "-m", "d3d.eval",
+           *SMOKE, "eval.n=3", "eval.methods=[ar,sync]", f"eval.out_dir={tmp_path}/ev", f"paths.root_dir={tmp_path}",
+           f"paths.cache_dir={CACHE_DIR}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shards = sorted(p.name for p in (tmp_path / "ev").glob("rows*.jsonl"))
+    assert shards == ["rows.rank0.jsonl", "rows.rank1.jsonl"]
+    rows = read_rows(tmp_path / "ev")
+    assert len({r["id"] for r in rows if r["benchmark"] == "gsm8k"}) == 3  # every item once, none twice
+    assert len(rows) == len({(r["benchmark"], r["id"], r["turn"], r["method"]) for r in rows})
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["benchmarks"]["gsm8k"]["sync"]["rows"] == 3

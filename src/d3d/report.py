@@ -1,0 +1,296 @@
+"""Evaluation results from rows: summary.json, summary.md, plots, and side-by-side comparisons.
+
+Everything here is recomputed from the per-prompt rows (rows*.jsonl) that d3d.eval writes, so a
+summary can always be checked against, or rebuilt from, the raw data:
+
+    python -m d3d.report outputs/eval/runs/<run>/<time>            # re-summarise + redraw plots
+    python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1
+
+Definitions (DESIGN §7): TPOT = decode seconds / new tokens (prefill timed apart);
+speedup = TPOT(ar) / TPOT(method) on the same items; τ = tokens / request-rounds. Token-weighted
+aggregates divide totals; prompt-weighted ones average per-row values. Rows at concurrency c > 1
+are batches of c requests: they feed the load table (throughput and speedup against concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from d3d.utils.io import read_jsonl, write_json
+
+
+def read_rows(folder: str | Path) -> list[dict]:
+    """Every row of a result folder: rows.jsonl, or one rows.rank<r>.jsonl per process."""
+    rows = []
+    for path in sorted(Path(folder).glob("rows*.jsonl")):
+        rows += list(read_jsonl(path))
+    return rows
+
+
+def _mean_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def method_stats(rs: list[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in rs)
+    correct = [r.get("correct") for r in rs]
+    return {
+        "rows": len(rs), "new_tokens": tokens,
+        "tpot_ms_token_weighted": 1000 * sum(r["decode_s"] for r in rs) / tokens,
+        "tpot_ms_prompt_weighted": 1000 * statistics.mean(r["decode_s"] / r["new_tokens"] for r in rs),
+        "tokens_per_s": tokens / sum(r["decode_s"] for r in rs),
+        "tau_token_weighted": tokens / sum(r["rounds"] for r in rs),
+        "tau_prompt_weighted": statistics.mean(r["new_tokens"] / r["rounds"] for r in rs),
+        "hit_rate": _mean_or_none([r["hit_rate"] for r in rs]),
+        "prefill_ms": 1000 * statistics.mean(r["prefill_s"] for r in rs),
+        "equal_to_ar": statistics.mean(1.0 if r["equal_to_ar"] else 0.0 for r in rs),
+        "accuracy": _mean_or_none([None if c is None else float(c) for c in correct]),
+        "task_equal_to_ar": _mean_or_none([None if r.get("task_equal_to_ar") is None else float(r["task_equal_to_ar"])
+                                           for r in rs]),
+    }
+
+
+def _add_speedups(per: dict) -> None:
+    if "ar" not in per:
+        return
+    for m in per.values():
+        m["speedup_token_weighted"] = per["ar"]["tpot_ms_token_weighted"] / m["tpot_ms_token_weighted"]
+        m["speedup_prompt_weighted"] = per["ar"]["tpot_ms_prompt_weighted"] / m["tpot_ms_prompt_weighted"]
+
+
+def tau_histogram(rows: list[dict]) -> dict[str, dict[int, int]]:
+    """Accepted tokens per round (τ of each round), counted per method."""
+    out: dict[str, Counter] = {}
+    for r in rows:
+        out.setdefault(r["method"], Counter()).update(r.get("taus") or [])
+    return {m: dict(sorted(c.items())) for m, c in sorted(out.items())}
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per benchmark and method at concurrency 1; the mean over benchmarks; the load table."""
+    single = [r for r in rows if r.get("concurrency", 1) == 1]
+    out: dict = {"benchmarks": {}}
+    for bench in sorted({r["benchmark"] for r in single}):
+        per = {}
+        for method in sorted({r["method"] for r in single if r["benchmark"] == bench}):
+            rs = [r for r in single if r["benchmark"] == bench and r["method"] == method and r["new_tokens"] > 0]
+            if rs:
+                per[method] = method_stats(rs)
+        _add_speedups(per)
+        out["benchmarks"][bench] = per
+    methods = sorted({m for per in out["benchmarks"].values() for m in per})
+    out["mean_over_benchmarks"] = {
+        m: {k: statistics.mean(per[m][k] for per in out["benchmarks"].values())
+            for k in ("speedup_token_weighted", "tau_token_weighted")}
+        for m in methods if all("speedup_token_weighted" in per.get(m, {}) for per in out["benchmarks"].values())
+    }
+    out["tau_histogram"] = tau_histogram(single)
+    out["load"] = load_table(rows)
+    return out
+
+
+def load_table(rows: list[dict]) -> dict:
+    """Per concurrency and method over all benchmarks: tokens/s, τ, hit rate, speedup against AR."""
+    out: dict = {}
+    for c in sorted({r.get("concurrency", 1) for r in rows}):
+        per = {}
+        for method in sorted({r["method"] for r in rows}):
+            rs = [r for r in rows if r.get("concurrency", 1) == c and r["method"] == method and r["new_tokens"] > 0]
+            if rs:
+                per[method] = method_stats(rs)
+        _add_speedups(per)
+        out[str(c)] = per
+    return out if len(out) > 1 else {}
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _fmt(x: float | None, spec: str = ".2f", none: str = "—") -> str:
+    return none if x is None else format(x, spec)
+
+
+def summary_markdown(summary: dict) -> str:
+    lines = ["| benchmark | method | speedup | τ | hit rate | TPOT ms | tok/s | equal to AR | accuracy | rows |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for bench, per in summary["benchmarks"].items():
+        for method, m in per.items():
+            lines.append(f"| {bench} | {method} | {_fmt(m.get('speedup_token_weighted'))}× | "
+                         f"{m['tau_token_weighted']:.2f} | {_fmt(m['hit_rate'])} | {m['tpot_ms_token_weighted']:.1f} | "
+                         f"{m['tokens_per_s']:.1f} | {m['equal_to_ar']:.2f} | {_fmt(m.get('accuracy'))} | {m['rows']} |")
+    for method, m in summary["mean_over_benchmarks"].items():
+        lines.append(f"| **mean** | {method} | {m['speedup_token_weighted']:.2f}× | {m['tau_token_weighted']:.2f} "
+                     "| | | | | | |")
+    if summary.get("load"):
+        lines += ["", "Load test (all benchmarks, first turns, batches of `concurrency` requests):", "",
+                  "| concurrency | method | tok/s | speedup vs AR | τ | hit rate | equal to AR |",
+                  "|---|---|---|---|---|---|---|"]
+        for c, per in summary["load"].items():
+            for method, m in per.items():
+                lines.append(f"| {c} | {method} | {m['tokens_per_s']:.1f} | {_fmt(m.get('speedup_token_weighted'))}× "
+                             f"| {m['tau_token_weighted']:.2f} | {_fmt(m['hit_rate'])} | {m['equal_to_ar']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None = None) -> list[Path]:
+    """PNG files: speedup and τ per benchmark, τ histogram, budget study, load test (when present)."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    paths = []
+    benches = list(summary["benchmarks"])
+    spec_methods = sorted({m for per in summary["benchmarks"].values() for m in per if m != "ar"})
+    if benches and spec_methods:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        width = 0.8 / len(spec_methods)
+        for k, method in enumerate(spec_methods):
+            xs = [i + k * width for i in range(len(benches))]
+            per = [summary["benchmarks"][b].get(method, {}) for b in benches]
+            axes[0].bar(xs, [p.get("speedup_token_weighted", 0) for p in per], width, label=method)
+            axes[1].bar(xs, [p.get("tau_token_weighted", 0) for p in per], width, label=method)
+        for ax, title in zip(axes, ("speedup over AR (token-weighted)", "τ (accepted tokens per round)")):
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(benches))], benches, rotation=20)
+            ax.set_title(title)
+        axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
+        axes[1].legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "speedup_tau.png"))
+    hist = {m: h for m, h in summary.get("tau_histogram", {}).items() if m != "ar"}
+    if hist:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for method, h in hist.items():
+            total = sum(h.values())
+            ks = sorted(int(k) for k in h)
+            ax.plot(ks, [h.get(k, h.get(str(k), 0)) / total for k in ks], marker="o", label=method)
+        ax.set_xlabel("tokens accepted in a round (τ)")
+        ax.set_ylabel("fraction of rounds")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "tau_histogram.png"))
+    budgets = _budget_points(summary, methods_info or {})
+    if len(budgets) >= 2:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        ax2 = ax.twinx()
+        xs = [b[0] for b in budgets]
+        ax.plot(xs, [b[1] for b in budgets], "o-", color="C0", label="speedup")
+        ax2.plot(xs, [b[2] for b in budgets], "s--", color="C1", label="hit rate")
+        for x, y, _, name in budgets:
+            ax.annotate(name, (x, y), fontsize=7)
+        ax.set_xlabel("tokens in one packed async pass")
+        ax.set_ylabel("speedup over AR", color="C0")
+        ax2.set_ylabel("tray hit rate", color="C1")
+        paths.append(_save(fig, out_dir / "budget.png"))
+    if summary.get("load"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        cs = [int(c) for c in summary["load"]]
+        for method in sorted({m for per in summary["load"].values() for m in per}):
+            per = [summary["load"][str(c)].get(method, {}) for c in cs]
+            axes[0].plot(cs, [p.get("speedup_token_weighted") for p in per], "o-", label=method)
+            axes[1].plot(cs, [p.get("tokens_per_s") for p in per], "o-", label=method)
+        axes[0].set_title("speedup over AR at the same concurrency")
+        axes[1].set_title("throughput (tokens/s)")
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+        axes[1].legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "load.png"))
+    return paths
+
+
+def _budget_points(summary: dict, methods_info: dict) -> list[tuple[int, float, float, str]]:
+    """(packed tokens, mean speedup, mean hit rate, name) for every async method, by budget."""
+    points = []
+    for name, info in methods_info.items():
+        if info.get("method") != "async" or name not in summary["mean_over_benchmarks"]:
+            continue
+        hits = [per[name]["hit_rate"] for per in summary["benchmarks"].values() if name in per]
+        points.append((int(info["budget"]), summary["mean_over_benchmarks"][name]["speedup_token_weighted"],
+                       _mean_or_none(hits) or 0.0, name))
+    return sorted(points)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- folders
+
+
+def methods_info(folder: Path) -> dict:
+    run = folder / "run.json"
+    return json.loads(run.read_text()).get("methods", {}) if run.is_file() else {}
+
+
+def write_report(folder: str | Path, extra: dict | None = None) -> dict:
+    """(Re)compute summary.json, summary.md and the plots of a result folder from its rows."""
+    folder = Path(folder)
+    rows = read_rows(folder)
+    if not rows:
+        raise FileNotFoundError(f"{folder} holds no rows*.jsonl: is it a d3d.eval result folder?")
+    summary = summarise(rows)
+    summary["methods"] = methods_info(folder)
+    summary.update(extra or {})
+    write_json(folder / "summary.json", summary)
+    (folder / "summary.md").write_text(summary_markdown(summary))
+    summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
+    write_json(folder / "summary.json", summary)
+    return summary
+
+
+def compare_markdown(folders: list[Path], labels: list[str] | None = None) -> str:
+    """One row per (benchmark, method), one column pair (speedup, τ) per result folder."""
+    labels = labels or [f.parent.name if f.name[:4].isdigit() else f.name for f in folders]
+    summaries = [summarise(read_rows(f)) for f in folders]
+    keys = sorted({(b, m) for s in summaries for b, per in s["benchmarks"].items() for m in per})
+    head = "| benchmark | method | " + " | ".join(f"{lab} speedup | {lab} τ" for lab in labels) + " |"
+    lines = [head, "|---|---|" + "---|---|" * len(folders)]
+    for bench, method in keys:
+        cells = []
+        for s in summaries:
+            m = s["benchmarks"].get(bench, {}).get(method)
+            cells += ["—", "—"] if m is None else [f"{_fmt(m.get('speedup_token_weighted'))}×", f"{m['tau_token_weighted']:.2f}"]
+        lines.append(f"| {bench} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m d3d.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", help="result folder(s); start with the word 'compare' to compare")
+    parser.add_argument("--labels", nargs="*", help="column labels for compare (default: folder names)")
+    parser.add_argument("--out", help="compare: also write the table to this file")
+    args = parser.parse_args(argv)
+    if args.folders[0] == "compare":
+        folders = [Path(f) for f in args.folders[1:]]
+        if len(folders) < 2:
+            parser.error("compare needs two or more result folders")
+        table = compare_markdown(folders, args.labels)
+        if args.out:
+            Path(args.out).write_text(table)
+        print(table)
+        return
+    for folder in args.folders:
+        summary = write_report(folder)
+        print(f"{folder}:\n{summary_markdown(summary)}plots: {', '.join(summary['plots']) or 'none'}\n")
+
+
+if __name__ == "__main__":
+    main()
