@@ -38,6 +38,9 @@ def test_contract6_pruned_checkpoint_loads_plainly_and_decodes(root):
     rows, out, cfg = prune(root, "acc")
     assert [r["layers"] for r in rows] == [4, 3, 2]
     assert len({r["removed"] for r in rows[1:]}) == 2
+    table = (out / "steps.md").read_text().splitlines()
+    assert len(table) == 2 + 3 and table[-1].startswith("| 2 | ")
+    assert (out / "pruning.png").stat().st_size > 1000
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(out / "final")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, hydra_job, resolve_path
 from d3d.estimator import estimate_acceptance
@@ -38,10 +39,10 @@ def tau_of(model, calib, s: DrafterSettings) -> float:
     return estimate_acceptance(model, calib, s.block_size, s.mask_token_id, s.vocab_size).tau
 
 
-def score_by_acceptance(model, calib, s: DrafterSettings) -> list[float]:
+def score_by_acceptance(model, calib, s: DrafterSettings, progress: bool = True) -> list[float]:
     """τ of the drafter without each of its current layers."""
     scores = []
-    for i in range(len(decoder_layers(model))):
+    for i in tqdm(range(len(decoder_layers(model))), desc="scoring layers", unit="layer", disable=not progress):
         with skipping_layers(model, [i]):
             scores.append(tau_of(model, calib, s))
     return scores
@@ -59,9 +60,9 @@ def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
     return sims
 
 
-def choose_layer(method: str, model, calib, s: DrafterSettings) -> tuple[int, list[float] | None]:
+def choose_layer(method: str, model, calib, s: DrafterSettings, progress: bool = True) -> tuple[int, list[float] | None]:
     if method == "acceptance":
-        scores = score_by_acceptance(model, calib, s)
+        scores = score_by_acceptance(model, calib, s, progress)
         return max(range(len(scores)), key=lambda i: scores[i]), scores
     if method == "similarity":
         scores = score_by_similarity(model, calib, s)
@@ -152,7 +153,7 @@ def run_prune(cfg: DictConfig) -> Path:
     step = history[-1]["step"]
     while step < int(pc.num_layers) and history[-1]["retention"] >= float(pc.min_retention):
         step += 1
-        layer, scores = choose_layer(pc.method, model, calib, s)
+        layer, scores = choose_layer(pc.method, model, calib, s, bool(pc.get("progress", True)))
         original = DrafterSettings.of(model).kept_layers[layer]
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
         s = DrafterSettings.of(model)
@@ -177,7 +178,40 @@ def run_prune(cfg: DictConfig) -> Path:
     writer.close()
     write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full, "steps": history,
                                           "final": str(out_dir / "final")})
+    (out_dir / "steps.md").write_text(steps_markdown(history))
+    plot_steps(history, out_dir / "pruning.png")
+    print(steps_markdown(history), flush=True)
     return out_dir
+
+
+def steps_markdown(history: list[dict]) -> str:
+    packed_key = next((k for k in history[0] if k.startswith("packed_")), None)
+    lines = ["| step | removed | layers | τ before recovery | τ after | retention | draft ms | packed pass ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for h in history:
+        packed = f"{h[packed_key]:.0f}" if packed_key and packed_key in h else "—"
+        lines.append(f"| {h['step']} | {'—' if h['removed'] is None else h['removed']} | {h['layers']} | "
+                     f"{h['tau_before_recovery']:.3f} | {h['tau']:.3f} | {h['retention']:.3f} | "
+                     f"{h['draft_latency_ms']:.1f} | {packed} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_steps(history: list[dict], path: Path) -> Path:
+    """τ (before/after recovery) and one-block draft latency against layers removed."""
+    from d3d.report import _pyplot, _save
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    xs = [h["step"] for h in history]
+    ax.plot(xs, [h["tau"] for h in history], "o-", color="C0", label="τ after recovery")
+    ax.plot(xs, [h["tau_before_recovery"] for h in history], "x:", color="C0", alpha=0.6, label="τ before recovery")
+    ax.set_xlabel("layers removed")
+    ax.set_ylabel("τ (calibration, greedy)")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [h["draft_latency_ms"] for h in history], "s--", color="C1", label="draft ms")
+    ax2.set_ylabel("one-block draft latency (ms)", color="C1")
+    ax.legend(fontsize=8, loc="lower left")
+    return _save(fig, path)
 
 
 @hydra_job("prune")
