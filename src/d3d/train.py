@@ -218,7 +218,9 @@ def run_train(cfg: DictConfig) -> Path:
         log_row({"step": 0, **evaluate(accelerator.unwrap_model(model), val, settings)})
     start = time.perf_counter() - float(state["elapsed_s"])
     model.train()
-    while step < max_steps:
+    # A resumed run whose time budget is already spent is finished: rerunning it trains no more.
+    spent = budget_s is not None and float(state["elapsed_s"]) > budget_s
+    while step < max_steps and not spent:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + step)
         sums: dict = {}

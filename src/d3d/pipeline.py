@@ -1,0 +1,92 @@
+"""`python -m d3d.pipeline`: generate -> train -> prune -> eval in one command, every stage resumable.
+
+    python -m d3d.pipeline +experiment=pipeline_cpu     # the README's main command (CPU default)
+    python -m d3d.pipeline +experiment=pipeline_fast    # a first look in minutes
+    python -m d3d.pipeline +experiment=smoke --stages generate train
+
+Each stage is the ordinary job (d3d.generate, d3d.train, d3d.prune, d3d.eval) composed with the same
+overrides; an override whose top-level key a stage does not have (e.g. `prune.num_layers=2` for the
+generate stage) is passed only to the stages that have it. The pipeline wires the stages together:
+the trained drafter (`<train.out_dir>/final`) is what prune starts from, and the pruned drafter
+(`<prune.out_dir>/final`) is what eval measures. Because every stage resumes (finished rows, steps
+and checkpoints are skipped), rerunning the command after a kill continues where it stopped.
+Stage wall times go to `<outputs>/pipeline/<run_name>/pipeline.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from d3d.config import compose, resolve_path
+from d3d.utils.io import write_json
+
+STAGES = ("generate", "train", "prune", "eval")
+
+
+def stage_overrides(stage: str, overrides: list[str]) -> list[str]:
+    """The overrides that apply to this stage's root config (by top-level key)."""
+    base = compose(stage)  # the stage's own keys (experiment overlays may add other stages' keys)
+    keep = []
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+        if key == "experiment" or key in base or key == "hydra":
+            keep.append(o)
+    return keep
+
+
+def stage_config(stage: str, overrides: list[str], wiring: dict[str, str]):
+    extra = [f"{k}={v}" for k, v in wiring.items()]
+    return compose(stage, stage_overrides(stage, overrides) + extra)
+
+
+def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES)) -> dict:
+    from d3d.eval import run_eval
+    from d3d.generate import run_generate
+    from d3d.prune import run_prune
+    from d3d.train import run_train
+
+    runners = {"generate": run_generate, "train": run_train, "prune": run_prune, "eval": run_eval}
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}: choose from {list(STAGES)}")
+    train_cfg = stage_config("train", overrides, {})
+    trained = resolve_path(train_cfg.train.out_dir) / "final"
+    prune_cfg = stage_config("prune", overrides, {"drafter.checkpoint": str(trained)})
+    pruned = resolve_path(prune_cfg.prune.out_dir) / "final"
+    drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
+    wiring = {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},
+              "eval": {"drafter.checkpoint": str(drafter_for_eval)}}
+    record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
+    record_dir.mkdir(parents=True, exist_ok=True)
+    record: dict = {"overrides": overrides, "stages": {}}
+    total = time.perf_counter()
+    for stage in stages:
+        print(f"\n[d3d.pipeline] ===== {stage} =====", flush=True)
+        cfg = stage_config(stage, overrides, wiring[stage])
+        start = time.perf_counter()
+        out = runners[stage](cfg)
+        record["stages"][stage] = {"wall_s": round(time.perf_counter() - start, 1), "output": str(out)}
+        write_json(record_dir / "pipeline.json", record)
+    record["wall_s"] = round(time.perf_counter() - total, 1)
+    write_json(record_dir / "pipeline.json", record)
+    print("\n[d3d.pipeline] stage wall times: " + ", ".join(
+        f"{s} {v['wall_s'] / 60:.1f} min" for s, v in record["stages"].items()) + f"; total {record['wall_s'] / 60:.1f} min")
+    if "eval" in record["stages"]:
+        summary = Path(record["stages"]["eval"]["output"]) / "summary.md"
+        print(f"\n{summary}:\n{summary.read_text()}")
+    print(f"[d3d.pipeline] record: {record_dir / 'pipeline.json'}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m d3d.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every stage, e.g. +experiment=pipeline_cpu")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), help=f"subset of {' '.join(STAGES)}")
+    args = parser.parse_args(argv)
+    run_pipeline(args.overrides, args.stages)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""d3d.pipeline: the four stages wired together on the smoke setup, overrides routed per stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from d3d.pipeline import main, stage_overrides
+from d3d.utils.io import read_jsonl
+from tests.conftest import CACHE_DIR
+
+
+def test_overrides_go_only_to_stages_that_have_the_key():
+    ov = ["+experiment=smoke", "prune.num_layers=1", "eval.n=1", "seed=3", "target=tiny_random"]
+    assert stage_overrides("generate", ov) == ["+experiment=smoke", "seed=3", "target=tiny_random"]
+    assert stage_overrides("prune", ov) == ["+experiment=smoke", "prune.num_layers=1", "seed=3", "target=tiny_random"]
+    assert "eval.n=1" in stage_overrides("eval", ov) and "prune.num_layers=1" not in stage_overrides("eval", ov)
+
+
+def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}", "eval.n=1",
+            "eval.methods=[ar,sync]", "decode.block_size=4", "prune.min_retention=0"]
+    main(args)
+    record = json.loads(next((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json")).read_text())
+    assert list(record["stages"]) == ["generate", "train", "prune", "eval"]
+    train_out, prune_out, eval_out = (Path(record["stages"][s]["output"]) for s in ("train", "prune", "eval"))
+    steps = list(read_jsonl(prune_out / "steps.jsonl"))
+    assert [s["layers"] for s in steps] == [2, 1]  # started from the trained 2-layer drafter
+    used = OmegaConf.load(eval_out / "config.yaml")
+    assert Path(used.drafter.checkpoint) == prune_out / "final"  # eval measures the pruned drafter
+    assert "| gsm8k | sync |" in capsys.readouterr().out
+    # a rerun resumes every stage: nothing is trained, pruned or decoded again
+    rows_before = (eval_out / "rows.jsonl").read_text()
+    metrics_before = (train_out / "metrics.jsonl").read_text()
+    main(args)
+    assert (eval_out / "rows.jsonl").read_text() == rows_before
+    assert (train_out / "metrics.jsonl").read_text() == metrics_before
