@@ -1,0 +1,229 @@
+"""One named sweep per claim of the paper: run it (resumable), then write a table and a plot.
+
+    python scripts/sweep.py ar_loss        # λ in {0, 0.5, 1, 2} -> τ per benchmark
+    python scripts/sweep.py budget         # C x F async budgets -> packed tokens, hit rate, speedup
+    python scripts/sweep.py pruning        # layers removed -> τ retention and speedup
+    python scripts/sweep.py async_vs_sync  # speedup and hit rate per benchmark
+    python scripts/sweep.py load           # speedup and throughput against concurrency 1..16
+    python scripts/sweep.py block_size     # B in {4, 8, 16} -> τ and speedup
+    options: --preset quick|cpu (default cpu: the sizes docs/results.md reports; quick: minutes,
+             rough), --drafter <checkpoint> (default: the CPU default's), --dry-run (print the
+             commands), --aggregate-only, --out docs/results, and trailing Hydra overrides for every
+             command (e.g. +experiment=smoke paths.root_dir=/tmp/x for a seconds-long test).
+
+Training sweeps are Hydra multiruns (`-m`, one output folder per value); evaluations are d3d.eval runs
+with their own folders under outputs/sweeps/<claim>/. Every stage resumes, so rerunning a killed
+sweep continues it. The table (<claim>.md), plot (<claim>.png) and data (<claim>.json) go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from d3d.pipeline import stage_overrides
+from d3d.report import _pyplot, _save, read_rows, summarise
+from d3d.utils.io import read_jsonl
+
+PRESETS = {  # per preset: training minutes, eval items / new tokens, benchmarks for τ tables
+    "cpu": {"train_minutes": 20, "n": 8, "max_new": 128, "suite": "all", "suite_n": 3, "prune_layers": 3,
+            "concurrency": "[1,2,4,8,16]", "load_n": 16},
+    "quick": {"train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2, "prune_layers": 1,
+              "concurrency": "[1,2,4]", "load_n": 4},
+}
+DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
+
+
+class Sweep:
+    def __init__(self, claim: str, preset: dict, drafter: str, extra: list[str], root: Path, dry: bool):
+        self.claim, self.p, self.drafter, self.extra, self.dry = claim, preset, drafter, extra, dry
+        self.outputs = root / "outputs" / "sweeps" / claim
+        self.ckpts = root / "checkpoints" / "sweeps" / claim
+
+    def run(self, job: str, *overrides: str, multirun: bool = False) -> None:
+        extra = stage_overrides(job, self.extra)  # only the keys this job has (as d3d.pipeline does)
+        cmd = [sys.executable, "-m", f"d3d.{job}", *(["-m"] if multirun else []), *overrides, *extra]
+        print("$ " + " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)
+        if not self.dry:
+            subprocess.run(cmd, check=True)
+
+    def eval(self, name: str, drafter: str, *overrides: str, n: int | None = None, suite: str = "gsm8k") -> Path:
+        out = self.outputs / "eval" / name
+        self.run("eval", f"benchmark={suite}", f"drafter.checkpoint={drafter}", f"eval.out_dir={out}",
+                 f"eval.n={n or self.p['n']}", f"eval.max_new_tokens={self.p['max_new']}", *overrides)
+        return out
+
+
+# ---------------------------------------------------------------------------- the six claims
+
+
+def ar_loss(sw: Sweep) -> dict:
+    lams = ["0.0", "0.5", "1.0", "2.0"]
+    sw.run("train", f"train.ar_weight={','.join(lams)}", f"train.max_minutes={sw.p['train_minutes']}",
+           f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
+    rows = []
+    for lam in lams:
+        ev = sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]", n=sw.p["suite_n"],
+                     suite=sw.p["suite"])
+        if sw.dry:
+            continue
+        train = json.loads((sw.ckpts / f"lam{lam}" / "summary.json").read_text())
+        s = summarise(read_rows(ev))
+        rows.append({"lambda": float(lam), "val_tau": train["val_tau_last"], "steps": train["steps"],
+                     **{f"tau_{b}": per["sync"]["tau_token_weighted"] for b, per in s["benchmarks"].items()}})
+    return {"rows": rows, "x": "lambda", "plot": [k for k in (rows[0] if rows else {}) if k.startswith("tau_") or k == "val_tau"]}
+
+
+def budget(sw: Sweep) -> dict:
+    budgets = ["4x1", "4x2", "4x5", "8x1", "8x2", "8x5", "12x1", "12x2", "12x5", "16x1", "16x2", "16x5"]
+    if sw.p is PRESETS["quick"]:
+        budgets = ["4x1", "8x2"]
+    ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", f"eval.async_budgets=[{','.join(budgets)}]")
+    if sw.dry:
+        return {"rows": []}
+    s = summarise(read_rows(ev))
+    methods = json.loads((ev / "run.json").read_text())["methods"]
+    rows = []
+    for name, info in methods.items():
+        if info["method"] == "ar":
+            continue
+        per = [b[name] for b in s["benchmarks"].values() if name in b]
+        rows.append({"method": name, "C": info["C"], "F": info["F"],
+                     "packed_tokens": info["budget"] if info["method"] == "async" else 0,
+                     "hit_rate": per[0]["hit_rate"], "tau": per[0]["tau_token_weighted"],
+                     "speedup": per[0]["speedup_token_weighted"]})
+    return {"rows": sorted(rows, key=lambda r: r["packed_tokens"]), "x": "packed_tokens", "plot": ["speedup", "hit_rate"]}
+
+
+def pruning(sw: Sweep) -> dict:
+    out = sw.ckpts / "acceptance"
+    sw.run("prune", f"drafter.checkpoint={sw.drafter}", f"prune.num_layers={sw.p['prune_layers']}",
+           "prune.min_retention=0", f"prune.out_dir={out}")
+    rows = []
+    steps = [] if sw.dry else list(read_jsonl(out / "steps.jsonl"))
+    for k in range(sw.p["prune_layers"] + 1):
+        ckpt = sw.drafter if k == 0 else f"{out}/step_{k}"
+        ev = sw.eval(f"step{k}", ckpt, "eval.methods=[ar,sync,async]")
+        if sw.dry:
+            continue
+        s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]
+        st = steps[k]
+        rows.append({"removed": k, "layers": st["layers"], "calib_tau": st["tau"], "retention": st["retention"],
+                     "draft_ms": st["draft_latency_ms"], "eval_tau": s["sync"]["tau_token_weighted"],
+                     "sync_speedup": s["sync"]["speedup_token_weighted"],
+                     "async_speedup": s["async"]["speedup_token_weighted"]})
+    return {"rows": rows, "x": "removed", "plot": ["retention", "sync_speedup", "async_speedup"]}
+
+
+def async_vs_sync(sw: Sweep) -> dict:
+    ev = sw.eval("suite", sw.drafter, "eval.methods=[ar,sync,async]", n=sw.p["suite_n"], suite=sw.p["suite"])
+    if sw.dry:
+        return {"rows": []}
+    s = summarise(read_rows(ev))
+    rows = [{"benchmark": b, "tau": per["sync"]["tau_token_weighted"], "sync_speedup": per["sync"]["speedup_token_weighted"],
+             "async_speedup": per["async"]["speedup_token_weighted"], "hit_rate": per["async"]["hit_rate"],
+             "equal_to_ar": min(per["sync"]["equal_to_ar"], per["async"]["equal_to_ar"])}
+            for b, per in s["benchmarks"].items()]
+    return {"rows": rows, "x": "benchmark", "plot": ["sync_speedup", "async_speedup"]}
+
+
+def load(sw: Sweep) -> dict:
+    ev = sw.eval("load", sw.drafter, "eval.methods=[ar,sync,async]", f"eval.concurrency={sw.p['concurrency']}",
+                 n=sw.p["load_n"])
+    if sw.dry:
+        return {"rows": []}
+    table = summarise(read_rows(ev))["load"]
+    rows = [{"concurrency": int(c), "method": m, "tokens_per_s": v["tokens_per_s"], "speedup": v["speedup_token_weighted"],
+             "tau": v["tau_token_weighted"], "hit_rate": v["hit_rate"]} for c, per in table.items() for m, v in per.items()]
+    return {"rows": rows, "x": "concurrency", "series": "method", "plot": ["speedup", "tokens_per_s"]}
+
+
+def block_size(sw: Sweep) -> dict:
+    sizes = [4, 8, 16]
+    sw.run("train", f"drafter.block_size={','.join(map(str, sizes))}", f"train.max_minutes={sw.p['train_minutes']}",
+           f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
+    rows = []
+    for B in sizes:
+        ev = sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]", f"decode.block_size={B}")
+        if sw.dry:
+            continue
+        s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]["sync"]
+        train = json.loads((sw.ckpts / f"B{B}" / "summary.json").read_text())
+        rows.append({"B": B, "val_tau": train["val_tau_last"], "tau": s["tau_token_weighted"],
+                     "speedup": s["speedup_token_weighted"]})
+    return {"rows": rows, "x": "B", "plot": ["tau", "speedup"]}
+
+
+CLAIMS = {f.__name__: f for f in (ar_loss, budget, pruning, async_vs_sync, load, block_size)}
+
+# ---------------------------------------------------------------------------- outputs
+
+
+def markdown(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    keys = list(rows[0])
+    fmt = lambda v: "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    rows, x, ys = result["rows"], result.get("x"), result.get("plot", [])
+    if not rows or not ys:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(ys), figsize=(4.2 * len(ys), 3.6), squeeze=False)
+    series = result.get("series")
+    groups = sorted({r[series] for r in rows}) if series else [None]
+    for ax, y in zip(axes[0], ys):
+        for g in groups:
+            rs = [r for r in rows if series is None or r[series] == g]
+            xs = [r[x] for r in rs]
+            vals = [r.get(y) if r.get(y) is not None else float("nan") for r in rs]
+            if isinstance(xs[0], str):
+                ax.bar(range(len(xs)), vals)
+                ax.set_xticks(range(len(xs)), xs, rotation=20)
+            else:
+                ax.plot(xs, vals, "o-", label=g)
+        ax.set_title(y)
+        ax.set_xlabel(x)
+        if series:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("claim", choices=sorted(CLAIMS))
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="trained drafter checkpoint the eval sweeps use")
+    ap.add_argument("--root", default=".", help="where outputs/ and checkpoints/ go (matches paths.root_dir)")
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every command")
+    args = ap.parse_intermixed_args(argv)
+    if not args.dry_run and args.claim not in ("ar_loss", "block_size") and not Path(args.drafter).is_dir():
+        ap.error(f"--drafter {args.drafter} does not exist: train one first (python -m d3d.train) or pass --drafter")
+    sw = Sweep(args.claim, PRESETS[args.preset], args.drafter, args.overrides, Path(args.root), args.dry_run)
+    result = CLAIMS[args.claim](sw)
+    if args.dry_run:
+        return result
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(result["rows"])
+    (out / f"{args.claim}.md").write_text(table)
+    (out / f"{args.claim}.json").write_text(json.dumps({"claim": args.claim, "preset": args.preset,
+                                                        "command": " ".join(sys.argv), **result}, indent=2))
+    png = plot(result, out / f"{args.claim}.png")
+    print(f"\n{table}\nwritten: {out / (args.claim + '.md')}" + (f", {png}" if png else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""scripts/sweep.py: every claim's sweep runs end to end at smoke size and writes its table and plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from d3d.generate import run_generate
+from d3d.train import run_train
+from tests.conftest import CACHE_DIR, ROOT, compose
+
+SMOKE = ["+experiment=smoke", "eval.max_new_tokens=8", "decode.block_size=4", "decode.C=3", "decode.F=1"]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("sweep", ROOT / "scripts" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sweep_root")
+    run_generate(compose("generate", ["+experiment=smoke"], path))
+    run_train(compose("train", ["+experiment=smoke", f"train.out_dir={path}/drafter"], path))
+    return path
+
+
+def run_claim(sweep, root, claim, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(root)
+    out = root / "results"
+    extra = [f"paths.root_dir={root}", f"paths.cache_dir={CACHE_DIR}"]
+    overrides = SMOKE + extra  # each command gets the keys its job has
+    result = sweep.main([claim, "--preset", "quick", "--drafter", str(root / "drafter" / "final"), "--root", str(root),
+                         "--out", str(out), *overrides])
+    saved = json.loads((out / f"{claim}.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+    assert (out / f"{claim}.md").read_text().count("\n") == 2 + len(result["rows"])
+    assert (out / f"{claim}.png").stat().st_size > 1000
+    return result["rows"]
+
+
+@pytest.mark.parametrize("claim", ["budget", "pruning", "async_vs_sync", "load"])
+def test_eval_sweeps(sweep, root, claim, monkeypatch):
+    rows = run_claim(sweep, root, claim, monkeypatch)
+    if claim == "budget":
+        assert [r["packed_tokens"] for r in rows] == [0, 4 * (3 * 1 + 2), 4 * (7 * 2 + 2)]  # sync, 4x1, 8x2
+        assert all(0.0 <= r["hit_rate"] <= 1.0 for r in rows if r["packed_tokens"])
+    if claim == "pruning":
+        assert [r["layers"] for r in rows] == [2, 1] and rows[0]["retention"] == 1.0
+    if claim == "load":
+        assert {r["concurrency"] for r in rows} == {1, 2, 4}
+    if claim == "async_vs_sync":
+        assert rows[0]["benchmark"] == "gsm8k" and rows[0]["equal_to_ar"] == 1.0
+
+
+@pytest.mark.slow  # seven trainings and seven evaluations in subprocesses: minutes
+@pytest.mark.parametrize("claim", ["ar_loss", "block_size"])
+def test_training_sweeps(sweep, root, claim, monkeypatch):
+    rows = run_claim(sweep, root, claim, monkeypatch)
+    key = "lambda" if claim == "ar_loss" else "B"
+    assert [r[key] for r in rows] == ([0.0, 0.5, 1.0, 2.0] if claim == "ar_loss" else [4, 8, 16])
+    assert all(r["val_tau"] >= 1.0 for r in rows)
