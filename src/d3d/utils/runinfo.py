@@ -18,6 +18,16 @@ def git_commit() -> str | None:
         return None
 
 
+def git_dirty() -> bool | None:
+    """True when the working tree has uncommitted changes (the commit alone does not say what ran)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def run_info(device: torch.device | str | None = None) -> dict:
     import transformers
 
@@ -26,6 +36,7 @@ def run_info(device: torch.device | str | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
