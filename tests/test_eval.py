@@ -144,3 +144,19 @@ def test_accelerate_two_processes_split_and_merge(tmp_path):
     assert len(rows) == len({(r["benchmark"], r["id"], r["turn"], r["method"]) for r in rows})
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert summary["benchmarks"]["gsm8k"]["sync"]["rows"] == 3
+
+
+def test_hub_only_loaders_end_to_end_on_fixtures(tmp_path, monkeypatch):
+    from tests.conftest import FIXTURES
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    local = []
+    for name in ("mbpp", "livecodebench", "alpaca"):
+        local += [f"benchmark.specs.{name}.local_file={FIXTURES / (name + '.jsonl')}", f"benchmark.specs.{name}.sources=[local]"]
+    out = evaluate(tmp_path, "benchmark=all_plus", "benchmark.suite=[mbpp,livecodebench,alpaca]", "eval.methods=[ar,sync]",
+                   *local)
+    rows = read_rows(out)
+    assert {r["benchmark"] for r in rows} == {"mbpp", "livecodebench", "alpaca"}
+    assert all(isinstance(r["correct"], bool) for r in rows if r["benchmark"] == "mbpp")  # tests executed
+    assert all(r["correct"] is None for r in rows if r["benchmark"] != "mbpp")
+    assert all(r["equal_to_ar"] for r in rows)

@@ -69,3 +69,14 @@ def test_mbpp_tests_run():
     rec = Record("mbpp/1", ["Write add."], {"tests": ["assert add(1, 2) == 3"], "setup": ""})
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a + b\n```")["correct"] is True
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a - b\n```")["correct"] is False
+
+
+def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
+    from d3d.data.benchmarks import load_records
+    from tests.test_benchmarks import with_local
+
+    spec = with_local("mbpp", "mbpp.jsonl")
+    records, _ = load_records(spec, cache_dir)
+    for rec in records:
+        assert grade(spec, rec, f"```python\n{rec.metadata['canonical_solution']}\n```")["correct"] is True
+        assert grade(spec, rec, "```python\npass\n```")["correct"] is False

@@ -87,7 +87,7 @@ def _mbpp(rows: list[dict]) -> list[Record]:
         text = _first(row, "text", "prompt")
         tests = list(row.get("test_list") or [])
         out.append(Record(f"mbpp/{row['task_id']}", [text], {"tests": tests, "setup": row.get("test_setup_code", "")},
-                          {"tests_shown": "\n".join(tests)}))
+                          {"tests_shown": "\n".join(tests), "canonical_solution": row.get("code")}))
     return out
 
 
