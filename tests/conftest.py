@@ -30,3 +30,13 @@ def compose(config_name: str, overrides: list[str] | None = None, tmp_path: Path
     if tmp_path is not None:
         extra = [f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}"]
     return d3d_compose(config_name, list(overrides or []) + extra)
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gpu_readiness", ROOT / "scripts" / "gpu_readiness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_readiness")
 
 
 def test_projection_hand_case(script):

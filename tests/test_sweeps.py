@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
 from d3d.generate import run_generate
 from d3d.train import run_train
-from tests.conftest import CACHE_DIR, ROOT, compose
+from tests.conftest import CACHE_DIR, compose, load_script
 
 SMOKE = ["+experiment=smoke", "eval.max_new_tokens=8", "decode.block_size=4", "decode.C=3", "decode.F=1"]
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("sweep", ROOT / "scripts" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sweep")
 
 
 @pytest.fixture(scope="module")
