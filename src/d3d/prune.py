@@ -206,6 +206,7 @@ def plot_steps(history: list[dict], path: Path) -> Path:
     ax.plot(xs, [h["tau"] for h in history], "o-", color="C0", label="τ after recovery")
     ax.plot(xs, [h["tau_before_recovery"] for h in history], "x:", color="C0", alpha=0.6, label="τ before recovery")
     ax.set_xlabel("layers removed")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("τ (calibration, greedy)")
     ax2 = ax.twinx()
     ax2.plot(xs, [h["draft_latency_ms"] for h in history], "s--", color="C1", label="draft ms")
