@@ -27,7 +27,7 @@ $(VENV)/.d3d-installed: pyproject.toml
 demo: setup
 	$(PY) -m d3d.pipeline +experiment=pipeline_cpu
 
-# A first look at the same pipeline in about 15 minutes (rough numbers).
+# A first look at the same pipeline: 17 minutes on 2 cores (rough numbers).
 demo-fast: setup
 	$(PY) -m d3d.pipeline +experiment=pipeline_fast
 
