@@ -94,10 +94,11 @@ def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, 
 def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompts: list[list[int]], res) -> dict:
     """One row: a request at concurrency 1, or a batch of `concurrency` requests."""
     single = concurrency == 1
+    taus = res.taus()  # one entry per request per round
     return {"benchmark": spec["name"], "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
             "prompt_tokens": len(prompts[0]) if single else [len(p) for p in prompts],
-            "new_tokens": res.new_tokens, "rounds": len(res.taus()),  # request-rounds
-            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "hit_rate": res.hit_rate, "taus": res.taus(),
+            "new_tokens": res.new_tokens, "rounds": len(taus),  # request-rounds
+            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "hit_rate": res.hit_rate, "taus": taus,
             "token_ids": res.token_ids[0] if single else res.token_ids,
             "text": res.texts[0] if single else res.texts,
             "finish_reason": res.finish_reasons[0] if single else res.finish_reasons}

@@ -249,10 +249,9 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
     summary = summarise(rows)
     summary["methods"] = methods_info(folder)
     summary.update(extra or {})
-    write_json(folder / "summary.json", summary)
-    (folder / "summary.md").write_text(summary_markdown(summary))
     summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
     write_json(folder / "summary.json", summary)
+    (folder / "summary.md").write_text(summary_markdown(summary))
     return summary
 
 
