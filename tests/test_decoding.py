@@ -84,14 +84,31 @@ def test_max_new_tokens_is_exact(models):
         assert len(res.token_ids[0]) == n
 
 
-def test_async_returns_the_sync_tokens_and_rounds(models):
+@pytest.mark.parametrize("overlap", ["none", "thread"])
+def test_async_returns_the_sync_tokens_and_rounds(models, overlap):
     target, drafter, tok = models
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    threads = torch.get_num_threads()
     sync = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=30)).generate(prompts)
-    asyn = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=4, F=2,
-                                                            max_new_tokens=30)).generate(prompts)
+    gen = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=4, F=2, overlap=overlap,
+                                                           cpu_threads_drafter=1, max_new_tokens=30))
+    asyn = gen.generate(prompts)
     assert asyn.token_ids == sync.token_ids
     assert asyn.taus() == sync.taus()  # a hit serves exactly the block a synchronous draft would
+    # the worker thread is gone and the process keeps all its cores for what runs next
+    assert gen.pool is None and torch.get_num_threads() == threads
+
+
+def test_overlap_mode_resolution():
+    cpu, cfg = torch.device("cpu"), lambda **kw: DecodeConfig(method="async", **kw)
+    assert SpecGenerator.overlap_mode(cfg(overlap="auto"), cpu) == "none"  # serial on CPU (measured faster)
+    assert SpecGenerator.overlap_mode(cfg(overlap="auto"), torch.device("cuda")) == "stream"
+    assert SpecGenerator.overlap_mode(cfg(overlap="thread"), cpu) == "thread"
+    assert SpecGenerator.overlap_mode(DecodeConfig(method="sync", overlap="thread"), cpu) == "none"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        SpecGenerator.overlap_mode(cfg(overlap="stream"), cpu)
+    with pytest.raises(ValueError, match="use auto, stream, thread or none"):
+        SpecGenerator.overlap_mode(cfg(overlap="threads"), cpu)
 
 
 def test_hits_and_misses_on_a_constructed_case(models):

@@ -41,8 +41,8 @@ class DecodeConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
-    overlap: str = "auto"  # auto | thread | none
-    cpu_threads_drafter: int | None = None
+    overlap: str = "auto"  # auto | stream | thread | none (see SpecGenerator.overlap_mode)
+    cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
     stop_strings: list[str] = field(default_factory=list)
 
     @classmethod
@@ -111,8 +111,27 @@ class SpecGenerator:
         self.B = 1 if self.cfg.method == "ar" else int(self.cfg.block_size)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.pool = ThreadPoolExecutor(max_workers=1) if self.cfg.method == "async" else None
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.pool else None
+        self.overlap = self.overlap_mode(self.cfg, self.device)
+        self.side_stream = torch.cuda.Stream(self.device) if self.overlap == "stream" else None
+        self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
+
+    @staticmethod
+    def overlap_mode(cfg: DecodeConfig, device: torch.device) -> str:
+        """How the packed tray pass runs beside verification: stream | thread | none.
+
+        auto = a side CUDA stream on GPU and *serial* on CPU: measured on 2 cores, a drafter worker
+        thread made async slower (TPOT 328 vs 263 ms) and left the process slower afterwards (sync
+        151 -> 219 ms), because two OpenMP teams then fight for the same cores. overlap=thread
+        splits the cores (cpu_threads_drafter) for machines that have cores to spare."""
+        if cfg.method != "async" or cfg.overlap == "none":
+            return "none"
+        if cfg.overlap not in ("auto", "stream", "thread"):
+            raise ValueError(f"decode.overlap={cfg.overlap!r}: use auto, stream, thread or none")
+        if cfg.overlap == "auto":
+            return "stream" if device.type == "cuda" else "none"
+        if cfg.overlap == "stream" and device.type != "cuda":
+            raise ValueError("decode.overlap=stream needs a CUDA device; use thread or none on CPU")
+        return cfg.overlap
 
     # ------------------------------------------------------------------ passes
 
@@ -202,8 +221,29 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ the loop
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> GenerationResult:
+        if self.overlap == "stream" or (self.overlap == "thread" and self.device.type == "cuda"):
+            self.pool = ThreadPoolExecutor(max_workers=1)
+            try:
+                return self._generate(prompts, max_new_tokens)
+            finally:
+                self.pool.shutdown()
+                self.pool = None
+        if self.overlap == "thread":  # CPU: split the cores between target (here) and drafter (worker)
+            total = torch.get_num_threads()
+            k = int(self.cfg.cpu_threads_drafter or max(1, total // 2))
+            self.pool = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(k,))
+            torch.set_num_threads(max(1, total - k))
+            try:
+                return self._generate(prompts, max_new_tokens)
+            finally:
+                self.pool.shutdown()
+                self.pool = None
+                torch.set_num_threads(total)
+        return self._generate(prompts, max_new_tokens)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> GenerationResult:
         cfg, B = self.cfg, self.B
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -336,19 +376,20 @@ class SpecGenerator:
         return kept
 
     def _launch_trays(self, dr, pending, drafts, q_logits, next_pos):
-        overlap = self.cfg.overlap
-        if overlap == "none" or self.pool is None:
+        if self.pool is None:  # overlap=none: serially, before verification
             return self._tray_pass(dr, pending, drafts, q_logits, next_pos)
 
+        if self.side_stream is not None:  # the drafts were made on the main stream
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        @torch.inference_mode()  # grad mode is per thread: the worker needs its own
         def work():
-            if self.side_stream is not None:
-                with torch.cuda.stream(self.side_stream):
-                    res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-                self.side_stream.synchronize()
-                return res
-            if self.cfg.cpu_threads_drafter:
-                torch.set_num_threads(int(self.cfg.cpu_threads_drafter))
-            return self._tray_pass(dr, pending, drafts, q_logits, next_pos)
+            if self.side_stream is None:
+                return self._tray_pass(dr, pending, drafts, q_logits, next_pos)
+            with torch.cuda.stream(self.side_stream):
+                res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
+            self.side_stream.synchronize()
+            return res
 
         return self.pool.submit(work)
 
