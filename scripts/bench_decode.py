@@ -4,6 +4,9 @@ same prompts, one process, greedy, batch 1.
 
     python scripts/bench_decode.py --drafter checkpoints/cpu_default_lam1/final \
         --n-prompts 8 --max-new-tokens 128 --budgets 4x1 8x2 12x2
+    # the cpu_qwen pair: 1.5B target, the 0.5B model as the assisted-generation assistant
+    python scripts/bench_decode.py --drafter <trained 0.5B drafter> --assistant qwen25_coder_05b \
+        --block-sizes 4 8 16 target=qwen25_coder_15b
 
 Per method and prompt: wall time of the whole call (prefill included, as generate reports it
 that way too), new tokens, τ and hit rate for our loops, and whether the tokens equal generate's.
@@ -52,20 +55,23 @@ def our_call(gen: SpecGenerator):
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="a trained drafter folder (save_pretrained)")
     ap.add_argument("--benchmark", default="gsm8k")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16],
+                    help="sync at each of these B; async uses the first")
+    ap.add_argument("--assistant", default=None,
+                    help="target config (conf/target/<name>) for hf_assisted; default: a copy of the target")
     ap.add_argument("--budgets", nargs="*", default=["4x1", "8x2", "12x2"], help="async C x F pairs")
-    ap.add_argument("--overlap", default="auto", help="async overlap: auto/thread or none")
+    ap.add_argument("--overlap", default="auto", help="async overlap: auto (stream on GPU, serial on CPU), thread, none")
     ap.add_argument("--no-hf-baselines", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="run only these method names (prefix match)")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     cfg = compose("eval", args.overrides)
     cache = resolve_path(cfg.paths.cache_dir)
@@ -79,20 +85,26 @@ def main() -> None:
     prompts = [chat_prompt_ids(tok, first_turn_messages(spec, r)) for r in records]
     warm, prompts = prompts[0], prompts[1:]
 
+    # transformers' baselines first, our loops after, async last: an overlap=thread run must not
+    # touch the timing of anything else in the process
     methods = {}
     if not args.no_hf_baselines:
         methods["hf_generate"] = hf_call(target, tok, eos)
+        if args.assistant:  # an AR assistant of about the drafter's cost (e.g. the 0.5B for the 1.5B)
+            a_cfg = compose("eval", [f"target={args.assistant}"]).target
+            assistant, a_name = load_model(resolve_model_path(a_cfg, cache), a_cfg.dtype, "auto"), args.assistant
+        else:  # an AR copy of the target: a full-copy drafter's cost
+            assistant, a_name = load_model(path, cfg.target.dtype, "auto"), "copy"
+        methods[f"hf_assisted({a_name})"] = hf_call(target, tok, eos, assistant_model=assistant)
+        methods["hf_prompt_lookup"] = hf_call(target, tok, eos, prompt_lookup_num_tokens=10)
     methods["d3d_ar"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar"), eos))
-    methods[f"d3d_sync_b{args.block_size}"] = our_call(
-        SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=args.block_size), eos))
+    for B in args.block_sizes:
+        methods[f"d3d_sync_b{B}"] = our_call(
+            SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=B), eos))
     for budget in args.budgets:
         C, F = (int(x) for x in budget.split("x"))
-        dc = DecodeConfig(method="async", block_size=args.block_size, C=C, F=F, overlap=args.overlap)
+        dc = DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F, overlap=args.overlap)
         methods[f"d3d_async_c{C}_f{F}({dc.budget}tok)"] = our_call(SpecGenerator(target, tok, drafter, dc, eos))
-    if not args.no_hf_baselines:
-        assistant = load_model(path, cfg.target.dtype, "auto")  # an AR copy of the target: the drafter's cost
-        methods["hf_assisted(copy)"] = hf_call(target, tok, eos, assistant_model=assistant)
-        methods["hf_prompt_lookup"] = hf_call(target, tok, eos, prompt_lookup_num_tokens=10)
 
     if args.only:
         methods = {k: v for k, v in methods.items() if any(k.startswith(p) for p in args.only)}
@@ -136,6 +148,7 @@ def main() -> None:
     write_json(out, {"summary": summary, "rows": rows, "args": vars(args), "target": cfg.target.name,
                      "dtype": str(target.dtype), "run": run_info(target.device)})
     out.with_suffix(".md").write_text(text + "\n")
+    return {"summary": summary, "rows": rows}
 
 
 if __name__ == "__main__":

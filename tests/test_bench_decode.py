@@ -1,0 +1,27 @@
+"""scripts/bench_decode.py end to end on the smoke setup: every method row, greedy equality."""
+
+from __future__ import annotations
+
+import json
+
+from d3d.models.drafter import build_drafter, save_drafter
+from tests.conftest import compose, load_script
+
+
+def test_bench_decode_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    drafter = save_drafter(model, tok, tmp_path / "drafter")
+    out = tmp_path / "bench.json"
+    res = load_script("bench_decode").main([
+        "--drafter", str(drafter), "--n-prompts", "2", "--max-new-tokens", "8", "--block-sizes", "4", "2",
+        "--budgets", "3x1", "--assistant", "tiny_random", "--out", str(out), "+experiment=smoke",
+        f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+    names = [s["method"] for s in res["summary"]]
+    assert names == ["hf_generate", "hf_assisted(tiny_random)", "hf_prompt_lookup", "d3d_ar", "d3d_sync_b4",
+                     "d3d_sync_b2", "d3d_async_c3_f1(16tok)"]
+    # greedy, fp32: every method returns generate's tokens on every prompt
+    assert all(s["equal_rate"] == 1.0 for s in res["summary"])
+    saved = json.loads(out.read_text())
+    assert len(saved["rows"]) == 2 * len(names) and out.with_suffix(".md").exists()
