@@ -55,6 +55,34 @@ def our_call(gen: SpecGenerator):
     return run
 
 
+@torch.inference_mode()
+def pass_cost(model, prompt: list[int], widths: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median ms of one cached forward of `width` new tokens after `prompt` (the verify pass at
+    B = width; for the drafter, its draft pass): on a CPU the price of a wider block decides the
+    break-even τ (a sync round costs draft(B) + verify(B) and yields τ tokens, AR yields 1)."""
+    from d3d.decoding.kv import KVState
+    from d3d.models.masks import CLEAN, Layout
+
+    state = KVState(model, 1)
+    n = len(prompt)
+    pos = torch.arange(n)[None]
+    state.forward(torch.tensor([prompt]), Layout(pos, torch.full_like(pos, CLEAN), pos + 1))
+    out = {}
+    for w in widths:
+        pos = (n + torch.arange(w))[None]
+        layout = Layout(pos, torch.full_like(pos, CLEAN), pos + 1)
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            state.forward(torch.tensor([prompt[-1:] * w]), layout)  # token values do not change the cost
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            state.crop(n)
+        out[w] = 1000 * statistics.median(times[1:])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="a trained drafter folder (save_pretrained)")
@@ -84,6 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
     records = load_benchmark(spec, cache, n=args.n_prompts + 1)
     prompts = [chat_prompt_ids(tok, first_turn_messages(spec, r)) for r in records]
     warm, prompts = prompts[0], prompts[1:]
+
+    widths = sorted({1, 2, 4, 8, 16, *args.block_sizes})
+    cost = {"target_ms": pass_cost(target, warm, widths), "drafter_ms": pass_cost(drafter, warm, widths)}
+    cost_lines = ["| tokens in the pass | target ms | × target(1) | drafter ms | × target(1) |", "|---|---|---|---|---|"]
+    t1 = cost["target_ms"][1]
+    for w in widths:
+        cost_lines.append(f"| {w} | {cost['target_ms'][w]:.0f} | {cost['target_ms'][w] / t1:.2f} | "
+                          f"{cost['drafter_ms'][w]:.0f} | {cost['drafter_ms'][w] / t1:.2f} |")
+    print("\n".join(cost_lines), flush=True)
 
     # transformers' baselines first, our loops after, async last: an overlap=thread run must not
     # touch the timing of anything else in the process
@@ -142,13 +179,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{med(name, 'tray_wait_ms'):.0f})")
         table.append(f"| {name} | {tps:.1f} | {entry['ratio']:.2f} | {fmt(entry['tau'])} | {fmt(entry['hit_rate'])} "
                      f"| {entry['equal_rate']:.2f} | {split} |")
-    text = "\n".join(table)
+    text = "\n".join(table) + "\n\nOne cached forward pass (prompt of the warm-up item, medians):\n\n" + "\n".join(cost_lines)
     print(text)
     out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")
     write_json(out, {"summary": summary, "rows": rows, "args": vars(args), "target": cfg.target.name,
-                     "dtype": str(target.dtype), "run": run_info(target.device)})
+                     "dtype": str(target.dtype), "pass_cost": cost, "run": run_info(target.device)})
     out.with_suffix(".md").write_text(text + "\n")
-    return {"summary": summary, "rows": rows}
+    return {"summary": summary, "rows": rows, "pass_cost": cost}
 
 
 if __name__ == "__main__":

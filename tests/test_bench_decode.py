@@ -23,5 +23,7 @@ def test_bench_decode_smoke(tmp_path, monkeypatch):
                      "d3d_sync_b2", "d3d_async_c3_f1(16tok)"]
     # greedy, fp32: every method returns generate's tokens on every prompt
     assert all(s["equal_rate"] == 1.0 for s in res["summary"])
+    assert set(res["pass_cost"]["target_ms"]) == {1, 2, 4, 8, 16}
+    assert all(v > 0 for v in res["pass_cost"]["drafter_ms"].values())
     saved = json.loads(out.read_text())
     assert len(saved["rows"]) == 2 * len(names) and out.with_suffix(".md").exists()
