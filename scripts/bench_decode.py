@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{med(name, 'tray_wait_ms'):.0f})")
         table.append(f"| {name} | {tps:.1f} | {entry['ratio']:.2f} | {fmt(entry['tau'])} | {fmt(entry['hit_rate'])} "
                      f"| {entry['equal_rate']:.2f} | {split} |")
-    text = "\n".join(table) + "\n\nOne cached forward pass (prompt of the warm-up item, medians):\n\n" + "\n".join(cost_lines)
+    text = "\n".join(table) + "\n\nOne cached forward pass through the decoder layers, lm_head excluded (after the warm-up prompt, medians):\n\n" + "\n".join(cost_lines)
     print(text)
     out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")
     write_json(out, {"summary": summary, "rows": rows, "args": vars(args), "target": cfg.target.name,
