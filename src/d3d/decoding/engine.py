@@ -222,25 +222,22 @@ class SpecGenerator:
     # ------------------------------------------------------------------ the loop
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> GenerationResult:
-        if self.overlap == "stream" or (self.overlap == "thread" and self.device.type == "cuda"):
-            self.pool = ThreadPoolExecutor(max_workers=1)
-            try:
-                return self._generate(prompts, max_new_tokens)
-            finally:
-                self.pool.shutdown()
-                self.pool = None
-        if self.overlap == "thread":  # CPU: split the cores between target (here) and drafter (worker)
-            total = torch.get_num_threads()
-            k = int(self.cfg.cpu_threads_drafter or max(1, total // 2))
-            self.pool = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(k,))
+        if self.overlap == "none":
+            return self._generate(prompts, max_new_tokens)
+        # a worker thread for this call only; on CPU the cores are split between target and drafter
+        split = self.device.type == "cpu"
+        total = torch.get_num_threads()
+        k = int(self.cfg.cpu_threads_drafter or max(1, total // 2))
+        self.pool = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads if split else None,
+                                       initargs=(k,) if split else ())
+        if split:
             torch.set_num_threads(max(1, total - k))
-            try:
-                return self._generate(prompts, max_new_tokens)
-            finally:
-                self.pool.shutdown()
-                self.pool = None
-                torch.set_num_threads(total)
-        return self._generate(prompts, max_new_tokens)
+        try:
+            return self._generate(prompts, max_new_tokens)
+        finally:
+            self.pool.shutdown()
+            self.pool = None
+            torch.set_num_threads(total)
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> GenerationResult:
