@@ -32,6 +32,7 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import load_drafter
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
+from d3d.utils.timing import timed
 
 
 def hf_call(target, tok, eos, **kw):
@@ -61,25 +62,20 @@ def pass_cost(model, prompt: list[int], widths: list[int], repeats: int = 5) -> 
     B = width; for the drafter, its draft pass): on a CPU the price of a wider block decides the
     break-even τ (a sync round costs draft(B) + verify(B) and yields τ tokens, AR yields 1)."""
     from d3d.decoding.kv import KVState
-    from d3d.models.masks import CLEAN, Layout
+    from d3d.models.masks import clean_layout
 
     state = KVState(model, 1)
     n = len(prompt)
-    pos = torch.arange(n)[None]
-    state.forward(torch.tensor([prompt]), Layout(pos, torch.full_like(pos, CLEAN), pos + 1))
+    state.forward(torch.tensor([prompt]), clean_layout(n))
     out = {}
     for w in widths:
-        pos = (n + torch.arange(w))[None]
-        layout = Layout(pos, torch.full_like(pos, CLEAN), pos + 1)
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            state.forward(torch.tensor([prompt[-1:] * w]), layout)  # token values do not change the cost
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            state.crop(n)
-        out[w] = 1000 * statistics.median(times[1:])
+        ids, layout = torch.tensor([prompt[-1:] * w]), clean_layout(w, start=n)  # token values do not change the cost
+
+        def one():
+            state.forward(ids, layout)
+            state.crop(n)  # back to the prompt
+
+        out[w] = timed(one, model.device, repeats)
     return out
 
 

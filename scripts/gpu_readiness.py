@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+
+from d3d.utils.timing import timed
 
 # Published Qwen3 shapes (config.json of each hub repo); "toy" runs in seconds on a CPU.
 SHAPES = {
@@ -60,20 +61,6 @@ def as_drafter(model, block_size: int):
                     kept_layers=list(range(model.config.num_hidden_layers)), init="random",
                     target="random").attach(model)
     return model
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` runs after one warm-up, device-synchronised."""
-    times = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times[1:])
 
 
 @torch.inference_mode()
