@@ -29,10 +29,13 @@ from d3d.pipeline import stage_overrides
 from d3d.report import _pyplot, _save, read_rows, summarise
 from d3d.utils.io import read_jsonl
 
-PRESETS = {  # sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes
-    "cpu": {"train_minutes": 20, "n": 6, "max_new": 96, "suite": "all", "suite_n": 2, "prune_layers": 2,
+# Sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes.
+# Training sweeps run a fixed number of steps so every value sees the same batches whatever else the
+# machine is doing; train_minutes is only a safety cap (a capped run shows fewer steps in the table).
+PRESETS = {
+    "cpu": {"train_steps": 80, "train_minutes": 60, "n": 6, "max_new": 96, "suite": "all", "suite_n": 2, "prune_layers": 2,
             "concurrency": "[1,2,4,8]", "load_n": 8, "budgets": ["2x1", "4x1", "4x2", "8x2", "12x2"]},
-    "quick": {"train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2, "prune_layers": 1,
+    "quick": {"train_steps": 10, "train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2, "prune_layers": 1,
               "concurrency": "[1,2,4]", "load_n": 4, "budgets": ["4x1", "8x2"]},
 }
 DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
@@ -51,6 +54,9 @@ class Sweep:
         if not self.dry:
             subprocess.run(cmd, check=True)
 
+    def train_budget(self) -> list[str]:
+        return [f"train.max_steps={self.p['train_steps']}", f"train.max_minutes={self.p['train_minutes']}"]
+
     def eval(self, name: str, drafter: str, *overrides: str, n: int | None = None, suite: str = "gsm8k") -> Path:
         out = self.outputs / "eval" / name
         self.run("eval", f"benchmark={suite}", f"drafter.checkpoint={drafter}", f"eval.out_dir={out}",
@@ -63,7 +69,7 @@ class Sweep:
 
 def ar_loss(sw: Sweep) -> dict:
     lams = ["0.0", "0.5", "1.0", "2.0"]
-    sw.run("train", f"train.ar_weight={','.join(lams)}", f"train.max_minutes={sw.p['train_minutes']}",
+    sw.run("train", f"train.ar_weight={','.join(lams)}", *sw.train_budget(),
            f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
     rows = []
     for lam in lams:
@@ -142,7 +148,7 @@ def load(sw: Sweep) -> dict:
 
 def block_size(sw: Sweep) -> dict:
     sizes = [4, 8, 16]
-    sw.run("train", f"drafter.block_size={','.join(map(str, sizes))}", f"train.max_minutes={sw.p['train_minutes']}",
+    sw.run("train", f"drafter.block_size={','.join(map(str, sizes))}", *sw.train_budget(),
            f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
     rows = []
     for B in sizes:
@@ -151,7 +157,7 @@ def block_size(sw: Sweep) -> dict:
             continue
         s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]["sync"]
         train = json.loads((sw.ckpts / f"B{B}" / "summary.json").read_text())
-        rows.append({"B": B, "val_tau": train["val_tau_last"], "tau": s["tau_token_weighted"],
+        rows.append({"B": B, "steps": train["steps"], "val_tau": train["val_tau_last"], "tau": s["tau_token_weighted"],
                      "speedup": s["speedup_token_weighted"]})
     return {"rows": rows, "x": "B", "plot": ["tau", "speedup"]}
 

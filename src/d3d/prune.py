@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from d3d.train import (
     batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples,
 )
 from d3d.utils.io import JsonlWriter, read_jsonl, write_json
+from d3d.utils.timing import timed
 
 log = logging.getLogger("d3d.prune")
 
@@ -95,22 +94,26 @@ def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed:
 @torch.no_grad()
 def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int = 5, blocks: int = 1) -> float:
     """Median time of a pass of `blocks` blocks after a cached prefix: 1 block is a synchronous
-    draft; (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block)."""
+    draft; (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block).
+    Each repeat gets a fresh cache of the prefix (built outside the timed region)."""
     from transformers import DynamicCache
 
     from d3d.models.drafter import hidden_states
 
-    ids = torch.randint(10, s.vocab_size - 1, (1, prefix))
-    block = torch.full((1, blocks * s.block_size), s.mask_token_id)
+    device = next(model.parameters()).device
+    ids = torch.randint(10, s.vocab_size - 1, (1, prefix), device=device)
+    block = torch.full((1, blocks * s.block_size), s.mask_token_id, device=device)
     anchors = torch.full((1, blocks), prefix)
-    times = []
-    for _ in range(repeats + 1):
+
+    def cached_prefix():
         cache = DynamicCache(config=model.config)
         hidden_states(model, ids, clean_layout(prefix), cache=cache)
-        start = time.perf_counter()
+        return cache
+
+    def block_pass(cache):
         hidden_states(model, block, block_layout(anchors, s.block_size), cache=cache, cache_len=prefix)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[1:])
+
+    return timed(block_pass, device, repeats, setup=cached_prefix)
 
 
 def latencies(model, s: DrafterSettings, pc: DictConfig) -> dict:
