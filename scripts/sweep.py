@@ -8,7 +8,7 @@
     python scripts/sweep.py block_size     # B in {4, 8, 16} -> τ and speedup
     options: --preset quick|cpu (default cpu: the sizes docs/results.md reports; quick: minutes,
              rough), --drafter <checkpoint> (default: the CPU default's), --dry-run (print the
-             commands), --aggregate-only, --out docs/results, and trailing Hydra overrides for every
+             commands), --skip-eval (training sweeps: held-out τ only), --out docs/results, and trailing Hydra overrides for every
              command (e.g. +experiment=smoke paths.root_dir=/tmp/x for a seconds-long test).
 
 Training sweeps are Hydra multiruns (`-m`, one output folder per value); evaluations are d3d.eval runs
@@ -42,8 +42,10 @@ DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
 
 
 class Sweep:
-    def __init__(self, claim: str, preset: dict, drafter: str, extra: list[str], root: Path, dry: bool):
+    def __init__(self, claim: str, preset: dict, drafter: str, extra: list[str], root: Path, dry: bool,
+                 skip_eval: bool = False):
         self.claim, self.p, self.drafter, self.extra, self.dry = claim, preset, drafter, extra, dry
+        self.skip_eval = skip_eval  # training sweeps: held-out τ from training only, no benchmark runs
         self.outputs = root / "outputs" / "sweeps" / claim
         self.ckpts = root / "checkpoints" / "sweeps" / claim
 
@@ -73,14 +75,17 @@ def ar_loss(sw: Sweep) -> dict:
            f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
     rows = []
     for lam in lams:
-        ev = sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]", n=sw.p["suite_n"],
-                     suite=sw.p["suite"])
+        row = {"lambda": float(lam)}
+        if not sw.skip_eval:
+            ev = sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]", n=sw.p["suite_n"],
+                         suite=sw.p["suite"])
         if sw.dry:
             continue
-        train = json.loads((sw.ckpts / f"lam{lam}" / "summary.json").read_text())
-        s = summarise(read_rows(ev))
-        rows.append({"lambda": float(lam), "val_tau": train["val_tau_last"], "steps": train["steps"],
-                     **{f"tau_{b}": per["sync"]["tau_token_weighted"] for b, per in s["benchmarks"].items()}})
+        row.update(trained(sw.ckpts / f"lam{lam}"))
+        if not sw.skip_eval:
+            s = summarise(read_rows(ev))
+            row.update({f"tau_{b}": per["sync"]["tau_token_weighted"] for b, per in s["benchmarks"].items()})
+        rows.append(row)
     return {"rows": rows, "x": "lambda", "plot": [k for k in (rows[0] if rows else {}) if k.startswith("tau_") or k == "val_tau"]}
 
 
@@ -152,14 +157,22 @@ def block_size(sw: Sweep) -> dict:
            f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
     rows = []
     for B in sizes:
-        ev = sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]", f"decode.block_size={B}")
+        if not sw.skip_eval:
+            ev = sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]", f"decode.block_size={B}")
         if sw.dry:
             continue
-        s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]["sync"]
-        train = json.loads((sw.ckpts / f"B{B}" / "summary.json").read_text())
-        rows.append({"B": B, "steps": train["steps"], "val_tau": train["val_tau_last"], "tau": s["tau_token_weighted"],
-                     "speedup": s["speedup_token_weighted"]})
-    return {"rows": rows, "x": "B", "plot": ["tau", "speedup"]}
+        row = {"B": B, **trained(sw.ckpts / f"B{B}")}
+        if not sw.skip_eval:
+            s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]["sync"]
+            row.update(tau=s["tau_token_weighted"], speedup=s["speedup_token_weighted"])
+        rows.append(row)
+    return {"rows": rows, "x": "B", "plot": ["val_tau"] if sw.skip_eval else ["tau", "speedup"]}
+
+
+def trained(run: Path) -> dict:
+    """What a training run of a sweep reports: steps done and held-out τ before and after."""
+    summary = json.loads((run / "summary.json").read_text())
+    return {"steps": summary["steps"], "val_tau_first": summary["val_tau_first"], "val_tau": summary["val_tau_last"]}
 
 
 CLAIMS = {f.__name__: f for f in (ar_loss, budget, pruning, async_vs_sync, load, block_size)}
@@ -210,13 +223,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--root", default=".", help="where outputs/ and checkpoints/ go (matches paths.root_dir)")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--budgets", nargs="+", help="budget sweep: C x F values instead of the preset's (e.g. 16x5)")
+    ap.add_argument("--skip-eval", action="store_true",
+                    help="ar_loss / block_size: train, then report the held-out τ of training only (no benchmark evals)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every command")
     args = ap.parse_intermixed_args(argv)
     if not args.dry_run and args.claim not in ("ar_loss", "block_size") and not Path(args.drafter).is_dir():
         ap.error(f"--drafter {args.drafter} does not exist: train one first (python -m d3d.train) or pass --drafter")
     preset = dict(PRESETS[args.preset], **({"budgets": args.budgets} if args.budgets else {}))
-    sw = Sweep(args.claim, preset, args.drafter, args.overrides, Path(args.root), args.dry_run)
+    sw = Sweep(args.claim, preset, args.drafter, args.overrides, Path(args.root), args.dry_run, args.skip_eval)
     result = CLAIMS[args.claim](sw)
     if args.dry_run:
         return result

@@ -26,14 +26,14 @@ def root(tmp_path_factory):
     return path
 
 
-def run_claim(sweep, root, claim, monkeypatch):
+def run_claim(sweep, root, claim, monkeypatch, *flags):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(root)
     out = root / "results"
     extra = [f"paths.root_dir={root}", f"paths.cache_dir={CACHE_DIR}"]
     overrides = SMOKE + extra  # each command gets the keys its job has
     result = sweep.main([claim, "--preset", "quick", "--drafter", str(root / "drafter" / "final"), "--root", str(root),
-                         "--out", str(out), *overrides])
+                         "--out", str(out), *flags, *overrides])
     saved = json.loads((out / f"{claim}.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     assert (out / f"{claim}.md").read_text().count("\n") == 2 + len(result["rows"])
@@ -61,4 +61,9 @@ def test_training_sweeps(sweep, root, claim, monkeypatch):
     rows = run_claim(sweep, root, claim, monkeypatch)
     key = "lambda" if claim == "ar_loss" else "B"
     assert [r[key] for r in rows] == ([0.0, 0.5, 1.0, 2.0] if claim == "ar_loss" else [4, 8, 16])
-    assert all(r["val_tau"] >= 1.0 for r in rows)
+    assert all(r["val_tau"] >= 1.0 and r["steps"] == 10 for r in rows)  # the quick preset's fixed step count
+    # --skip-eval: the finished trainings resume as they are and report their held-out τ, no benchmark columns
+    held_out = run_claim(sweep, root, claim, monkeypatch, "--skip-eval")
+    same = [key, "steps", "val_tau"]
+    assert [{k: r[k] for k in same} for r in rows] == [{k: r[k] for k in same} for r in held_out]
+    assert all(set(r) == {key, "steps", "val_tau_first", "val_tau"} for r in held_out)
