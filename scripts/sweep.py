@@ -8,8 +8,9 @@
     python scripts/sweep.py block_size     # B in {4, 8, 16} -> τ and speedup
     options: --preset quick|cpu (default cpu: the sizes docs/results.md reports; quick: minutes,
              rough), --drafter <checkpoint> (default: the CPU default's), --dry-run (print the
-             commands), --skip-eval (training sweeps: held-out τ only), --out docs/results, and trailing Hydra overrides for every
-             command (e.g. +experiment=smoke paths.root_dir=/tmp/x for a seconds-long test).
+             commands), --skip-eval (training sweeps: held-out τ only), --out docs/results, and
+             trailing Hydra overrides for every command (e.g. +experiment=smoke
+             paths.root_dir=/tmp/x for a seconds-long test).
 
 Training sweeps are Hydra multiruns (`-m`, one output folder per value); evaluations are d3d.eval runs
 with their own folders under outputs/sweeps/<claim>/. Every stage resumes, so rerunning a killed
@@ -75,14 +76,12 @@ def ar_loss(sw: Sweep) -> dict:
            f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
     rows = []
     for lam in lams:
-        row = {"lambda": float(lam)}
-        if not sw.skip_eval:
-            ev = sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]", n=sw.p["suite_n"],
-                         suite=sw.p["suite"])
+        ev = None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]",
+                                               n=sw.p["suite_n"], suite=sw.p["suite"])
         if sw.dry:
             continue
-        row.update(trained(sw.ckpts / f"lam{lam}"))
-        if not sw.skip_eval:
+        row = {"lambda": float(lam), **trained(sw.ckpts / f"lam{lam}")}
+        if ev is not None:
             s = summarise(read_rows(ev))
             row.update({f"tau_{b}": per["sync"]["tau_token_weighted"] for b, per in s["benchmarks"].items()})
         rows.append(row)
@@ -157,12 +156,12 @@ def block_size(sw: Sweep) -> dict:
            f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
     rows = []
     for B in sizes:
-        if not sw.skip_eval:
-            ev = sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]", f"decode.block_size={B}")
+        ev = None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]",
+                                               f"decode.block_size={B}")
         if sw.dry:
             continue
         row = {"B": B, **trained(sw.ckpts / f"B{B}")}
-        if not sw.skip_eval:
+        if ev is not None:
             s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]["sync"]
             row.update(tau=s["tau_token_weighted"], speedup=s["speedup_token_weighted"])
         rows.append(row)
