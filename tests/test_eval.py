@@ -160,3 +160,26 @@ def test_hub_only_loaders_end_to_end_on_fixtures(tmp_path, monkeypatch):
     assert all(isinstance(r["correct"], bool) for r in rows if r["benchmark"] == "mbpp")  # tests executed
     assert all(r["correct"] is None for r in rows if r["benchmark"] != "mbpp")
     assert all(r["equal_to_ar"] for r in rows)
+
+
+def test_methods_share_sampling_and_block_size(tmp_path):
+    """One eval run compares like with like: the composed decode group's sampling reaches every method
+    (AR too) and its block size every speculative method, whichever group was composed."""
+    from d3d.eval import method_configs
+
+    for group in ["async", "sync"]:
+        cfg = compose("eval", ["+experiment=smoke", f"decode={group}", "decode.block_size=4", "decode.temperature=1.0",
+                               "decode.top_p=0.9", "decode.top_k=7"], tmp_path)
+        methods = method_configs(cfg)
+        assert [m.method for m in methods.values()] == ["ar", "sync", "async"]
+        for dc in methods.values():
+            assert (dc.temperature, dc.top_p, dc.top_k) == (1.0, 0.9, 7)
+        assert methods["ar"].block_size == 1
+        assert methods["sync"].block_size == methods["async"].block_size == 4
+    # method-specific keys stay with their own method: C and F set on the composed async group only
+    methods = method_configs(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
+    assert (methods["async"].C, methods["async"].F) == (3, 1)
+    assert (methods["sync"].C, methods["sync"].F) == (1, 0)
+    # an AR group lends sampling, not its B = 1
+    methods = method_configs(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
+    assert methods["sync"].block_size == 16 and methods["sync"].temperature == 1.0

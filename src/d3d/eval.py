@@ -36,17 +36,31 @@ from d3d.utils.runinfo import run_info
 log = logging.getLogger("d3d.eval")
 
 
+# Settings every method of one run shares, so that speedups and equality compare like with like:
+# sampling for all methods (AR included), the block size for the speculative ones.
+SHARED_SAMPLING = ("temperature", "top_p", "top_k")
+SHARED_SPECULATIVE = ("block_size",)
+
+
 def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
-    """Each method's decode config; the composed `decode` group replaces its own method's file.
+    """Each method's decode config. The composed `decode` group replaces its own method's file and
+    lends the shared keys to the others: `decode.temperature=1` samples every method (AR too) and
+    `decode.block_size=4` drafts 4-token blocks in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
+    composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
+    shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if composed.method != "ar" else [])
     out = {}
     for name in cfg.eval.methods:
         path = config_dir() / "decode" / f"{name}.yaml"
         if not path.is_file():
             raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml does not exist")
         own = OmegaConf.load(path)
-        dc = cfg.decode if cfg.decode.method == own.method else own
-        dc = DecodeConfig.from_cfg(OmegaConf.to_container(dc, resolve=False))
+        if composed.method == own.method:
+            dc = replace(composed)
+        else:
+            dc = DecodeConfig.from_cfg(OmegaConf.to_container(own, resolve=False))
+            keys = SHARED_SAMPLING if dc.method == "ar" else shared
+            dc = replace(dc, **{k: getattr(composed, k) for k in keys})
         dc.max_new_tokens = int(cfg.eval.max_new_tokens)
         if dc.method == "async" and cfg.eval.get("async_budgets"):
             for C, F in (parse_budget(b) for b in cfg.eval.async_budgets):
