@@ -48,6 +48,12 @@ def test_resume_skips_finished_rows(tmp_path, monkeypatch):
     rows = list(read_jsonl(out / "rows.jsonl"))
     assert rows[: len(first)] == first and len(rows) == 2 * len(first)
     assert len({(r["id"], r["method"]) for r in rows}) == len(rows)
+    # other settings in the same folder would mix incomparable rows: refused, naming what differs
+    from d3d.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_new_tokens, methods\.async, methods\.sync differ.*new eval.out_dir"):
+        evaluate(tmp_path, "eval.n=2", "eval.max_new_tokens=10", "decode.block_size=3")
+    assert list(read_jsonl(out / "rows.jsonl")) == rows  # nothing lost or added
 
 
 def test_speedup_formula_hand_case():

@@ -14,6 +14,7 @@ items across processes (rows.rank<r>.jsonl), and the main process writes the mer
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -89,6 +90,33 @@ def output_dir(cfg: DictConfig) -> Path:
         return Path(HydraConfig.get().runtime.output_dir)
     except ValueError:  # composed outside a Hydra app
         return resolve_path(cfg.paths.output_dir) / "eval" / cfg.run_name
+
+
+def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
+    """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key)."""
+    drafter = cfg.drafter.get("checkpoint")
+    return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
+            "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
+            "max_new_tokens": int(cfg.eval.max_new_tokens), "enable_thinking": bool(cfg.eval.enable_thinking),
+            "seed": int(cfg.seed),
+            "methods": {name: {k: v for k, v in asdict(dc).items() if k != "max_new_tokens"} for name, dc in methods.items()}}
+
+
+def check_resumable(out_dir: Path, key: dict) -> None:
+    """A run resumes only rows made with the same settings: mixing them would corrupt every mean."""
+    run_file = out_dir / "run.json"
+    if not run_file.is_file() or not read_rows(out_dir):
+        return
+    old = json.loads(run_file.read_text()).get("resume_key")
+    if old is None or old == key:  # folders from before resume keys existed resume as they did
+        return
+    differ = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+    if "methods" in differ:
+        differ.remove("methods")
+        differ += [f"methods.{m}" for m in sorted(set(old["methods"]) | set(key["methods"]))
+                   if old["methods"].get(m) != key["methods"].get(m)]
+    raise ConfigError(f"{out_dir} holds rows made with other settings ({', '.join(differ)} differ), and resuming "
+                      f"would mix them. Fix: pass a new eval.out_dir, or delete that folder to start over.")
 
 
 def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, state):
@@ -167,6 +195,8 @@ def run_eval(cfg: DictConfig) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = resolve_path(cfg.paths.cache_dir)
     methods = method_configs(cfg)
+    key = resume_key(cfg, methods)
+    check_resumable(out_dir, key)
     tok, target, drafter = load_models(cfg, methods, cache, state)
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, None if dc.method == "ar" else drafter, dc, eos, seed=int(cfg.seed))
@@ -180,7 +210,8 @@ def run_eval(cfg: DictConfig) -> Path:
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
-            "methods": {name: {**asdict(dc), "budget": dc.budget} for name, dc in methods.items()}})
+            "methods": {name: {**asdict(dc), "budget": dc.budget} for name, dc in methods.items()},
+            "resume_key": key})
 
     done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in read_rows(out_dir)}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
