@@ -104,7 +104,9 @@ def budget(sw: Sweep) -> dict:
                      "packed_tokens": info["budget"] if info["method"] == "async" else 0,
                      "hit_rate": per[0]["hit_rate"], "tau": per[0]["tau_token_weighted"],
                      "speedup": per[0]["speedup_token_weighted"]})
-    return {"rows": sorted(rows, key=lambda r: r["packed_tokens"]), "x": "packed_tokens", "plot": ["speedup", "hit_rate"]}
+    # one line per F (F = 0 is the sync loop: no packed pass) over the packed tokens C sets
+    return {"rows": sorted(rows, key=lambda r: (r["F"], r["packed_tokens"])), "x": "packed_tokens", "series": "F",
+            "plot": ["speedup", "hit_rate"]}
 
 
 def pruning(sw: Sweep) -> dict:

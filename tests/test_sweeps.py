@@ -62,6 +62,10 @@ def test_training_sweeps(sweep, root, claim, monkeypatch):
     key = "lambda" if claim == "ar_loss" else "B"
     assert [r[key] for r in rows] == ([0.0, 0.5, 1.0, 2.0] if claim == "ar_loss" else [4, 8, 16])
     assert all(r["val_tau"] >= 1.0 and r["steps"] == 10 for r in rows)  # the quick preset's fixed step count
+    if claim == "block_size":  # each drafter is verified at the block size it was trained with
+        for B in (4, 8, 16):
+            run = json.loads((root / "outputs" / "sweeps" / "block_size" / "eval" / f"B{B}" / "run.json").read_text())
+            assert run["methods"]["sync"]["block_size"] == B
     # --skip-eval: the finished trainings resume as they are and report their held-out τ, no benchmark columns
     held_out = run_claim(sweep, root, claim, monkeypatch, "--skip-eval")
     same = [key, "steps", "val_tau"]
