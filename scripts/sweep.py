@@ -50,9 +50,16 @@ class Sweep:
         self.outputs = root / "outputs" / "sweeps" / claim
         self.ckpts = root / "checkpoints" / "sweeps" / claim
 
-    def run(self, job: str, *overrides: str, multirun: bool = False) -> None:
+    def run(self, job: str, *overrides: str, fixed: tuple[str, ...] = (), multirun: bool = False) -> None:
+        """`overrides` are defaults the trailing command-line overrides may change (eval.n=3 wins);
+        `fixed` are what the sweep varies or where it writes: they come last, and an extra override
+        of the same key is dropped with a note rather than silently measuring something else."""
         extra = stage_overrides(job, self.extra)  # only the keys this job has (as d3d.pipeline does)
-        cmd = [sys.executable, "-m", f"d3d.{job}", *(["-m"] if multirun else []), *overrides, *extra]
+        owned = {o.split("=", 1)[0] for o in fixed}
+        for o in [o for o in extra if o.split("=", 1)[0] in owned]:
+            print(f"note: the {self.claim} sweep sets {o.split('=', 1)[0]} itself; ignoring {o}", flush=True)
+        extra = [o for o in extra if o.split("=", 1)[0] not in owned]
+        cmd = [sys.executable, "-m", f"d3d.{job}", *(["-m"] if multirun else []), *overrides, *extra, *fixed]
         print("$ " + " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)
         if not self.dry:
             subprocess.run(cmd, check=True)
@@ -60,10 +67,11 @@ class Sweep:
     def train_budget(self) -> list[str]:
         return [f"train.max_steps={self.p['train_steps']}", f"train.max_minutes={self.p['train_minutes']}"]
 
-    def eval(self, name: str, drafter: str, *overrides: str, n: int | None = None, suite: str = "gsm8k") -> Path:
+    def eval(self, name: str, drafter: str, *overrides: str, fixed: tuple[str, ...] = (), n: int | None = None,
+             suite: str = "gsm8k") -> Path:
         out = self.outputs / "eval" / name
-        self.run("eval", f"benchmark={suite}", f"drafter.checkpoint={drafter}", f"eval.out_dir={out}",
-                 f"eval.n={n or self.p['n']}", f"eval.max_new_tokens={self.p['max_new']}", *overrides)
+        self.run("eval", f"benchmark={suite}", f"eval.n={n or self.p['n']}", f"eval.max_new_tokens={self.p['max_new']}",
+                 *overrides, fixed=(f"drafter.checkpoint={drafter}", f"eval.out_dir={out}", *fixed))
         return out
 
 
@@ -72,8 +80,8 @@ class Sweep:
 
 def ar_loss(sw: Sweep) -> dict:
     lams = ["0.0", "0.5", "1.0", "2.0"]
-    sw.run("train", f"train.ar_weight={','.join(lams)}", *sw.train_budget(),
-           f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
+    sw.run("train", *sw.train_budget(), fixed=(f"train.ar_weight={','.join(lams)}", f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}",
+                                                f"hydra.sweep.dir={sw.outputs}/train"), multirun=True)
     rows = []
     for lam in lams:
         ev = None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]",
@@ -90,7 +98,7 @@ def ar_loss(sw: Sweep) -> dict:
 
 def budget(sw: Sweep) -> dict:
     budgets = sw.p["budgets"]  # the paper's grid: C in {4, 8, 12, 16} x F in {1, 2, 5} (hours on 2 CPU cores)
-    ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", f"eval.async_budgets=[{','.join(budgets)}]")
+    ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.async_budgets=[{','.join(budgets)}]",))
     if sw.dry:
         return {"rows": []}
     s = summarise(read_rows(ev))
@@ -111,8 +119,8 @@ def budget(sw: Sweep) -> dict:
 
 def pruning(sw: Sweep) -> dict:
     out = sw.ckpts / "acceptance"
-    sw.run("prune", f"drafter.checkpoint={sw.drafter}", f"prune.num_layers={sw.p['prune_layers']}",
-           "prune.min_retention=0", f"prune.out_dir={out}")
+    sw.run("prune", f"prune.num_layers={sw.p['prune_layers']}", "prune.min_retention=0",
+           fixed=(f"drafter.checkpoint={sw.drafter}", f"prune.out_dir={out}"))
     rows = []
     steps = [] if sw.dry else list(read_jsonl(out / "steps.jsonl"))
     for k in range(sw.p["prune_layers"] + 1):
@@ -142,7 +150,7 @@ def async_vs_sync(sw: Sweep) -> dict:
 
 
 def load(sw: Sweep) -> dict:
-    ev = sw.eval("load", sw.drafter, "eval.methods=[ar,sync,async]", f"eval.concurrency={sw.p['concurrency']}",
+    ev = sw.eval("load", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.concurrency={sw.p['concurrency']}",),
                  n=sw.p["load_n"])
     if sw.dry:
         return {"rows": []}
@@ -154,12 +162,13 @@ def load(sw: Sweep) -> dict:
 
 def block_size(sw: Sweep) -> dict:
     sizes = [4, 8, 16]
-    sw.run("train", f"drafter.block_size={','.join(map(str, sizes))}", *sw.train_budget(),
-           f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}", f"hydra.sweep.dir={sw.outputs}/train", multirun=True)
+    sw.run("train", *sw.train_budget(), fixed=(f"drafter.block_size={','.join(map(str, sizes))}",
+                                               f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}",
+                                               f"hydra.sweep.dir={sw.outputs}/train"), multirun=True)
     rows = []
     for B in sizes:
         ev = None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]",
-                                               f"decode.block_size={B}")
+                                               fixed=(f"decode.block_size={B}",))
         if sw.dry:
             continue
         row = {"B": B, **trained(sw.ckpts / f"B{B}")}
