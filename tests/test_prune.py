@@ -68,6 +68,34 @@ def test_killed_prune_resumes_from_its_last_step(root):
     assert [r["removed"] for r in resumed] == [r["removed"] for r in full]
 
 
+class Killed(Exception):
+    pass
+
+
+def test_killed_scoring_resumes_from_its_last_scored_layer(root, monkeypatch):
+    """A step scores every layer (minutes each at 0.5B on CPU): scores already made are not redone."""
+    import d3d.prune
+
+    full, _, _ = prune(root, "one_step", "prune.num_layers=1")
+    real, calls, kill_at = d3d.prune.tau_of, [], [4]  # τ_full, two layer scores, killed at the third
+
+    def tau_of(*args):
+        calls.append(1)
+        if len(calls) in kill_at:
+            raise Killed
+        return real(*args)
+
+    monkeypatch.setattr(d3d.prune, "tau_of", tau_of)
+    with pytest.raises(Killed):
+        prune(root, "killed_scoring", "prune.num_layers=1")
+    calls.clear()
+    kill_at.clear()
+    rows, out, _ = prune(root, "killed_scoring", "prune.num_layers=1")
+    assert len(calls) == 2 + 2  # the two unscored layers, then τ before and after recovery
+    assert rows[1]["scores"] == full[1]["scores"] and rows[1]["removed"] == full[1]["removed"]
+    assert len(list(read_jsonl(out / "scores.jsonl"))) == 4
+
+
 @pytest.mark.parametrize("method", ["last", "similarity"])
 def test_baselines(root, method):
     rows, _, _ = prune(root, method, f"prune.method={method}")
