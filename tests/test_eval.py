@@ -189,3 +189,19 @@ def test_methods_share_sampling_and_block_size(tmp_path):
     # an AR group lends sampling, not its B = 1
     methods = method_configs(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
     assert methods["sync"].block_size == 16 and methods["sync"].temperature == 1.0
+
+
+def test_resume_check_allows_new_methods_refuses_changed_ones(tmp_path):
+    from d3d.config import ConfigError
+    from d3d.eval import check_resumable
+
+    key = {"target": "t", "max_new_tokens": 8, "methods": {"ar": {"block_size": 1}, "sync": {"block_size": 4}}}
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"benchmark": "gsm8k", "id": "0", "turn": 0, "method": "ar"}) + "\n")
+    (tmp_path / "run.json").write_text(json.dumps({"resume_key": key}))
+    check_resumable(tmp_path, key)
+    check_resumable(tmp_path, {**key, "methods": {**key["methods"], "async_c16_f5": {"block_size": 4}}})
+    check_resumable(tmp_path, {**key, "methods": {"ar": {"block_size": 1}}})  # a subset of the methods
+    with pytest.raises(ConfigError, match=r"\(methods\.sync differ\)"):
+        check_resumable(tmp_path, {**key, "methods": {**key["methods"], "sync": {"block_size": 8}}})
+    with pytest.raises(ConfigError, match=r"\(max_new_tokens, target differ\)"):
+        check_resumable(tmp_path, {**key, "target": "u", "max_new_tokens": 9})

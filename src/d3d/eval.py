@@ -103,18 +103,19 @@ def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
 
 
 def check_resumable(out_dir: Path, key: dict) -> None:
-    """A run resumes only rows made with the same settings: mixing them would corrupt every mean."""
+    """A run resumes only rows made with the same settings: mixing them would corrupt every mean.
+    Adding methods (a budget to the grid), items or benchmarks is fine: their rows are new."""
     run_file = out_dir / "run.json"
     if not run_file.is_file() or not read_rows(out_dir):
         return
     old = json.loads(run_file.read_text()).get("resume_key")
-    if old is None or old == key:  # folders from before resume keys existed resume as they did
+    if old is None:  # folders from before resume keys existed resume as they did
         return
-    differ = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
-    if "methods" in differ:
-        differ.remove("methods")
-        differ += [f"methods.{m}" for m in sorted(set(old["methods"]) | set(key["methods"]))
-                   if old["methods"].get(m) != key["methods"].get(m)]
+    differ = sorted(k for k in set(old) | set(key) if k != "methods" and old.get(k) != key.get(k))
+    differ += [f"methods.{m}" for m in sorted(set(old["methods"]) & set(key["methods"]))
+               if old["methods"][m] != key["methods"][m]]
+    if not differ:
+        return
     raise ConfigError(f"{out_dir} holds rows made with other settings ({', '.join(differ)} differ), and resuming "
                       f"would mix them. Fix: pass a new eval.out_dir, or delete that folder to start over.")
 
