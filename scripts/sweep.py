@@ -1,7 +1,7 @@
 """One named sweep per claim of the paper: run it (resumable), then write a table and a plot.
 
     python scripts/sweep.py ar_loss        # λ in {0, 0.5, 1, 2} -> τ per benchmark
-    python scripts/sweep.py budget         # C x F async budgets -> packed tokens, hit rate, speedup
+    python scripts/sweep.py budget         # C in {4,8,12,16} x F in {1,2,5} -> packed tokens, hit rate, speedup
     python scripts/sweep.py pruning        # layers removed -> τ retention and speedup
     python scripts/sweep.py async_vs_sync  # speedup and hit rate per benchmark
     python scripts/sweep.py load           # speedup and throughput against concurrency 1..16
@@ -35,9 +35,11 @@ from d3d.utils.io import read_jsonl
 # machine is doing; train_minutes is only a safety cap (a capped run shows fewer steps in the table).
 PRESETS = {
     "cpu": {"train_steps": 80, "train_minutes": 60, "n": 6, "max_new": 96, "suite": "all", "suite_n": 2, "prune_layers": 2,
-            "concurrency": "[1,2,4,8]", "load_n": 8, "budgets": ["2x1", "4x1", "4x2", "8x2", "12x2"]},
+            "concurrency": "[1,2,4,8]", "load_n": 8,
+            # the paper's grid, C in {4, 8, 12, 16} x F in {1, 2, 5}: 12 async methods, so fewer, shorter items
+            "budgets": [f"{C}x{F}" for C in (4, 8, 12, 16) for F in (1, 2, 5)], "budget_n": 2, "budget_max_new": 64},
     "quick": {"train_steps": 10, "train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2, "prune_layers": 1,
-              "concurrency": "[1,2,4]", "load_n": 4, "budgets": ["4x1", "8x2"]},
+              "concurrency": "[1,2,4]", "load_n": 4, "budgets": ["4x1", "8x2"], "budget_n": 2, "budget_max_new": 48},
 }
 DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
 
@@ -68,9 +70,10 @@ class Sweep:
         return [f"train.max_steps={self.p['train_steps']}", f"train.max_minutes={self.p['train_minutes']}"]
 
     def eval(self, name: str, drafter: str, *overrides: str, fixed: tuple[str, ...] = (), n: int | None = None,
-             suite: str = "gsm8k") -> Path:
+             max_new: int | None = None, suite: str = "gsm8k") -> Path:
         out = self.outputs / "eval" / name
-        self.run("eval", f"benchmark={suite}", f"eval.n={n or self.p['n']}", f"eval.max_new_tokens={self.p['max_new']}",
+        self.run("eval", f"benchmark={suite}", f"eval.n={n or self.p['n']}",
+                 f"eval.max_new_tokens={max_new or self.p['max_new']}",
                  *overrides, fixed=(f"drafter.checkpoint={drafter}", f"eval.out_dir={out}", *fixed))
         return out
 
@@ -97,8 +100,9 @@ def ar_loss(sw: Sweep) -> dict:
 
 
 def budget(sw: Sweep) -> dict:
-    budgets = sw.p["budgets"]  # the paper's grid: C in {4, 8, 12, 16} x F in {1, 2, 5} (hours on 2 CPU cores)
-    ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.async_budgets=[{','.join(budgets)}]",))
+    budgets = sw.p["budgets"]
+    ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.async_budgets=[{','.join(budgets)}]",),
+                 n=sw.p["budget_n"], max_new=sw.p["budget_max_new"])
     if sw.dry:
         return {"rows": []}
     s = summarise(read_rows(ev))
