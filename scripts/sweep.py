@@ -225,7 +225,7 @@ def plot(result: dict, path: Path) -> Path | None:
         ax.set_title(y)
         ax.set_xlabel(x)
         if series:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, title=series)
     return _save(fig, path)
 
 
