@@ -196,12 +196,12 @@ def test_resume_check_allows_new_methods_refuses_changed_ones(tmp_path):
     from d3d.eval import check_resumable
 
     key = {"target": "t", "max_new_tokens": 8, "methods": {"ar": {"block_size": 1}, "sync": {"block_size": 4}}}
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"benchmark": "gsm8k", "id": "0", "turn": 0, "method": "ar"}) + "\n")
+    rows = [{"benchmark": "gsm8k", "id": "0", "turn": 0, "method": "ar"}]
     (tmp_path / "run.json").write_text(json.dumps({"resume_key": key}))
-    check_resumable(tmp_path, key)
-    check_resumable(tmp_path, {**key, "methods": {**key["methods"], "async_c16_f5": {"block_size": 4}}})
-    check_resumable(tmp_path, {**key, "methods": {"ar": {"block_size": 1}}})  # a subset of the methods
+    check_resumable(tmp_path, key, rows)
+    check_resumable(tmp_path, {**key, "methods": {**key["methods"], "async_c16_f5": {"block_size": 4}}}, rows)
+    check_resumable(tmp_path, {**key, "methods": {"ar": {"block_size": 1}}}, rows)  # a subset of the methods
     with pytest.raises(ConfigError, match=r"\(methods\.sync differ\)"):
-        check_resumable(tmp_path, {**key, "methods": {**key["methods"], "sync": {"block_size": 8}}})
+        check_resumable(tmp_path, {**key, "methods": {**key["methods"], "sync": {"block_size": 8}}}, rows)
     with pytest.raises(ConfigError, match=r"\(max_new_tokens, target differ\)"):
-        check_resumable(tmp_path, {**key, "target": "u", "max_new_tokens": 9})
+        check_resumable(tmp_path, {**key, "target": "u", "max_new_tokens": 9}, rows)

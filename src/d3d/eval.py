@@ -102,11 +102,11 @@ def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
             "methods": {name: {k: v for k, v in asdict(dc).items() if k != "max_new_tokens"} for name, dc in methods.items()}}
 
 
-def check_resumable(out_dir: Path, key: dict) -> None:
+def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
     """A run resumes only rows made with the same settings: mixing them would corrupt every mean.
     Adding methods (a budget to the grid), items or benchmarks is fine: their rows are new."""
     run_file = out_dir / "run.json"
-    if not run_file.is_file() or not read_rows(out_dir):
+    if not run_file.is_file() or not previous:
         return
     old = json.loads(run_file.read_text()).get("resume_key")
     if old is None:  # folders from before resume keys existed resume as they did
@@ -197,7 +197,8 @@ def run_eval(cfg: DictConfig) -> Path:
     cache = resolve_path(cfg.paths.cache_dir)
     methods = method_configs(cfg)
     key = resume_key(cfg, methods)
-    check_resumable(out_dir, key)
+    previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
+    check_resumable(out_dir, key, previous)
     tok, target, drafter = load_models(cfg, methods, cache, state)
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, None if dc.method == "ar" else drafter, dc, eos, seed=int(cfg.seed))
@@ -214,7 +215,7 @@ def run_eval(cfg: DictConfig) -> Path:
             "methods": {name: {**asdict(dc), "budget": dc.budget} for name, dc in methods.items()},
             "resume_key": key})
 
-    done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in read_rows(out_dir)}
+    done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
     timeout_s = float(cfg.eval.exec_timeout_s)
     with JsonlWriter(rows_file) as writer:
