@@ -44,6 +44,12 @@ PRESETS = {
 DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
 
 
+def override_key(override: str) -> str:
+    """The config key of a Hydra override: `++eval.n=3`, `+eval.n=3`, `~eval.n` and `eval.n=3` all
+    name eval.n (so a prefixed override cannot slip past the sweep's own keys)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 class Sweep:
     def __init__(self, claim: str, preset: dict, drafter: str, extra: list[str], root: Path, dry: bool,
                  skip_eval: bool = False):
@@ -57,10 +63,10 @@ class Sweep:
         `fixed` are what the sweep varies or where it writes: they come last, and an extra override
         of the same key is dropped with a note rather than silently measuring something else."""
         extra = stage_overrides(job, self.extra)  # only the keys this job has (as d3d.pipeline does)
-        owned = {o.split("=", 1)[0] for o in fixed}
-        for o in [o for o in extra if o.split("=", 1)[0] in owned]:
-            print(f"note: the {self.claim} sweep sets {o.split('=', 1)[0]} itself; ignoring {o}", flush=True)
-        extra = [o for o in extra if o.split("=", 1)[0] not in owned]
+        owned = {override_key(o) for o in fixed}
+        for o in [o for o in extra if override_key(o) in owned]:
+            print(f"note: the {self.claim} sweep sets {override_key(o)} itself; ignoring {o}", flush=True)
+        extra = [o for o in extra if override_key(o) not in owned]
         cmd = [sys.executable, "-m", f"d3d.{job}", *(["-m"] if multirun else []), *overrides, *extra, *fixed]
         print("$ " + " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)
         if not self.dry:
