@@ -140,7 +140,8 @@ def pruning(sw: Sweep) -> dict:
             continue
         s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]
         st = steps[k]
-        rows.append({"removed": k, "layers": st["layers"], "calib_tau": st["tau"], "retention": st["retention"],
+        held = {"holdout_tau": st["holdout_tau"]} if "holdout_tau" in st else {}  # with prune.holdout_size
+        rows.append({"removed": k, "layers": st["layers"], "calib_tau": st["tau"], **held, "retention": st["retention"],
                      "draft_ms": st["draft_latency_ms"], "eval_tau": s["sync"]["tau_token_weighted"],
                      "sync_speedup": s["sync"]["speedup_token_weighted"],
                      "async_speedup": s["async"]["speedup_token_weighted"]})

@@ -12,7 +12,9 @@ from d3d.estimator import greedy_rounds, match_lengths
 from d3d.generate import run_generate
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings
+from d3d.config import ConfigError, resolve_path
 from d3d.prune import run_prune
+from d3d.train import load_examples, split_examples
 from d3d.utils.io import read_jsonl
 from tests.conftest import compose
 
@@ -102,3 +104,33 @@ def test_baselines(root, method):
     assert [r["layers"] for r in rows] == [4, 3, 2]
     if method == "last":
         assert [r["removed"] for r in rows[1:]] == [3, 2]
+
+
+def test_holdout_measures_the_retention_on_responses_the_choice_did_not_see(root, monkeypatch):
+    """With prune.holdout_size the retention (the stopping rule) is τ on the held-out responses after
+    the calibration ones, never on the ones that chose the layer. A stand-in τ that differs by
+    response set and layer count tells the sets apart (the tiny drafter's real τ is 2.0 on both)."""
+    import d3d.prune
+
+    seen = []
+
+    def tau_of(model, examples, s):
+        seen.append(tuple(tuple(e.ids) for e in examples))
+        return 10.0 * len(examples) + len(s.kept_layers)
+
+    monkeypatch.setattr(d3d.prune, "tau_of", tau_of)
+    rows, out, cfg = prune(root, "holdout", "train.val_size=5", "prune.holdout_size=2", "prune.num_layers=1")
+    _, val = split_examples(load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len)), 5, int(cfg.seed))
+    calib, holdout = (tuple(tuple(e.ids) for e in part) for part in (val[:3], val[3:5]))
+    assert set(seen) == {calib, holdout} and not set(calib) & set(holdout)
+    step0, step1 = rows
+    assert (step0["tau"], step0["holdout_tau"], step1["tau"], step1["holdout_tau"]) == (34.0, 24.0, 33.0, 23.0)
+    assert step1["retention"] == 23.0 / 24.0  # the hold-out's, not the calibration's 33/34
+    assert seen.count(holdout) == 3  # τ_full, and before and after the recovery
+    header = (out / "steps.md").read_text().splitlines()[0]
+    assert "hold-out τ before" in header and "hold-out τ after" in header
+    # a hold-out run resumes only as one; too few held-out responses is a clear error
+    with pytest.raises(ConfigError, match="holdout_size"):
+        prune(root, "holdout", "train.val_size=5", "prune.num_layers=2")
+    with pytest.raises(ConfigError, match="train.val_size"):
+        prune(root, "too_few", "prune.holdout_size=1")

@@ -9,6 +9,12 @@ whose output is closest to its input). After every step: steps.jsonl (layers kep
 after recovery, retention, draft latency) and a normal checkpoint in step_<k>/; `final/` is the
 last step that kept the retention. A killed run resumes from its last finished step, and within a
 step from its last scored layer (scores.jsonl).
+
+Why a hold-out: the τ "before recovery" of the chosen layer is the best of L noisy scores on the
+calibration responses, so it is biased upward (the winner's curse), and a retention measured on the
+same responses inherits part of that bias. With `prune.holdout_size=N` the next N held-out responses
+(after the calibration ones, inside train.val_size, so never trained on) get their own τ before and
+after recovery, and the retention — the stopping rule — is measured on them.
 """
 
 from __future__ import annotations
@@ -135,6 +141,33 @@ def latencies(model, s: DrafterSettings, pc: DictConfig) -> dict:
             f"packed_{packed * s.block_size}tok_latency_ms": draft_latency_ms(model, s, blocks=packed)}
 
 
+def calibration_and_holdout(val: list, pc: DictConfig, val_max_new_tokens: int | None) -> tuple[list, list]:
+    """The first calib_size held-out responses choose the layer; the next holdout_size (none by
+    default) measure the retention without the choice's upward bias."""
+    n_calib, n_hold = int(pc.calib_size), int(pc.get("holdout_size") or 0)
+    if n_calib + n_hold > len(val):
+        raise ConfigError(f"prune.calib_size={n_calib} + prune.holdout_size={n_hold} responses asked, but the "
+                          f"held-out split has {len(val)} (train.val_size): lower them, or regenerate with more "
+                          f"responses and raise train.val_size *for training too* (the hold-out must never be "
+                          f"trained on)")
+    cut = [cut_responses(part, val_max_new_tokens) for part in (val[:n_calib], val[n_calib:n_calib + n_hold])]
+    return cut[0], cut[1]
+
+
+def measure(model, calib, holdout, s: DrafterSettings, when: str) -> dict:
+    """τ on the calibration responses and, when there is a hold-out, on it (`when` names the moment)."""
+    suffix = "" if when == "after" else "_before_recovery"
+    row = {f"tau{suffix}": tau_of(model, calib, s)}
+    if holdout:
+        row[f"holdout_tau{suffix}"] = tau_of(model, holdout, s)
+    return row
+
+
+def retention(row: dict, first: dict) -> float:
+    key = "holdout_tau" if "holdout_tau" in first else "tau"
+    return row[key] / first[key]
+
+
 def run_prune(cfg: DictConfig) -> Path:
     pc = cfg.prune
     torch.manual_seed(int(cfg.seed))
@@ -142,9 +175,12 @@ def run_prune(cfg: DictConfig) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len))
     train, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
-    calib = cut_responses(val[: int(pc.calib_size)], cfg.train.get("val_max_new_tokens"))
+    calib, holdout = calibration_and_holdout(val, pc, cfg.train.get("val_max_new_tokens"))
 
     history = list(read_jsonl(out_dir / "steps.jsonl"))
+    if history and ("holdout_tau" in history[0]) != bool(holdout):
+        raise ConfigError(f"{out_dir} was pruned with prune.holdout_size={0 if 'holdout_tau' not in history[0] else '>0'}; "
+                          f"resume it with the same setting, or use another prune.out_dir")
     if history and (out_dir / "last").is_dir():
         model, tok = load_drafter(out_dir / "last", dtype="float32")
         log.info("resuming after step %d", history[-1]["step"])
@@ -160,9 +196,9 @@ def run_prune(cfg: DictConfig) -> Path:
     scores_file = out_dir / "scores.jsonl"  # acceptance scores as they are made (mid-step resume)
     if not history:
         scores_file.unlink(missing_ok=True)  # a fresh run: scores of another run's drafter do not apply
-        tau_full = tau_of(model, calib, s)
+        full = measure(model, calib, holdout, s, "after")
         row = {"step": 0, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
-               "tau_before_recovery": tau_full, "tau": tau_full, "retention": 1.0,
+               **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
         writer.write([row])
         history.append(row)
@@ -175,11 +211,11 @@ def run_prune(cfg: DictConfig) -> Path:
         original = DrafterSettings.of(model).kept_layers[layer]
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
         s = DrafterSettings.of(model)
-        before = tau_of(model, calib, s)
+        before = measure(model, calib, holdout, s, "before")
         recover(model, train, cfg, s, int(pc.recovery_steps), int(cfg.seed) + step, tok.pad_token_id)
-        after = tau_of(model, calib, s)
+        after = measure(model, calib, holdout, s, "after")
         row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
-               "scores": scores, "tau_before_recovery": before, "tau": after, "retention": after / tau_full,
+               "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc)}
         save_drafter(model, tok, out_dir / f"step_{step}")
         if row["retention"] >= float(pc.min_retention):
@@ -189,12 +225,14 @@ def run_prune(cfg: DictConfig) -> Path:
         (out_dir / "last.partial").rename(out_dir / "last")
         writer.write([row])  # the step counts as finished once its row is on disk
         history.append(row)
-        print(f"[d3d.prune] step {step}: removed layer {original}, {row['layers']} left, τ {before:.3f} -> "
-              f"{after:.3f} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
+        held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
+        print(f"[d3d.prune] step {step}: removed layer {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
+              f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
         if pc.get("stop_at_step") and step >= int(pc.stop_at_step):
             break
     writer.close()
-    write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full, "steps": history,
+    write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full,
+                                          "holdout_tau_full": history[0].get("holdout_tau"), "steps": history,
                                           "final": str(out_dir / "final")})
     (out_dir / "steps.md").write_text(steps_markdown(history))
     plot_steps(history, out_dir / "pruning.png")
@@ -204,28 +242,35 @@ def run_prune(cfg: DictConfig) -> Path:
 
 def steps_markdown(history: list[dict]) -> str:
     packed_key = next((k for k in history[0] if k.startswith("packed_")), None)
-    lines = ["| step | removed | layers | τ before recovery | τ after | retention | draft ms | packed pass ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    held = "holdout_tau" in history[0]
+    cols = ["step", "removed", "layers", "τ before recovery", "τ after",
+            *(["hold-out τ before", "hold-out τ after"] if held else []), "retention", "draft ms", "packed pass ms"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for h in history:
-        packed = f"{h[packed_key]:.0f}" if packed_key and packed_key in h else "—"
-        lines.append(f"| {h['step']} | {'—' if h['removed'] is None else h['removed']} | {h['layers']} | "
-                     f"{h['tau_before_recovery']:.3f} | {h['tau']:.3f} | {h['retention']:.3f} | "
-                     f"{h['draft_latency_ms']:.1f} | {packed} |")
+        taus = ["tau_before_recovery", "tau", *(["holdout_tau_before_recovery", "holdout_tau"] if held else [])]
+        cells = [h["step"], "—" if h["removed"] is None else h["removed"], h["layers"],
+                 *(f"{h[k]:.3f}" for k in taus), f"{h['retention']:.3f}", f"{h['draft_latency_ms']:.1f}",
+                 f"{h[packed_key]:.0f}" if packed_key and packed_key in h else "—"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_steps(history: list[dict], path: Path) -> Path:
-    """τ (before/after recovery) and one-block draft latency against layers removed."""
+    """τ (before/after recovery; calibration and, if measured, hold-out) and one-block draft latency
+    against layers removed."""
     from d3d.report import _pyplot, _save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     xs = [h["step"] for h in history]
-    ax.plot(xs, [h["tau"] for h in history], "o-", color="C0", label="τ after recovery")
-    ax.plot(xs, [h["tau_before_recovery"] for h in history], "x:", color="C0", alpha=0.6, label="τ before recovery")
+    sets = [("", "calibration", "C0"), *([("holdout_", "hold-out", "C2")] if "holdout_tau" in history[0] else [])]
+    for prefix, name, color in sets:
+        ax.plot(xs, [h[f"{prefix}tau"] for h in history], "o-", color=color, label=f"τ after recovery ({name})")
+        ax.plot(xs, [h[f"{prefix}tau_before_recovery"] for h in history], "x:", color=color, alpha=0.6,
+                label=f"τ before recovery ({name})")
     ax.set_xlabel("layers removed")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel("τ (calibration, greedy)")
+    ax.set_ylabel("τ (greedy, offline estimator)")
     ax2 = ax.twinx()
     ax2.plot(xs, [h["draft_latency_ms"] for h in history], "s--", color="C1", label="draft ms")
     ax2.set_ylabel("one-block draft latency (ms)", color="C1")
