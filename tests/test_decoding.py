@@ -215,3 +215,26 @@ def test_contract1_on_the_real_smollm2_target(cache_dir):
                                                                max_new_tokens=48)).generate(prompts)
         for row, p in enumerate(prompts):
             assert res.token_ids[row] == reference(target, tok, p, 48, tok.eos_token_id), (method, row)
+
+
+@pytest.mark.parametrize("C,F", [(4, 2), (9, 1)])
+def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
+    """run.json and the budget sweep report DecodeConfig.budget as the packed tokens: it must be the
+    size of the pass the loop really runs (glue + trays), also when C exceeds the draft slots."""
+    from d3d.decoding.engine import SpecGenerator as Gen
+
+    target, drafter, tok = models
+    sizes, real = [], Gen._tray_pass
+
+    def tray_pass(self, dr, *args):
+        forward = dr.forward
+        dr.forward = lambda ids, layout: (sizes.append(ids.shape[1]), forward(ids, layout))[1]
+        try:
+            return real(self, dr, *args)
+        finally:
+            dr.forward = forward
+
+    monkeypatch.setattr(Gen, "_tray_pass", tray_pass)
+    cfg = DecodeConfig(method="async", block_size=6, C=C, F=F, max_new_tokens=20)
+    Gen(target, tok, drafter, cfg).generate([tok(PROMPTS[0])["input_ids"]])
+    assert sizes and set(sizes) == {cfg.budget}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60

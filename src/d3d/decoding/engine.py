@@ -56,8 +56,9 @@ class DecodeConfig:
 
     @property
     def budget(self) -> int:
-        """Tokens in one packed async pass: B * ((C-1)*F + 2)."""
-        return self.block_size * ((self.C - 1) * self.F + 2)
+        """Tokens in one packed async pass: B * ((C-1)*F + 2), with at most the B-1 draft slots
+        covered (C > B buys nothing: `_covered_slots` caps it)."""
+        return self.block_size * (min(self.C - 1, self.block_size - 1) * self.F + 2)
 
 
 @dataclass
