@@ -8,11 +8,15 @@ from d3d.models.drafter import build_drafter, save_drafter
 from tests.conftest import compose, load_script
 
 
-def test_bench_decode_smoke(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def smoke_drafter(tmp_path):
     cfg = compose("train", ["+experiment=smoke"], tmp_path)
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
-    drafter = save_drafter(model, tok, tmp_path / "drafter")
+    return cfg, save_drafter(model, tok, tmp_path / "drafter")
+
+
+def test_bench_decode_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg, drafter = smoke_drafter(tmp_path)
     out = tmp_path / "bench.json"
     res = load_script("bench_decode").main([
         "--drafter", str(drafter), "--n-prompts", "2", "--max-new-tokens", "8", "--block-sizes", "4", "2",
@@ -27,3 +31,15 @@ def test_bench_decode_smoke(tmp_path, monkeypatch):
     assert all(v > 0 for v in res["pass_cost"]["drafter_ms"].values())
     saved = json.loads(out.read_text())
     assert len(saved["rows"]) == 2 * len(names) and out.with_suffix(".md").exists()
+
+
+def test_only_keeps_the_ar_baseline(tmp_path, monkeypatch):
+    """`--only d3d_async` used to lose every measurement at the end (no baseline to divide by)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg, drafter = smoke_drafter(tmp_path)
+    res = load_script("bench_decode").main([
+        "--drafter", str(drafter), "--n-prompts", "1", "--max-new-tokens", "8", "--block-sizes", "4",
+        "--budgets", "3x1", "--only", "d3d_async", "--out", str(tmp_path / "b.json"), "+experiment=smoke",
+        f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+    assert [s["method"] for s in res["summary"]] == ["d3d_ar", "d3d_async_c3_f1(16tok)"]
+    assert res["summary"][1]["equal_rate"] == 1.0 and res["summary"][0]["ratio"] == 1.0
