@@ -100,6 +100,25 @@ def test_mask_token_is_added_with_mean_embedding(tmp_path):
     torch.testing.assert_close(emb[s.mask_token_id], emb[: s.vocab_size].mean(0))
 
 
+def test_mask_token_in_a_padded_embedding_starts_at_the_mean(tmp_path):
+    """Qwen-like case: the embedding has untrained padding rows past the tokenizer (151,665 tokens,
+    151,936 rows), so the new token's id lands on one of them; that row must be re-initialised too."""
+    from d3d.models import load_model, load_tokenizer, resolve_model_path
+    from d3d.models.drafter import _add_mask_token
+
+    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    model, tok = load_model(path, "float32", "cpu"), load_tokenizer(path)
+    n_real = len(tok)
+    model.resize_token_embeddings(n_real + 16, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[n_real:] = 5.0  # far from any real token's row
+    mask_id = _add_mask_token(model, tok, "<|brand_new_mask|>", vocab_size=n_real + 16)
+    emb = model.get_input_embeddings().weight
+    assert mask_id == n_real and emb.shape[0] == n_real + 16
+    torch.testing.assert_close(emb[mask_id], emb[:n_real].mean(0))
+
+
 def test_layer_subset_and_skipping(tmp_path):
     model, _, _ = tiny_drafter(tmp_path, layers=4)
     ids = torch.tensor([[5, 6, 7, 8, 9]])

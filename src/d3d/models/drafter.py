@@ -121,17 +121,21 @@ def skipping_layers(model, drop: list[int]) -> Iterator[None]:
 
 
 def _add_mask_token(model, tokenizer, name: str, vocab_size: int) -> int:
-    """The mask token id; a new token's embedding row starts at the mean of the vocabulary's."""
-    if name not in tokenizer.get_vocab():
+    """The mask token id; a new token's embedding row starts at the mean of the real tokens' rows.
+    The new id can land inside the embedding matrix (Qwen pads 151,665 tokens to 151,936 rows):
+    that padding row was never trained, so it is overwritten just like an appended one."""
+    new = name not in tokenizer.get_vocab()
+    n_real = len(tokenizer)  # rows that belong to real tokens, before the mask joins them
+    if new:
         tokenizer.add_tokens([name], special_tokens=True)
     mask_id = tokenizer.convert_tokens_to_ids(name)
     emb = model.get_input_embeddings()
     if mask_id >= emb.weight.shape[0]:
         model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
         emb = model.get_input_embeddings()
-    if mask_id >= vocab_size:  # a row of its own: start it in the middle of the vocabulary
+    if new:  # start it in the middle of the vocabulary
         with torch.no_grad():
-            emb.weight[mask_id] = emb.weight[:vocab_size].mean(dim=0)
+            emb.weight[mask_id] = emb.weight[: min(n_real, vocab_size)].mean(dim=0)
     return mask_id
 
 
