@@ -29,7 +29,7 @@ from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import load_drafter
+from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 from d3d.utils.timing import timed
@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = resolve_model_path(cfg.target, cache)
     tok = load_tokenizer(path)
     target = load_model(path, cfg.target.dtype, "auto")
-    drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
+    drafter, drafter_tok = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
+    for warning in check_fits_target(drafter, drafter_tok, target, tok, str(cfg.target.name)):
+        print(f"warning: {warning}", flush=True)
     eos = eos_ids(tok, target)
     spec = benchmark_spec(args.benchmark)
     records = load_benchmark(spec, cache, n=args.n_prompts + 1)

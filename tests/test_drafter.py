@@ -142,3 +142,32 @@ def test_tokenizer_mismatch_is_refused(tmp_path):
     with pytest.raises(TokenizerMismatchError, match="family"):
         check_same_tokenizer(tok, other, DrafterSettings.of(model))
     check_same_tokenizer(tok, build_byte_tokenizer(), DrafterSettings.of(model))  # same vocab: fine
+
+
+def test_a_drafter_checkpoint_is_checked_against_the_target_it_meets(tmp_path):
+    """Contract 7 at load time (d3d.eval, bench_decode): another vocabulary or logits width is
+    refused before any decoding; another target of the same vocabulary is only a warning."""
+    from accelerate import PartialState
+
+    from d3d.decoding import DecodeConfig
+    from d3d.eval import load_models
+    from d3d.models import load_model, load_tokenizer, resolve_model_path
+    from d3d.models.drafter import check_fits_target, save_drafter
+
+    model, tok, cfg = tiny_drafter(tmp_path)
+    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    target, target_tok = load_model(path, "float32", "cpu"), load_tokenizer(path)
+    assert check_fits_target(model, tok, target, target_tok, cfg.target.name) == []
+    assert "trained for target" in check_fits_target(model, tok, target, target_tok, "another_target")[0]
+    wider = load_model(path, "float32", "cpu")
+    wider.resize_token_embeddings(len(target_tok) + 8)
+    with pytest.raises(TokenizerMismatchError, match="logits"):
+        check_fits_target(model, tok, wider, target_tok)
+    # through d3d.eval's loader: a checkpoint whose vocabulary differs is refused
+    tok.add_tokens(["<|not_in_the_target|>"])
+    folder = save_drafter(model, tok, tmp_path / "foreign")
+    ev = compose("eval", ["+experiment=smoke", f"target.name={cfg.target.name}",
+                          f"target.tiny.num_hidden_layers={cfg.target.tiny.num_hidden_layers}",
+                          f"drafter.checkpoint={folder}"], tmp_path)
+    with pytest.raises(TokenizerMismatchError, match="does not match"):
+        load_models(ev, {"sync": DecodeConfig(method="sync")}, cfg.paths.cache_dir, PartialState())

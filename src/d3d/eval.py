@@ -28,7 +28,7 @@ from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, l
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import build_drafter, load_drafter
+from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter
 from d3d.grading import grade
 from d3d.report import read_rows, summary_markdown, write_report
 from d3d.utils.io import JsonlWriter, write_json
@@ -127,10 +127,19 @@ def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, 
     drafter = None
     if any(dc.method != "ar" for dc in methods.values()):
         if cfg.drafter.get("checkpoint"):
-            drafter, _ = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device), dtype=cfg.target.dtype)
+            drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
+                                                dtype=cfg.target.dtype)
+            for warning in check_fits_target(drafter, drafter_tok, target, tok, str(cfg.target.name)):
+                log.warning(warning)
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
             drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=str(target.device), dtype=cfg.target.dtype)
+    if drafter is not None:
+        trained = DrafterSettings.of(drafter).block_size
+        for name, dc in methods.items():
+            if dc.method != "ar" and int(dc.block_size) != trained:
+                log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
+                            "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
 
 

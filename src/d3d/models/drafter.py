@@ -71,6 +71,23 @@ def check_same_tokenizer(drafter_tok, target_tok, settings: DrafterSettings) -> 
         )
 
 
+def check_fits_target(drafter, drafter_tok, target, target_tok, target_name: str | None = None) -> list[str]:
+    """Contract 7 at load time: a drafter checkpoint must share the target's vocabulary and logits
+    width (else drafts are other tokens than the target verifies). Returns warnings for what is
+    allowed but worth saying (a drafter trained for another target of the same family)."""
+    settings = DrafterSettings.of(drafter)
+    check_same_tokenizer(drafter_tok, target_tok, settings)
+    width = target.get_output_embeddings().weight.shape[0]
+    if settings.vocab_size != width:
+        raise TokenizerMismatchError(
+            f"the drafter was built for a target with {settings.vocab_size} logits; this target has {width}. "
+            "Fix: use a drafter built (d3d.train) for this target or one with the same vocabulary and head.")
+    if target_name and settings.target and settings.target != target_name:
+        return [f"the drafter was trained for target {settings.target!r}, not {target_name!r} (same vocabulary, "
+                "so decoding stays lossless; τ may be lower)"]
+    return []
+
+
 # ---------------------------------------------------------------------------- layers
 
 
