@@ -70,7 +70,7 @@ def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
     """Mean cosine similarity between each layer's input and output on the calibration text."""
     sims = [0.0] * len(decoder_layers(model))
     for ex in calib:
-        out = model(torch.tensor([ex.ids]), output_hidden_states=True)
+        out = model(torch.tensor([ex.ids], device=next(model.parameters()).device), output_hidden_states=True)
         hs = out.hidden_states  # embeddings, then after each layer
         for i in range(len(sims)):
             sims[i] += torch.nn.functional.cosine_similarity(hs[i][0], hs[i + 1][0], dim=-1).mean().item() / len(calib)
@@ -177,17 +177,20 @@ def run_prune(cfg: DictConfig) -> Path:
     train, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
     calib, holdout = calibration_and_holdout(val, pc, cfg.train.get("val_max_new_tokens"))
 
+    device = str(pc.get("device") or "auto")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     history = list(read_jsonl(out_dir / "steps.jsonl"))
     if history and ("holdout_tau" in history[0]) != bool(holdout):
         raise ConfigError(f"{out_dir} was pruned with prune.holdout_size={0 if 'holdout_tau' not in history[0] else '>0'}; "
                           f"resume it with the same setting, or use another prune.out_dir")
     if history and (out_dir / "last").is_dir():
-        model, tok = load_drafter(out_dir / "last", dtype="float32")
+        model, tok = load_drafter(out_dir / "last", device=device, dtype="float32")
         log.info("resuming after step %d", history[-1]["step"])
     elif cfg.drafter.get("checkpoint"):
-        model, tok = load_drafter(cfg.drafter.checkpoint, dtype="float32")
+        model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32")
     else:
-        model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), dtype="float32")
+        model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
+                                   dtype="float32")
     model.eval()
     s = DrafterSettings.of(model)
     if cfg.train.freeze_embeddings:

@@ -63,10 +63,12 @@ def split_examples(examples: list[Example], val_size: int, seed: int) -> tuple[l
     return train, val
 
 
-def batch_at(train: list[Example], step: int, micro: int, per_step: int, batch_size: int, seed: int) -> list[Example]:
-    """The micro-batch of a given step: data order is a pure function of (seed, position), so a
-    resumed run reads exactly what the uninterrupted run would have read."""
-    start = step * per_step + micro * batch_size
+def batch_at(train: list[Example], step: int, micro: int, per_step: int, batch_size: int, seed: int,
+             rank: int = 0, ranks: int = 1) -> list[Example]:
+    """The micro-batch of a given step on one process: data order is a pure function of (seed,
+    position), so a resumed run reads exactly what the uninterrupted run would have read. A step
+    reads per_step = batch_size * grad_accum * ranks examples; each (micro, rank) its own slice."""
+    start = step * per_step + (micro * ranks + rank) * batch_size
     orders: dict[int, list[int]] = {}  # one seeded shuffle per epoch the batch touches
     out = []
     for i in range(start, start + batch_size):
@@ -154,9 +156,10 @@ def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    weights = accelerator.get_state_dict(model)  # every process takes part: it gathers sharded weights
     if accelerator.is_main_process:
         write_json(tmp / "trainer_state.json", state)
-        save_drafter(accelerator.unwrap_model(model), tokenizer, tmp / "drafter")
+        save_drafter(accelerator.unwrap_model(model), tokenizer, tmp / "drafter", weights)
         shutil.rmtree(last, ignore_errors=True)
         tmp.rename(last)
     accelerator.wait_for_everyone()
@@ -167,7 +170,9 @@ def run_train(cfg: DictConfig) -> Path:
     from accelerate.utils import set_seed
 
     tc = cfg.train
-    accelerator = Accelerator(mixed_precision=mixed_precision(tc.mixed_precision),
+    # The scheduler is stepped by hand once per optimizer step: accelerate would otherwise step it
+    # once per process (it assumes a sharded dataloader shortened the epoch; ours counts steps).
+    accelerator = Accelerator(mixed_precision=mixed_precision(tc.mixed_precision), step_scheduler_with_optimizer=False,
                               gradient_accumulation_steps=int(tc.grad_accum), cpu=not torch.cuda.is_available())
     set_seed(int(cfg.seed))
     out_dir = resolve_path(tc.out_dir)
@@ -202,7 +207,8 @@ def run_train(cfg: DictConfig) -> Path:
 
     metrics = JsonlWriter(out_dir / "metrics.jsonl") if accelerator.is_main_process else None
     wandb_run = start_wandb(cfg, accelerator)
-    per_step = int(tc.batch_size) * int(tc.grad_accum)
+    rank, ranks = accelerator.process_index, accelerator.num_processes
+    per_step = int(tc.batch_size) * int(tc.grad_accum) * ranks  # the global batch of one optimizer step
     max_steps, step = int(tc.max_steps), int(state["step"])
     budget_s = float(tc.max_minutes) * 60 if tc.max_minutes else None
     pad_id = tokenizer.pad_token_id
@@ -222,11 +228,11 @@ def run_train(cfg: DictConfig) -> Path:
     spent = budget_s is not None and float(state["elapsed_s"]) > budget_s
     while step < max_steps and not spent:
         t0 = time.perf_counter()
-        gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + step + 7_919_000_000 * rank)
         sums: dict = {}
         tokens = 0
         for micro in range(int(tc.grad_accum)):
-            batch = pack(batch_at(train, step, micro, per_step, int(tc.batch_size), int(cfg.seed)),
+            batch = pack(batch_at(train, step, micro, per_step, int(tc.batch_size), int(cfg.seed), rank, ranks),
                          objective, settings.mask_token_id, pad_id, gen)
             with accelerator.accumulate(model):
                 loss, m = d3d_loss(model, batch, objective.ar_weight, settings.vocab_size)
@@ -234,11 +240,11 @@ def run_train(cfg: DictConfig) -> Path:
                 if accelerator.sync_gradients and tc.clip:
                     m["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), float(tc.clip)))
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             tokens += batch.n_tokens
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v / int(tc.grad_accum)
+        scheduler.step()  # once per optimizer step, whatever grad_accum and the number of processes
         step += 1
         bar.update(1)
         row = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / (time.perf_counter() - t0),
@@ -257,8 +263,9 @@ def run_train(cfg: DictConfig) -> Path:
             break
     bar.close()
 
+    weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        final = save_drafter(accelerator.unwrap_model(model), tokenizer, out_dir / "final")
+        final = save_drafter(accelerator.unwrap_model(model), tokenizer, out_dir / "final", weights)
         history = list(read_jsonl(out_dir / "metrics.jsonl"))
         evals = [r for r in history if "val_tau" in r]
         write_json(out_dir / "summary.json", {

@@ -196,9 +196,11 @@ def build_drafter(drafter_cfg, target_cfg, cache_dir: str | Path, device: str = 
     return model, tok
 
 
-def save_drafter(model, tokenizer, out_dir: str | Path) -> Path:
+def save_drafter(model, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:
+    """An ordinary HF folder. `state_dict`: the gathered weights when training sharded them (FSDP,
+    ZeRO-3), where the unwrapped module holds only this process's shard."""
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, state_dict=state_dict)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
