@@ -51,9 +51,28 @@ def test_resume_skips_finished_rows(tmp_path, monkeypatch):
     # other settings in the same folder would mix incomparable rows: refused, naming what differs
     from d3d.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"max_new_tokens, methods\.async, methods\.sync differ.*new eval.out_dir"):
+    with pytest.raises(ConfigError, match=r"max_new_tokens, methods\.async\.block_size, methods\.sync\.block_size differ.*new eval.out_dir"):
         evaluate(tmp_path, "eval.n=2", "eval.max_new_tokens=10", "decode.block_size=3")
     assert list(read_jsonl(out / "rows.jsonl")) == rows  # nothing lost or added
+
+
+def test_resume_refuses_a_drafter_retrained_in_place(tmp_path, monkeypatch):
+    """Same checkpoint path, other weights (a rerun of d3d.train into the same folder): refused."""
+    import torch
+
+    from d3d.config import ConfigError
+    from d3d.models.drafter import build_drafter, load_drafter, save_drafter
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose("eval", SMOKE, tmp_path)
+    folder = save_drafter(*build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32"), tmp_path / "d")
+    evaluate(tmp_path, "eval.n=1", f"drafter.checkpoint={folder}", "eval.methods=[ar,sync]")
+    model, tok = load_drafter(folder, dtype="float32")
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    save_drafter(model, tok, folder)
+    with pytest.raises(ConfigError, match=r"\(drafter_weights differ\)"):
+        evaluate(tmp_path, "eval.n=1", f"drafter.checkpoint={folder}", "eval.methods=[ar,sync]")
 
 
 def test_speedup_formula_hand_case():
@@ -201,7 +220,7 @@ def test_resume_check_allows_new_methods_refuses_changed_ones(tmp_path):
     check_resumable(tmp_path, key, rows)
     check_resumable(tmp_path, {**key, "methods": {**key["methods"], "async_c16_f5": {"block_size": 4}}}, rows)
     check_resumable(tmp_path, {**key, "methods": {"ar": {"block_size": 1}}}, rows)  # a subset of the methods
-    with pytest.raises(ConfigError, match=r"\(methods\.sync differ\)"):
+    with pytest.raises(ConfigError, match=r"\(methods\.sync\.block_size differ\)"):
         check_resumable(tmp_path, {**key, "methods": {**key["methods"], "sync": {"block_size": 8}}}, rows)
     with pytest.raises(ConfigError, match=r"\(max_new_tokens, target differ\)"):
         check_resumable(tmp_path, {**key, "target": "u", "max_new_tokens": 9}, rows)

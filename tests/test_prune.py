@@ -68,6 +68,15 @@ def test_killed_prune_resumes_from_its_last_step(root):
     assert [r["removed"] for r in resumed] == [r["removed"] for r in full]
 
 
+def test_resume_refuses_other_settings(root):
+    """A rerun with another recovery (or another starting drafter) used to continue the old run."""
+    prune(root, "guarded", "prune.num_layers=1")
+    with pytest.raises(ConfigError, match=r"\(prune\.recovery_steps differ\)"):
+        prune(root, "guarded", "prune.num_layers=2", "prune.recovery_steps=2")
+    rows, _, _ = prune(root, "guarded", "prune.num_layers=2", "prune.min_retention=0.5")  # go further: fine
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
 class Killed(Exception):
     pass
 

@@ -43,6 +43,19 @@ def test_contract5_resume_matches_uninterrupted(root):
     assert [r["val_tau"] for r in resumed if "val_tau" in r] == [r["val_tau"] for r in full if "val_tau" in r]
 
 
+def test_resume_refuses_other_settings_allows_a_longer_budget(root):
+    """Rerunning a finished run with another λ used to report the old drafter as the new one."""
+    from d3d.config import ConfigError
+
+    first, out = train(root, "guarded", "train.max_steps=3")
+    with pytest.raises(ConfigError, match=r"\(train\.ar_weight differ\).*train.resume=false"):
+        train(root, "guarded", "train.max_steps=3", "train.ar_weight=0")
+    longer, _ = train(root, "guarded", "train.max_steps=5")  # a budget is not the experiment: resumes
+    assert [s for s, _ in losses(longer)][-1] == 5 and losses(longer)[:3] == losses(first)
+    fresh, _ = train(root, "guarded", "train.max_steps=2", "train.ar_weight=0", "train.resume=false")
+    assert [s for s, _ in losses(fresh)] == [1, 2] and not any("loss_ar" in r for r in fresh)
+
+
 def test_ar_weight_zero_is_a_real_switch(root):
     with_ar, _ = train(root, "lam1", "train.ar_weight=1")
     without, _ = train(root, "lam0", "train.ar_weight=0")

@@ -82,3 +82,16 @@ def resolve_path(value: str | os.PathLike) -> Path:
 def to_plain(cfg: DictConfig) -> dict:
     """The resolved config as plain Python (for result files)."""
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
+
+
+def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested settings dicts. Keys only one side has
+    are skipped: a result written before a key existed still resumes."""
+    out = []
+    for k in sorted(set(old) & set(new)):
+        a, b = old[k], new[k]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differing_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out

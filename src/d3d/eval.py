@@ -23,12 +23,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, config_dir, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, config_dir, differing_keys, hydra_job, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter
+from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.report import read_rows, summary_markdown, write_report
 from d3d.utils.io import JsonlWriter, write_json
@@ -97,6 +97,7 @@ def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
     drafter = cfg.drafter.get("checkpoint")
     return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
             "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
+            **({"drafter_weights": weights_fingerprint(resolve_path(drafter))} if drafter else {}),
             "max_new_tokens": int(cfg.eval.max_new_tokens), "enable_thinking": bool(cfg.eval.enable_thinking),
             "seed": int(cfg.seed),
             "methods": {name: {k: v for k, v in asdict(dc).items() if k != "max_new_tokens"} for name, dc in methods.items()}}
@@ -111,9 +112,7 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
     old = json.loads(run_file.read_text()).get("resume_key")
     if old is None:  # folders from before resume keys existed resume as they did
         return
-    differ = sorted(k for k in set(old) | set(key) if k != "methods" and old.get(k) != key.get(k))
-    differ += [f"methods.{m}" for m in sorted(set(old["methods"]) & set(key["methods"]))
-               if old["methods"][m] != key["methods"][m]]
+    differ = differing_keys(old, key)  # methods only one side has are new rows, not a conflict
     if not differ:
         return
     raise ConfigError(f"{out_dir} holds rows made with other settings ({', '.join(differ)} differ), and resuming "

@@ -27,13 +27,17 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, resolve_path
+from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path, to_plain
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers
+from d3d.models.drafter import (
+    DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers,
+    weights_fingerprint,
+)
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import ObjectiveConfig, d3d_loss, pack
 from d3d.train import (
     batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples,
+    train_resume_key,
 )
 from d3d.utils.io import JsonlWriter, read_jsonl, write_json
 from d3d.utils.timing import timed
@@ -168,6 +172,20 @@ def retention(row: dict, first: dict) -> float:
     return row[key] / first[key]
 
 
+# prune.* keys a resumed run may change (how far to go, where, on what); the rest is the experiment.
+RESUMABLE_PRUNE_KEYS = {"num_layers", "min_retention", "out_dir", "stop_at_step", "progress", "device", "packed_blocks"}
+
+
+def prune_resume_key(cfg: DictConfig) -> dict:
+    """What every step's scores and τ depend on: the starting drafter (path and weights), the
+    calibration/hold-out split and the recovery objective."""
+    checkpoint = cfg.drafter.get("checkpoint")
+    start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
+             if checkpoint else to_plain(cfg.drafter))
+    return {"drafter": start, "seed": int(cfg.seed), "train": train_resume_key(cfg)["train"],
+            "prune": {k: v for k, v in to_plain(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
+
+
 def run_prune(cfg: DictConfig) -> Path:
     pc = cfg.prune
     torch.manual_seed(int(cfg.seed))
@@ -180,9 +198,11 @@ def run_prune(cfg: DictConfig) -> Path:
     device = str(pc.get("device") or "auto")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     history = list(read_jsonl(out_dir / "steps.jsonl"))
-    if history and ("holdout_tau" in history[0]) != bool(holdout):
-        raise ConfigError(f"{out_dir} was pruned with prune.holdout_size={0 if 'holdout_tau' not in history[0] else '>0'}; "
-                          f"resume it with the same setting, or use another prune.out_dir")
+    key = prune_resume_key(cfg)
+    differ = differing_keys(history[0].get("resume_key") or {}, key) if history else []  # old runs: no key
+    if differ or (history and ("holdout_tau" in history[0]) != bool(holdout)):
+        raise ConfigError(f"{out_dir} was pruned with other settings ({', '.join(differ) or 'prune.holdout_size'} "
+                          f"differ); resuming would mix two runs. Fix: pass a new prune.out_dir, or delete that one.")
     if history and (out_dir / "last").is_dir():
         model, tok = load_drafter(out_dir / "last", device=device, dtype="float32")
         log.info("resuming after step %d", history[-1]["step"])
@@ -200,7 +220,7 @@ def run_prune(cfg: DictConfig) -> Path:
     if not history:
         scores_file.unlink(missing_ok=True)  # a fresh run: scores of another run's drafter do not apply
         full = measure(model, calib, holdout, s, "after")
-        row = {"step": 0, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
+        row = {"step": 0, "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
         writer.write([row])

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path, to_plain
 from d3d.estimator import estimate_acceptance
 from d3d.generate import read_responses
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
@@ -149,6 +149,26 @@ def evaluate(model, val: list[Example], settings: DrafterSettings) -> dict:
             "val_tau_histogram": out["tau_histogram"]}
 
 
+# train.* keys a resumed run may change: budgets, cadence, where things go. Anything else changes the
+# experiment, and a run resumed with it would be half one experiment and half another.
+RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every", "progress", "resume",
+                        "stop_at_step", "out_dir", "responses_dir", "val_max_new_tokens"}
+
+
+def train_resume_key(cfg: DictConfig) -> dict:
+    plain = to_plain(cfg)
+    target = {k: v for k, v in plain["target"].items() if k not in ("device", "dtype", "attn_implementation")}
+    return {"target": target, "drafter": plain["drafter"], "data": plain["data"], "seed": plain["seed"],
+            "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}}
+
+
+def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
+    differ = differing_keys(state.get("resume_key") or {}, key)  # checkpoints from before keys: no check
+    if differ:
+        raise ConfigError(f"{resume_dir} was trained with other settings ({', '.join(differ)} differ); resuming "
+                          f"would mix two runs. Fix: pass a new train.out_dir, or train.resume=false to start over there.")
+
+
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:
     """out_dir/last: accelerate state (model, optimizer, scheduler, RNG) + trainer state, atomically."""
     tmp, last = out_dir / "last.partial", out_dir / "last"
@@ -194,10 +214,12 @@ def run_train(cfg: DictConfig) -> Path:
     scheduler = make_scheduler(optimizer, tc)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
+    key = train_resume_key(cfg)
     state = {"step": 0, "elapsed_s": 0.0}
     if resuming:
-        accelerator.load_state(str(resume_dir))
         state = json.loads((resume_dir / "trainer_state.json").read_text())
+        check_same_run(resume_dir, state, key)
+        accelerator.load_state(str(resume_dir))
         log.info("resumed from %s at step %d", resume_dir, state["step"])
     elif accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +278,7 @@ def run_train(cfg: DictConfig) -> Path:
             model.train()
         if step % int(tc.log_every) == 0 or "val_tau" in row or step == max_steps:
             log_row(row)
-        state = {"step": step, "elapsed_s": time.perf_counter() - start}
+        state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": key}
         if step % int(tc.save_every) == 0 or step == max_steps or out_of_time:
             save_checkpoint(accelerator, model, tokenizer, out_dir, state)
         if out_of_time or (tc.get("stop_at_step") and step >= int(tc.stop_at_step)):

@@ -205,6 +205,17 @@ def save_drafter(model, tokenizer, out_dir: str | Path, state_dict: dict | None 
     return out_dir
 
 
+def weights_fingerprint(folder: str | Path) -> str:
+    """A hash of a checkpoint's weight files: a result folder names its drafter by path *and* by
+    this, so a drafter retrained into the same folder is not mistaken for the one that made them."""
+    h = hashlib.sha1()
+    for f in sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".bin")):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto"):
     model = load_model(str(path), dtype, device)
     DrafterSettings.of(model)  # fails clearly on a non-drafter folder
