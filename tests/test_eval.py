@@ -76,16 +76,11 @@ def test_resume_refuses_a_drafter_retrained_in_place(tmp_path, monkeypatch):
 
 
 def test_speedup_formula_hand_case():
-    rows = [
-        {"benchmark": "b", "method": "ar", "new_tokens": 10, "decode_s": 1.0, "rounds": 10, "hit_rate": None,
-         "prefill_s": 0.1, "equal_to_ar": True},
-        {"benchmark": "b", "method": "ar", "new_tokens": 30, "decode_s": 3.0, "rounds": 30, "hit_rate": None,
-         "prefill_s": 0.1, "equal_to_ar": True},
-        {"benchmark": "b", "method": "sync", "new_tokens": 10, "decode_s": 0.5, "rounds": 4, "hit_rate": None,
-         "prefill_s": 0.1, "equal_to_ar": True},
-        {"benchmark": "b", "method": "sync", "new_tokens": 30, "decode_s": 1.0, "rounds": 10, "hit_rate": None,
-         "prefill_s": 0.1, "equal_to_ar": False},
-    ]
+    row = lambda method, i, tokens, decode_s, rounds, equal=True: {
+        "benchmark": "b", "id": str(i), "turn": 0, "method": method, "new_tokens": tokens, "decode_s": decode_s,
+        "rounds": rounds, "hit_rate": None, "prefill_s": 0.1, "equal_to_ar": equal}
+    rows = [row("ar", 0, 10, 1.0, 10), row("ar", 1, 30, 3.0, 30), row("sync", 0, 10, 0.5, 4),
+            row("sync", 1, 30, 1.0, 10, equal=False)]
     s = summarise(rows)["benchmarks"]["b"]
     # token-weighted TPOT: AR 4.0 s / 40 = 100 ms; sync 1.5 s / 40 = 37.5 ms -> 2.667x
     assert s["sync"]["speedup_token_weighted"] == pytest.approx(100 / 37.5)
@@ -93,6 +88,10 @@ def test_speedup_formula_hand_case():
     assert s["sync"]["speedup_prompt_weighted"] == pytest.approx(100 / ((50 + 100 / 3) / 2))
     assert s["sync"]["tau_token_weighted"] == pytest.approx(40 / 14)
     assert s["sync"]["equal_to_ar"] == 0.5
+    # a killed run: AR finished a third item that sync did not reach; the speedup compares items 0-1 only
+    partial = summarise(rows + [row("ar", 2, 10, 5.0, 10)])["benchmarks"]["b"]
+    assert partial["sync"]["speedup_token_weighted"] == pytest.approx(100 / 37.5)
+    assert partial["sync"]["speedup_items"] == 2 and partial["ar"]["rows"] == 3
 
 
 def test_eval_cli_writes_into_its_run_folder(tmp_path):

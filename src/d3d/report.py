@@ -55,12 +55,21 @@ def method_stats(rs: list[dict]) -> dict:
     }
 
 
-def _add_speedups(per: dict) -> None:
+def _add_speedups(per: dict, rows_of: dict[str, list[dict]]) -> None:
+    """Speedup against AR on the items both decoded: in a killed or growing run one method can be
+    an item ahead, and TPOTs over different items are not comparable."""
     if "ar" not in per:
         return
-    for m in per.values():
-        m["speedup_token_weighted"] = per["ar"]["tpot_ms_token_weighted"] / m["tpot_ms_token_weighted"]
-        m["speedup_prompt_weighted"] = per["ar"]["tpot_ms_prompt_weighted"] / m["tpot_ms_prompt_weighted"]
+    item = lambda r: (r.get("id"), r.get("turn", 0))
+    ar = {item(r): r for r in rows_of["ar"]}
+    for name, m in per.items():
+        pairs = [(ar[item(r)], r) for r in rows_of[name] if item(r) in ar]
+        if not pairs:
+            continue
+        a, b = (method_stats(list(side)) for side in zip(*pairs))
+        m["speedup_token_weighted"] = a["tpot_ms_token_weighted"] / b["tpot_ms_token_weighted"]
+        m["speedup_prompt_weighted"] = a["tpot_ms_prompt_weighted"] / b["tpot_ms_prompt_weighted"]
+        m["speedup_items"] = len(pairs)
 
 
 def tau_histogram(rows: list[dict]) -> dict[str, dict[int, int]]:
@@ -76,12 +85,12 @@ def summarise(rows: list[dict]) -> dict:
     single = [r for r in rows if r.get("concurrency", 1) == 1]
     out: dict = {"benchmarks": {}}
     for bench in sorted({r["benchmark"] for r in single}):
-        per = {}
+        per, rows_of = {}, {}
         for method in sorted({r["method"] for r in single if r["benchmark"] == bench}):
             rs = [r for r in single if r["benchmark"] == bench and r["method"] == method and r["new_tokens"] > 0]
             if rs:
-                per[method] = method_stats(rs)
-        _add_speedups(per)
+                per[method], rows_of[method] = method_stats(rs), rs
+        _add_speedups(per, rows_of)
         out["benchmarks"][bench] = per
     methods = sorted({m for per in out["benchmarks"].values() for m in per})
     out["mean_over_benchmarks"] = {
@@ -98,12 +107,12 @@ def load_table(rows: list[dict]) -> dict:
     """Per concurrency and method over all benchmarks: tokens/s, τ, hit rate, speedup against AR."""
     out: dict = {}
     for c in sorted({r.get("concurrency", 1) for r in rows}):
-        per = {}
+        per, rows_of = {}, {}
         for method in sorted({r["method"] for r in rows}):
             rs = [r for r in rows if r.get("concurrency", 1) == c and r["method"] == method and r["new_tokens"] > 0]
             if rs:
-                per[method] = method_stats(rs)
-        _add_speedups(per)
+                per[method], rows_of[method] = method_stats(rs), rs
+        _add_speedups(per, rows_of)
         out[str(c)] = per
     return out if len(out) > 1 else {}
 
