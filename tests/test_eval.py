@@ -88,6 +88,8 @@ def test_speedup_formula_hand_case():
     assert s["sync"]["speedup_prompt_weighted"] == pytest.approx(100 / ((50 + 100 / 3) / 2))
     assert s["sync"]["tau_token_weighted"] == pytest.approx(40 / 14)
     assert s["sync"]["equal_to_ar"] == 0.5
+    # with prefill (0.1 s a row): AR 4.2 s / 40 = 105 ms; sync 1.7 s / 40 = 42.5 ms -> 2.47x
+    assert s["sync"]["speedup_with_prefill"] == pytest.approx(105 / 42.5)
     # a killed run: AR finished a third item that sync did not reach; the speedup compares items 0-1 only
     partial = summarise(rows + [row("ar", 2, 10, 5.0, 10)])["benchmarks"]["b"]
     assert partial["sync"]["speedup_token_weighted"] == pytest.approx(100 / 37.5)
