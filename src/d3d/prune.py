@@ -158,9 +158,9 @@ def calibration_and_holdout(val: list, pc: DictConfig, val_max_new_tokens: int |
     return cut[0], cut[1]
 
 
-def measure(model, calib, holdout, s: DrafterSettings, when: str) -> dict:
-    """τ on the calibration responses and, when there is a hold-out, on it (`when` names the moment)."""
-    suffix = "" if when == "after" else "_before_recovery"
+def measure(model, calib, holdout, s: DrafterSettings, suffix: str = "") -> dict:
+    """τ on the calibration responses and, when there is a hold-out, on it; `suffix` names the
+    moment in the row's keys ("" = after recovery, "_before_recovery")."""
     row = {f"tau{suffix}": tau_of(model, calib, s)}
     if holdout:
         row[f"holdout_tau{suffix}"] = tau_of(model, holdout, s)
@@ -219,7 +219,7 @@ def run_prune(cfg: DictConfig) -> Path:
     scores_file = out_dir / "scores.jsonl"  # acceptance scores as they are made (mid-step resume)
     if not history:
         scores_file.unlink(missing_ok=True)  # a fresh run: scores of another run's drafter do not apply
-        full = measure(model, calib, holdout, s, "after")
+        full = measure(model, calib, holdout, s)
         row = {"step": 0, "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
@@ -234,9 +234,9 @@ def run_prune(cfg: DictConfig) -> Path:
         original = DrafterSettings.of(model).kept_layers[layer]
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
         s = DrafterSettings.of(model)
-        before = measure(model, calib, holdout, s, "before")
+        before = measure(model, calib, holdout, s, "_before_recovery")
         recover(model, train, cfg, s, int(pc.recovery_steps), int(cfg.seed) + step, tok.pad_token_id)
-        after = measure(model, calib, holdout, s, "after")
+        after = measure(model, calib, holdout, s)
         row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc)}
@@ -269,8 +269,8 @@ def steps_markdown(history: list[dict]) -> str:
     cols = ["step", "removed", "layers", "τ before recovery", "τ after",
             *(["hold-out τ before", "hold-out τ after"] if held else []), "retention", "draft ms", "packed pass ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    taus = ["tau_before_recovery", "tau", *(["holdout_tau_before_recovery", "holdout_tau"] if held else [])]
     for h in history:
-        taus = ["tau_before_recovery", "tau", *(["holdout_tau_before_recovery", "holdout_tau"] if held else [])]
         cells = [h["step"], "—" if h["removed"] is None else h["removed"], h["layers"],
                  *(f"{h[k]:.3f}" for k in taus), f"{h['retention']:.3f}", f"{h['draft_latency_ms']:.1f}",
                  f"{h[packed_key]:.0f}" if packed_key and packed_key in h else "—"]
