@@ -228,7 +228,7 @@ def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
 
     def tray_pass(self, dr, *args):
         forward = dr.forward
-        dr.forward = lambda ids, layout: (sizes.append(ids.shape[1]), forward(ids, layout))[1]
+        dr.forward = lambda ids, layout, **kw: (sizes.append(ids.shape[1]), forward(ids, layout, **kw))[1]
         try:
             return real(self, dr, *args)
         finally:

@@ -14,10 +14,29 @@ One round of each, for a batch of requests (rows advance at their own speed; fin
 The drafter's block slot B-1 predicts the token after the block: that is the bonus guess.
 The target's pending token (the last committed one) is always fed in the next target pass, so the
 target's cache holds committed tokens but the last; the drafter's cache likewise.
+
+Devices. Every per-round tensor (pending tokens, positions, drafts, accept counts, tray keys and
+their matching, masks) lives on the model's device; the host gets one small transfer per round
+(accept counts, next tokens, hit indices and drafts: b x (B + 2) integers) to commit text, check
+EOS / stop strings and retire rows. Sampling uses a generator on the device.
+
+Streams (overlap=stream, CUDA). All drafter work runs on one side stream and all target work on
+the current stream, so each KV cache has one owner stream and the caching allocator never hands
+a cache's memory to the other stream. The few tensors that cross (drafts, q, tray logits one way;
+pending tokens, positions, accept counts the other) are ordered with `wait_stream` and marked
+with `record_stream`. Each round launches the verify pass first, then the tray pass, so the GPU
+runs them concurrently.
+
+Timings per round (`rounds[i]`): `wall_s` is host wall time from the round's start to its host
+transfer (it includes waiting for the device). `draft_s`, `verify_s`, `tray_s` are the passes'
+device time: CUDA events on their stream (on CUDA), wall time of the synchronous call (on CPU);
+`verify_s` includes the accept/reject decision. `tray_wait_s` (CPU worker thread only) is how
+long the main thread waited for the tray pass after verifying.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -94,8 +113,38 @@ class GenerationResult:
 
 
 def _sync(device: torch.device) -> None:
+    """Only around prefill and at the end of a call (wall-clock totals): never inside a round."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _Clock:
+    """Spans of device time: CUDA events recorded on a stream (read once, at the end of a call,
+    so timing never synchronises the loop), or perf_counter on the CPU, where ops are synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[dict, str, object, object]] = []
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def span(self, stat: dict, key: str, start, end=None) -> None:
+        self.spans.append((stat, key, start, self.mark() if end is None else end))
+
+    def resolve(self) -> None:
+        for stat, key, a, b in self.spans:
+            stat[key] = a.elapsed_time(b) / 1000 if self.cuda else b - a
+        self.spans = []
+
+
+def _on(stream):
+    """`with _on(s):` runs on CUDA stream s, or on whatever is current when s is None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class SpecGenerator:
@@ -108,12 +157,16 @@ class SpecGenerator:
             raise ValueError(f"decode.method={self.cfg.method} needs a drafter; use method=ar for the baseline")
         self.target, self.drafter, self.tok = target, drafter, tokenizer
         self.device = next(target.parameters()).device
+        if drafter is not None and next(drafter.parameters()).device != self.device:
+            raise ValueError(f"the drafter is on {next(drafter.parameters()).device} and the target on {self.device}: "
+                             "put both on one device (the loop keeps its state there)")
         self.settings = DrafterSettings.of(drafter) if drafter is not None else None
         self.B = 1 if self.cfg.method == "ar" else int(self.cfg.block_size)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
-        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.seed = seed
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.overlap = self.overlap_mode(self.cfg, self.device)
-        self.side_stream = torch.cuda.Stream(self.device) if self.overlap == "stream" else None
+        self.dstream = torch.cuda.Stream(self.device) if self.overlap == "stream" else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
 
     @staticmethod
@@ -134,72 +187,89 @@ class SpecGenerator:
             raise ValueError("decode.overlap=stream needs a CUDA device; use thread or none on CPU")
         return cfg.overlap
 
+    # ------------------------------------------------------------------ streams
+
+    def _lend(self, stream, *tensors) -> None:
+        """`tensors`, made on the current stream, are about to be used on `stream`: order that
+        stream after the work queued so far, and keep the allocator from reusing their memory
+        until `stream` is done with them."""
+        if stream is None:
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors:
+            if t is not None:
+                t.record_stream(stream)
+
+    def _take(self, stream, *tensors) -> None:
+        """The converse: the current stream will use `tensors` that `stream` made."""
+        if stream is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(stream)
+        for t in tensors:
+            if t is not None:
+                t.record_stream(current)
+
     # ------------------------------------------------------------------ passes
 
     def _prefill(self, state: KVState, prompts: list[list[int]]) -> None:
-        """Every prompt token but the last (the first pending token), left-padded."""
+        """Every prompt token but the last (the first pending token), left-padded. Built on the
+        host from Python lists and moved in one transfer per tensor."""
         lens = [len(p) - 1 for p in prompts]
         width = max(lens)
         if width == 0:
             return
-        b = len(prompts)
-        ids = torch.zeros(b, width, dtype=torch.long)
-        pos = torch.zeros(b, width, dtype=torch.long)
-        block = torch.full((b, width), PAD, dtype=torch.long)
-        for r, (p, n) in enumerate(zip(prompts, lens)):
-            if n:
-                ids[r, width - n :] = torch.tensor(p[:-1])
-                pos[r, width - n :] = torch.arange(n)
-                block[r, width - n :] = CLEAN
-        state.forward(ids, Layout(pos, block, pos + 1))
+        ids = [[0] * (width - n) + p[:-1] for p, n in zip(prompts, lens)]
+        pos = [[0] * (width - n) + list(range(n)) for n in lens]
+        block = [[PAD] * (width - n) + [CLEAN] * n for n in lens]
+        dev = self.device
+        ids, pos, block = (torch.tensor(x, dtype=torch.long, device=dev) for x in (ids, pos, block))
+        state.forward(ids, Layout(pos, block, pos + 1), causal=True)
 
     def _verify_pass(self, tgt: KVState, pending: torch.Tensor, drafts: torch.Tensor, next_pos: torch.Tensor):
         """Target logits at [pending, drafts] (b, B, V); their slots stay in the cache for now."""
         ids = torch.cat([pending[:, None], drafts], dim=1)
-        n = ids.shape[1]
-        pos = next_pos[:, None] + torch.arange(n)
-        h = tgt.forward(ids, Layout(pos, torch.full_like(pos, CLEAN), pos + 1))
+        pos = next_pos[:, None] + torch.arange(ids.shape[1], device=self.device)
+        h = tgt.forward(ids, Layout(pos, torch.full_like(pos, CLEAN), pos + 1), causal=True)
         return logits_at(self.target, h).float()
 
-    def _draft_pass(self, dr: KVState, uncommitted: list[list[int]], pending: torch.Tensor, next_pos: torch.Tensor):
-        """Commit each row's new tokens into the drafter's cache and draft the next block."""
+    def _draft_pass(self, dr: KVState, unc: torch.Tensor, unc_n: torch.Tensor, pending: torch.Tensor,
+                    next_pos: torch.Tensor):
+        """Commit each row's new tokens (`unc` (b, k), the first unc_n[r] of row r; they end just
+        before next_pos) into the drafter's cache and draft the next block: logits (b, B, V)."""
         b, B, s = len(pending), self.B, self.settings
-        k = max((len(u) for u in uncommitted), default=0)
-        ids = torch.zeros(b, k, dtype=torch.long)
-        pos = torch.zeros(b, k, dtype=torch.long)
-        block = torch.full((b, k), PAD, dtype=torch.long)
-        for r, u in enumerate(uncommitted):
-            if u:
-                ids[r, : len(u)] = torch.tensor(u)
-                pos[r, : len(u)] = next_pos[r] - len(u) + torch.arange(len(u))
-                block[r, : len(u)] = CLEAN
-        blocks = torch.full((b, B), s.mask_token_id, dtype=torch.long)
+        k = unc.shape[1]
+        span = torch.arange(k, device=self.device)
+        pos = (next_pos - unc_n)[:, None] + span
+        block = torch.where(span[None, :] < unc_n[:, None], CLEAN, PAD)
+        blocks = torch.full((b, B), s.mask_token_id, dtype=torch.long, device=self.device)
         blocks[:, 0] = pending
         layout = concat(Layout(pos, block, pos + 1), block_layout(next_pos[:, None], B))
-        h = dr.forward(torch.cat([ids, blocks], dim=1), layout)
+        h = dr.forward(torch.cat([unc, blocks], dim=1), layout)
         dr.crop(len(dr) - B)  # the block's slots are never reused
         return logits_at(self.drafter, h[:, k:], s.vocab_size).float()  # (b, B, V)
 
     def _tray_pass(self, dr: KVState, pending, drafts, q_logits, next_pos):
         """Glue + trays in one packed pass. Returns (keys (b, n, 2), tray logits (b, n, B, V))."""
-        b, B, s, cfg = len(pending), self.B, self.settings, self.cfg
+        b, B, s, cfg, dev = len(pending), self.B, self.settings, self.cfg, self.device
         glue = torch.cat([pending[:, None], drafts], dim=1)
-        gpos = next_pos[:, None] + torch.arange(B)
+        gpos = next_pos[:, None] + torch.arange(B, device=dev)
         slots = self._covered_slots(q_logits, drafts)  # (b, C-1): slot j = 1..B-1
         scores = probs(q_logits, cfg.sampling) if not cfg.sampling.greedy else q_logits
         alt_scores = scores[:, : B - 1].gather(1, (slots - 1)[:, :, None].expand(-1, -1, scores.shape[-1])).clone()
         drafted = drafts.gather(1, slots - 1)
         alt_scores.scatter_(2, drafted[:, :, None], float("-inf"))  # the drafted token is no alternative
-        alts = alt_scores.topk(cfg.F, dim=-1).indices if cfg.F > 0 else torch.zeros(b, slots.shape[1], 0, dtype=torch.long)
+        alts = alt_scores.topk(cfg.F, dim=-1).indices if cfg.F > 0 else \
+            torch.zeros(b, slots.shape[1], 0, dtype=torch.long, device=dev)
         anchor_pos = (next_pos[:, None, None] + slots[:, :, None]).expand_as(alts).reshape(b, -1)
         anchor_tok = alts.reshape(b, -1)
         keys_a = (slots[:, :, None] - 1).expand_as(alts).reshape(b, -1)
         bonus = q_logits[:, B - 1].argmax(-1)  # slot B-1 guesses the token after the block
         anchor_pos = torch.cat([anchor_pos, (next_pos + B)[:, None]], dim=1)
         anchor_tok = torch.cat([anchor_tok, bonus[:, None]], dim=1)
-        keys = torch.stack([torch.cat([keys_a, torch.full((b, 1), B - 1)], dim=1), anchor_tok], dim=-1)
+        keys = torch.stack([torch.cat([keys_a, torch.full((b, 1), B - 1, device=dev)], dim=1), anchor_tok], dim=-1)
         n = anchor_tok.shape[1]
-        trays = torch.full((b, n, B), s.mask_token_id, dtype=torch.long)
+        trays = torch.full((b, n, B), s.mask_token_id, dtype=torch.long, device=dev)
         trays[:, :, 0] = anchor_tok
         layout = concat(Layout(gpos, torch.full_like(gpos, CLEAN), gpos + 1), block_layout(anchor_pos, B))
         h = dr.forward(torch.cat([glue, trays.reshape(b, n * B)], dim=1), layout)
@@ -211,19 +281,25 @@ class SpecGenerator:
         """Rejection slots j (1-based draft index) that get trays: the first C-1, or the C-1 where
         rejection is likeliest under the drafter: prod_{i<j} q(d_i) * (1 - q(d_j))."""
         b, n = drafts.shape
+        dev = drafts.device
         c = max(0, min(self.cfg.C - 1, n))
         if self.cfg.coverage == "first" or c == 0:
-            return torch.arange(1, c + 1).expand(b, c).clone()
+            return torch.arange(1, c + 1, device=dev).expand(b, c).clone()
         q = probs(q_logits[:, :n], Sampling(1.0)) if self.cfg.sampling.greedy else probs(q_logits[:, :n], self.cfg.sampling)
         qd = q.gather(2, drafts[:, :, None]).squeeze(2)
-        survive = torch.cat([torch.ones(b, 1), qd.cumprod(1)[:, :-1]], dim=1)
+        survive = torch.cat([torch.ones(b, 1, device=dev), qd.cumprod(1)[:, :-1]], dim=1)
         reject_here = survive * (1 - qd)
         return (reject_here.topk(c, dim=1).indices + 1).sort(dim=1).values
 
     # ------------------------------------------------------------------ the loop
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> GenerationResult:
-        if self.overlap == "none":
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        """Decode a batch of prompts (token id lists). `seed` restarts the sampling stream for
+        this call, so one request's sampled output does not depend on what ran before it."""
+        if seed is not None:
+            self.gen.manual_seed(int(seed))
+        if self.overlap != "thread":
             return self._generate(prompts, max_new_tokens)
         # a worker thread for this call only; on CPU the cores are split between target and drafter
         split = self.device.type == "cpu"
@@ -242,7 +318,7 @@ class SpecGenerator:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> GenerationResult:
-        cfg, B = self.cfg, self.B
+        cfg, B, dev, ds = self.cfg, self.B, self.device, self.dstream
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         max_new = int(max_new_tokens or cfg.max_new_tokens)
@@ -251,103 +327,121 @@ class SpecGenerator:
             raise ValueError(f"prompt + max_new_tokens ({max(len(p) for p in prompts)} + {max_new}) exceeds the "
                              f"target's context of {limit} tokens. Fix: shorten the prompt or lower max_new_tokens.")
         b = len(prompts)
-        _sync(self.device)
+        clock = _Clock(dev)
+        _sync(dev)
         t0 = time.perf_counter()
         tgt = KVState(self.target, b)
         self._prefill(tgt, prompts)
         dr = None
         if self.drafter is not None:
-            dr = KVState(self.drafter, b)
-            self._prefill(dr, prompts)
-        _sync(self.device)
+            with _on(ds):
+                dr = KVState(self.drafter, b)
+                self._prefill(dr, prompts)
+        _sync(dev)
         prefill_s = time.perf_counter() - t0
 
-        rows = torch.arange(b)  # original index of each active row
-        pending = torch.tensor([p[-1] for p in prompts])
-        next_pos = torch.tensor([len(p) - 1 for p in prompts])
+        rows = list(range(b))  # original index of each active row (host bookkeeping)
+        pending = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
+        next_pos = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=dev)
+        # sync: tokens committed by the target but not yet by the drafter (pending + accepted drafts)
+        unc = torch.zeros(b, 0, dtype=torch.long, device=dev)
+        unc_n = torch.zeros(b, dtype=torch.long, device=dev)
         out: list[list[int]] = [[] for _ in range(b)]
         reasons = ["length"] * b
-        uncommitted: list[list[int]] = [[] for _ in range(b)]
-        prepared = None  # async: (drafts, q_logits) for every active row from a hit
+        prepared = None  # async: the next block's drafter logits, when every row hit
         rounds = []
         t_dec = time.perf_counter()
-        while len(rows):
+        while rows:
             r_start = time.perf_counter()
-            stat: dict = {"rows": rows.tolist()}
             n_active = len(rows)
-            if cfg.method == "ar":
-                start = len(tgt)
-                p_logits = self._verify_pass(tgt, pending, torch.zeros(n_active, 0, dtype=torch.long), next_pos)
-                accepted = torch.zeros(n_active, dtype=torch.long)
-                token = p_logits[:, 0].argmax(-1) if cfg.sampling.greedy else \
-                    torch.multinomial(probs(p_logits[:, 0], cfg.sampling), 1, generator=self.gen)[:, 0]
-                drafts = torch.zeros(n_active, 0, dtype=torch.long)
-                tgt.keep_first(start, accepted + 1)
-                stat["verify_s"] = time.perf_counter() - r_start
+            stat: dict = {"rows": list(rows)}
+            no_drafts = torch.zeros(n_active, 0, dtype=torch.long, device=dev)
+            drafts, q, hit_idx, future = no_drafts, None, None, None
+            if cfg.method != "ar":
+                # ---- drafter side (its own stream when overlapping)
+                self._lend(ds, pending, next_pos, unc, unc_n, prepared)
+                with _on(ds):
+                    if prepared is None:
+                        d0 = clock.mark(ds)
+                        q_logits = self._draft_pass(dr, unc, unc_n, pending, next_pos)
+                        clock.span(stat, "draft_s", d0, clock.mark(ds))
+                        unc, unc_n = no_drafts, torch.zeros_like(unc_n)
+                    else:
+                        q_logits = prepared
+                    drafts, q = draft_from(q_logits[:, : B - 1], cfg.sampling, self.gen)
+                    glue_start = len(dr)
+                self._take(ds, drafts, q)
+                if cfg.method == "async" and self.pool is None and ds is None:  # serially, first
+                    t = clock.mark()
+                    future = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
+                    clock.span(stat, "tray_s", t)
+            # ---- target side: verify (AR is the same pass with no drafts)
+            start = len(tgt)
+            v0 = clock.mark()
+            p_logits = self._verify_pass(tgt, pending, drafts, next_pos)
+            if cfg.method == "async" and future is None:  # launched after verify: the two overlap
+                future = self._launch_trays(dr, pending, drafts, q_logits, next_pos, clock, stat)
+            if cfg.sampling.greedy:
+                accepted, token = greedy_verify(p_logits, drafts)
             else:
-                if prepared is None:
-                    t = time.perf_counter()
-                    q_logits = self._draft_pass(dr, uncommitted, pending, next_pos)
-                    _sync(self.device)
-                    stat["draft_s"] = time.perf_counter() - t
-                    uncommitted = [[] for _ in range(n_active)]
-                else:
-                    q_logits = prepared
-                drafts, q = draft_from(q_logits[:, : B - 1], cfg.sampling, self.gen)
-                future = None
-                glue_start = len(dr)
-                if cfg.method == "async":
-                    future = self._launch_trays(dr, pending, drafts, q_logits, next_pos)
+                accepted, token = sample_verify(p_logits, drafts, q if q is not None else
+                                                torch.zeros_like(p_logits[:, :0]), cfg.sampling, self.gen)
+            clock.span(stat, "verify_s", v0)
+            if cfg.method == "async":
                 t = time.perf_counter()
-                start = len(tgt)
-                p_logits = self._verify_pass(tgt, pending, drafts, next_pos)
-                if cfg.sampling.greedy:
-                    accepted, token = greedy_verify(p_logits.cpu(), drafts)
-                else:
-                    accepted, token = sample_verify(p_logits.cpu(), drafts, q.cpu(), cfg.sampling, self.gen)
-                _sync(self.device)
-                stat["verify_s"] = time.perf_counter() - t
-                tgt.keep_first(start, accepted + 1)
-                prepared = None
-                if future is not None:
-                    t = time.perf_counter()
-                    keys, tray_logits = future.result() if hasattr(future, "result") else future
+                keys, tray_logits = future.result() if hasattr(future, "result") else future
+                if self.pool is not None:
                     stat["tray_wait_s"] = time.perf_counter() - t
-                    dr.keep_first(glue_start, accepted + 1)  # the glue commits pending + accepted drafts
-                    hit_idx = self._find_trays(keys, accepted, token)
-                    stat["hit"] = (hit_idx >= 0).tolist()
-                    if bool((hit_idx >= 0).all()):
-                        prepared = tray_logits[torch.arange(n_active), hit_idx]
-                else:
-                    for i in range(n_active):
-                        uncommitted[i] = [int(pending[i])] + drafts[i, : int(accepted[i])].tolist()
-            # commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
+                self._take(ds, keys, tray_logits)
+                hit_idx = self._find_trays(keys, accepted, token)
+            elif cfg.method == "sync":
+                unc, unc_n = torch.cat([pending[:, None], drafts], dim=1), accepted + 1
+            # ---- the one host transfer of the round
+            cols = [accepted[:, None], token[:, None], (hit_idx if hit_idx is not None else accepted)[:, None], drafts]
+            host = torch.cat(cols, dim=1).tolist()
+            most = max(h[0] for h in host) + 1  # the longest commit of any row
+            tgt.keep_first(start, accepted + 1, most)
+            if cfg.method == "async":
+                self._lend(ds, accepted)
+                with _on(ds):
+                    dr.keep_first(glue_start, accepted + 1, most)  # the glue commits pending + accepted drafts
+                stat["hit"] = [h[2] >= 0 for h in host]
+            elif cfg.method == "sync":
+                unc = unc[:, :most]
+            # ---- commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
             taus, finished = [], []
-            for i in range(n_active):
-                row = int(rows[i])
-                new = drafts[i, : int(accepted[i])].tolist() + [int(token[i])]
-                kept = self._commit(out[row], new, max_new, reasons, row)
+            for i, (a, tok, _, *drafted) in enumerate(host):
+                row = rows[i]
+                kept = self._commit(out[row], drafted[:a] + [tok], max_new, reasons, row)
                 taus.append(kept)
-                if kept < len(new) or len(out[row]) >= max_new or reasons[row] == "stop":
+                if kept < a + 1 or len(out[row]) >= max_new or reasons[row] == "stop":
                     finished.append(i)
             stat["tau"] = taus
-            stat["wall_s"] = time.perf_counter() - r_start
-            rounds.append(stat)
+            if cfg.method == "async" and all(stat["hit"]):
+                prepared = tray_logits[torch.arange(n_active, device=dev), hit_idx]
+            else:
+                prepared = None
             pending = token
             next_pos = next_pos + accepted + 1
+            stat["wall_s"] = time.perf_counter() - r_start
+            rounds.append(stat)
             if finished:
-                keep = torch.tensor([i for i in range(n_active) if i not in set(finished)], dtype=torch.long)
-                if len(keep) == 0:
+                keep_list = [i for i in range(n_active) if i not in set(finished)]
+                if not keep_list:
                     break
-                rows, pending, next_pos = rows[keep], pending[keep], next_pos[keep]
+                keep = torch.tensor(keep_list, dtype=torch.long, device=dev)
+                rows = [rows[i] for i in keep_list]
+                pending, next_pos, unc, unc_n = pending[keep], next_pos[keep], unc[keep], unc_n[keep]
                 tgt.select(keep)
                 if dr is not None:
-                    dr.select(keep)
-                uncommitted = [uncommitted[i] for i in keep.tolist()]
+                    self._lend(ds, keep)
+                    with _on(ds):
+                        dr.select(keep)
                 if prepared is not None:
                     prepared = prepared[keep]
-        _sync(self.device)
+        _sync(dev)
         decode_s = time.perf_counter() - t_dec
+        clock.resolve()
         texts = [self.tok.decode(t, skip_special_tokens=True) for t in out]
         return GenerationResult(out, texts, reasons, rounds, prefill_s, decode_s)
 
@@ -373,20 +467,22 @@ class SpecGenerator:
                         break
         return kept
 
-    def _launch_trays(self, dr, pending, drafts, q_logits, next_pos):
-        if self.pool is None:  # overlap=none: serially, before verification
-            return self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-
-        if self.side_stream is not None:  # the drafts were made on the main stream
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+    def _launch_trays(self, dr, pending, drafts, q_logits, next_pos, clock: _Clock, stat: dict):
+        """The tray pass beside verification: queued on the drafter's stream (CUDA), or run by the
+        worker thread (CPU, overlap=thread)."""
+        if self.dstream is not None:
+            ds = self.dstream  # its inputs were lent to it at the start of the round, before verify
+            with _on(ds):
+                t0 = clock.mark(ds)
+                res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
+                clock.span(stat, "tray_s", t0, clock.mark(ds))
+            return res
 
         @torch.inference_mode()  # grad mode is per thread: the worker needs its own
         def work():
-            if self.side_stream is None:
-                return self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-            with torch.cuda.stream(self.side_stream):
-                res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-            self.side_stream.synchronize()
+            t0 = time.perf_counter()
+            res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
+            stat["tray_s"] = time.perf_counter() - t0
             return res
 
         return self.pool.submit(work)
@@ -396,5 +492,5 @@ class SpecGenerator:
         """Index of the tray keyed (accepted, token) per row, -1 when none (a miss)."""
         match = (keys[:, :, 0] == accepted[:, None]) & (keys[:, :, 1] == token[:, None])
         found = match.any(dim=1)
-        idx = match.float().argmax(dim=1)
+        idx = match.long().argmax(dim=1)
         return torch.where(found, idx, torch.full_like(idx, -1))

@@ -5,6 +5,11 @@ HF DynamicCache. So a cache slot is not a position: `pos` (b, n) holds each slot
 `valid` (b, n) says whether a later query may see it (False for left padding, rejected drafts,
 block tokens). Every forward goes through `KVState.forward`, which builds the d3d mask from the
 layout of the new tokens plus these two tensors, and appends the new slots.
+
+`pos` and `valid` live on the model's device, like the cache itself: building a mask never moves
+data between host and device. The only host-side knowledge is `gapless`: True while every slot is
+visible and slot i holds position i of the one row (batch 1), which lets a causal query skip the
+mask entirely (SDPA's causal fast path) without asking the device.
 """
 
 from __future__ import annotations
@@ -22,18 +27,20 @@ class KVState:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
-        self.pos = torch.zeros(batch, 0, dtype=torch.long)
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool)
+        self.pos = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
+        self.gapless = batch == 1
 
     def __len__(self) -> int:
         return self.pos.shape[1]
 
-    def forward(self, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """Hidden states of the new tokens; their slots are appended (visible iff clean)."""
-        h = hidden_states(self.model, input_ids.to(self.device), layout, cache=self.cache,
-                          cache_valid=self.valid, cache_pos=self.pos)
-        self.pos = torch.cat([self.pos, layout.pos.cpu()], dim=1)
-        self.valid = torch.cat([self.valid, (layout.block == CLEAN).cpu()], dim=1)
+    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False) -> torch.Tensor:
+        """Hidden states of the new tokens; their slots are appended (visible iff clean).
+        `causal=True` promises the caller's tokens are clean and run on from the cache's positions."""
+        h = hidden_states(self.model, input_ids, layout, cache=self.cache, cache_valid=self.valid,
+                          cache_pos=self.pos, plain=causal and self.gapless)
+        self.pos = torch.cat([self.pos, layout.pos], dim=1)
+        self.valid = torch.cat([self.valid, layout.block == CLEAN], dim=1)
         return h
 
     def crop(self, length: int) -> None:
@@ -43,14 +50,15 @@ class KVState:
             self.cache.crop(-extra)
             self.pos, self.valid = self.pos[:, :length], self.valid[:, :length]
 
-    def keep_first(self, start: int, counts: torch.Tensor) -> None:
+    def keep_first(self, start: int, counts: torch.Tensor, most: int) -> None:
         """Of the slots from `start` on, row r keeps its first counts[r] visible and hides the
-        rest; slots no row keeps are dropped."""
-        span = torch.arange(len(self) - start)
-        self.valid[:, start:] &= span[None, :] < counts.cpu()[:, None]
-        self.crop(start + int(counts.max()) if len(counts) else start)
+        rest; slots no row keeps are dropped. `most` = max(counts), known on the host already
+        (asking the device for it would cost a synchronisation)."""
+        span = torch.arange(len(self) - start, device=self.device)
+        self.valid[:, start:] &= span[None, :] < counts[:, None]
+        self.crop(start + most)  # batch 1: most == counts[0], so no hidden slot is left (gapless holds)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only some rows of the batch (finished requests leave)."""
-        self.cache.batch_select_indices(rows.to(self.device))
-        self.pos, self.valid = self.pos[rows.cpu()], self.valid[rows.cpu()]
+        """Keep only some rows of the batch (finished requests leave); `rows` on the device."""
+        self.cache.batch_select_indices(rows)
+        self.pos, self.valid = self.pos[rows], self.valid[rows]

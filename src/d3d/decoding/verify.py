@@ -45,38 +45,35 @@ def probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def greedy_verify(p_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     target = p_logits.argmax(-1)  # (b, B)
     n = drafts.shape[1]
-    match = (drafts == target[:, :n]).int()
-    accepted = match.cumprod(dim=1).sum(dim=1) if n else torch.zeros(len(target), dtype=torch.long)
+    match = (drafts == target[:, :n]).long()
+    accepted = match.cumprod(dim=1).sum(dim=1)  # leading matches (0 when there are no drafts)
     next_token = target.gather(1, accepted[:, None]).squeeze(1)
-    return accepted.long(), next_token
+    return accepted, next_token
 
 
 def sample_verify(p_logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, s: Sampling,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept draft k with prob min(1, p/q); at the first rejection sample norm(max(0, p - q));
-    after a full accept sample the bonus from p. The output follows the target's distribution."""
+    after a full accept sample the bonus from p. The output follows the target's distribution.
+
+    Vectorised over rows and slots, on the logits' device: no per-token host round trip."""
     p = probs(p_logits, s)  # (b, B, V)
     b, n = drafts.shape
-    dev = p.device
-    accepted = torch.zeros(b, dtype=torch.long, device=dev)
-    next_token = torch.zeros(b, dtype=torch.long, device=dev)
-    u = torch.rand((b, max(n, 1)), generator=generator, device=dev)
-    for row in range(b):
-        k = 0
-        while k < n:
-            d = drafts[row, k]
-            pk, qk = p[row, k, d], q[row, k, d]
-            if qk > 0 and u[row, k] * qk <= pk:  # u < p/q, without dividing by zero
-                k += 1
-                continue
-            residual = (p[row, k] - q[row, k]).clamp(min=0)
-            total = residual.sum()
-            dist = residual / total if total > 0 else p[row, k]
-            next_token[row] = torch.multinomial(dist, 1, generator=generator)[0]
-            break
-        else:
-            next_token[row] = torch.multinomial(p[row, n], 1, generator=generator)[0]
-        accepted[row] = k
+    u = torch.rand((b, n), generator=generator, device=p.device)
+    p_d = p[:, :n].gather(2, drafts[:, :, None]).squeeze(2)
+    q_d = q.gather(2, drafts[:, :, None]).squeeze(2)
+    ok = (q_d > 0) & (u * q_d <= p_d)  # u < p/q, without dividing by zero
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (b,)
+    # The slot after the accepted drafts: its residual max(0, p - q), or p itself after a full
+    # accept (q is zero-padded there, so the residual of that slot *is* p).
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    at = accepted[:, None, None].expand(b, 1, p.shape[-1])
+    residual = (p.gather(1, at) - q_pad.gather(1, at)).squeeze(1).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    # p == q at that slot leaves no residual mass; rejection then has probability 0, but guard it.
+    dist = torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny),
+                       p.gather(1, at).squeeze(1))
+    next_token = torch.multinomial(dist, 1, generator=generator).squeeze(1)
     return accepted, next_token
 
 

@@ -233,12 +233,16 @@ def attention_mask_for(model, mask: torch.Tensor) -> torch.Tensor:
 
 
 def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
-                  cache_valid: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None) -> torch.Tensor:
+                  cache_valid: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
+                  plain: bool | None = None) -> torch.Tensor:
     """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given.
 
     When the mask would be plain causal attention over an all-visible prefix (batch-1 decoding),
-    no mask is passed, so HF/SDPA take their causal fast path; the result is the same."""
-    if _is_plain_causal(layout, cache_len, cache_valid, cache_pos):
+    no mask is passed, so HF/SDPA take their causal fast path; the result is the same. `plain`
+    says so from what the caller knows (the decoding loop: no device sync); None = find out."""
+    if plain is None:
+        plain = _is_plain_causal(layout, cache_len, cache_valid, cache_pos)
+    if plain:
         attention_mask = None
     else:
         attention_mask = attention_mask_for(model, build_mask(layout, cache_len, cache_valid, cache_pos).to(input_ids.device))
@@ -255,12 +259,13 @@ def _is_plain_causal(layout: Layout, cache_len, cache_valid, cache_pos) -> bool:
 
     if layout.pos.shape[0] != 1 or not bool((layout.block == CLEAN).all()):
         return False
+    dev = layout.pos.device
     c = cache_pos.shape[1] if cache_pos is not None else int(cache_len)
     if cache_valid is not None and not bool(cache_valid.all()):
         return False
-    if cache_pos is not None and c and not torch.equal(cache_pos[0], torch.arange(c)):
+    if cache_pos is not None and c and not torch.equal(cache_pos[0], torch.arange(c, device=cache_pos.device)):
         return False
-    return torch.equal(layout.pos[0].cpu(), torch.arange(c, c + layout.pos.shape[1]))
+    return torch.equal(layout.pos[0], torch.arange(c, c + layout.pos.shape[1], device=dev))
 
 
 def cache_kwarg(model, cache) -> dict:

@@ -80,12 +80,10 @@ def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: to
     sees_clean = key_clean[:, None, :] & (key_pos[:, None, :] < query.limit[:, :, None])
     same_block = (key_block[:, None, :] == query.block[:, :, None]) & (query.block[:, :, None] >= 0)
     mask = sees_clean | same_block
-    # A padding query sees only itself, so softmax never runs over an empty row (no NaNs).
-    is_pad = query.block == PAD
-    if is_pad.any():
-        eye = torch.zeros(b, t, c + t, dtype=torch.bool, device=dev)
-        eye[:, torch.arange(t), c + torch.arange(t)] = True
-        mask = torch.where(is_pad[:, :, None], eye, mask)
+    # A padding query sees only itself, so softmax never runs over an empty row (no NaNs). Written
+    # without a data-dependent branch: asking the device "is there padding?" would cost a sync.
+    itself = torch.arange(c + t, device=dev)[None, :] == (c + torch.arange(t, device=dev))[:, None]
+    mask = torch.where((query.block == PAD)[:, :, None], itself[None], mask)
     return mask[:, None]
 
 
