@@ -238,3 +238,27 @@ def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
     cfg = DecodeConfig(method="async", block_size=6, C=C, F=F, max_new_tokens=20)
     Gen(target, tok, drafter, cfg).generate([tok(PROMPTS[0])["input_ids"]])
     assert sizes and set(sizes) == {cfg.budget}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60
+
+
+TRAP_CASES = [(m, t, batch) for m in ("ar", "sync", "async") for t in (0.0, 1.0) for batch in (1, 3)]
+
+
+@pytest.mark.parametrize("method,temperature,batch", TRAP_CASES)
+def test_contract8_loop_is_device_clean(models, method, temperature, batch):
+    """The CPU stand-in for a GPU run: with the default device set to `meta`, any tensor the loop
+    makes without naming a device is a meta tensor, and the first op that mixes it with the
+    model's (CPU) tensors fails. On CUDA the same bug mixes CPU and CUDA tensors. The outputs must
+    also equal an untrapped run's (same seed), so the trap changed nothing but the failure mode."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
+    if batch > 1:
+        prompts[1] = prompts[1][:2]  # ragged: rows of different lengths, finishing at different rounds
+    cfg = DecodeConfig(method=method, block_size=4, C=3, F=2, temperature=temperature, max_new_tokens=12 + batch)
+    make = lambda: SpecGenerator(target, tok, None if method == "ar" else drafter, cfg, seed=3)  # noqa: E731
+    free = make().generate(prompts)
+    torch.set_default_device("meta")
+    try:
+        trapped = make().generate(prompts)
+    finally:
+        torch.set_default_device(None)
+    assert trapped.token_ids == free.token_ids and trapped.taus() == free.taus()

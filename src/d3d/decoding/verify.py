@@ -66,7 +66,7 @@ def sample_verify(p_logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
     accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (b,)
     # The slot after the accepted drafts: its residual max(0, p - q), or p itself after a full
     # accept (q is zero-padded there, so the residual of that slot *is* p).
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    q_pad = torch.cat([q, q.new_zeros(b, 1, q.shape[-1])], dim=1)
     at = accepted[:, None, None].expand(b, 1, p.shape[-1])
     residual = (p.gather(1, at) - q_pad.gather(1, at)).squeeze(1).clamp(min=0)
     total = residual.sum(-1, keepdim=True)
