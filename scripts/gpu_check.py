@@ -1,0 +1,270 @@
+"""The GPU check: one script to run whenever a GPU is lent (about 5 minutes on one H200).
+
+    PYTHONPATH=src python scripts/gpu_check.py --out-dir $OUT             # on the GPU machine
+    python scripts/gpu_check.py --device cpu --toy --out-dir /tmp/gc      # what the tests run
+
+It needs torch, transformers and pytest only (no Hydra, OmegaConf or datasets, which the GPU
+machines lack) and builds every model from a config with random weights (no hub). Stages, each
+recorded in <out-dir>/gpu_check.json as soon as it ends, so a crash or a timeout still returns
+what finished (a failing stage is recorded and the next one runs):
+
+1. env          torch / transformers versions, the device, its capability
+2. greedy       ar / sync / async greedy on a tiny random Qwen3 in fp32, batch 1 and a ragged batch,
+                against transformers' generate; every difference is classified by the target's
+                logit margin (d3d.decoding.divergence); passes when none is "real"
+3. sampling     contract 2 on the device: one verification step on a toy vocabulary (60,000 draws)
+                and the joint law of two sampled tokens through ar / sync / async (3,000 requests
+                in one batch), total-variation distance against the exact law
+4. async_sync   async == sync in bf16, tokens and τ bit for bit (overlap on a side stream on CUDA)
+5. gpu_tests    pytest -m gpu (the CUDA-only tests: flex BlockMask, streams, ...)      [GPU only]
+6. train        scripts/gpu_train_check.py: bf16 steps of a tiny Qwen3 through the training step
+7. readiness    scripts/gpu_readiness.py at Qwen3-8B target / Qwen3-1.7B drafter shapes with random
+                weights: verify latency against B, packed-pass latency against budget, the loop's
+                per-round wall time next to its CUDA-event times, overlap, projected speedups
+Exit status 0 when every stage passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # d3d from this checkout, installed or not
+
+from d3d.decoding import DecodeConfig, SpecGenerator  # noqa: E402
+from d3d.decoding.divergence import classify  # noqa: E402
+from d3d.decoding.verify import Sampling, probs, sample_verify  # noqa: E402
+from d3d.models.drafter import DrafterSettings  # noqa: E402
+
+
+class NoText:
+    """Random token ids have no text: the loop only needs decode() and an EOS id."""
+
+    eos_token_id = -1
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return ""
+
+
+def tiny_pair(device: str, dtype: torch.dtype, block_size: int = 4, seed: int = 0, vocab: int = 256):
+    """A tiny random Qwen3 target and a drafter copied from it with a little noise (so drafts
+    are often right and the async trays hit). A wide init makes the logits peaked: near-ties,
+    which any two kernels may break differently, are then rare."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=False, initializer_range=0.2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(device=device, dtype=dtype).eval()
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    drafter = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    DrafterSettings(block_size=block_size, mask_token_id=vocab - 1, vocab_size=vocab,
+                    kept_layers=list(range(cfg.num_hidden_layers)), init="target", target="tiny").attach(drafter)
+    return target, drafter
+
+
+def random_prompts(n: int, vocab: int, seed: int, lengths=(9, 3, 14)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 1, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+GREEDY_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 4, 3, 2), ("async", 6, 6, 3)]
+
+
+def stage_greedy(device: str, new_tokens: int = 32) -> dict:
+    target, drafter = tiny_pair(device, torch.float32, block_size=6)
+    out = {"cases": 0, "equal": 0, "numerical": 0, "real": 0, "details": []}
+    for method, B, C, F in GREEDY_CASES:
+        for batch in (1, 3):
+            prompts = random_prompts(batch, 256, seed=batch)
+            gen = SpecGenerator(target, NoText(), None if method == "ar" else drafter,
+                                DecodeConfig(method=method, block_size=B, C=C, F=F, max_new_tokens=new_tokens),
+                                eos_token_ids=[])
+            res = gen.generate(prompts)
+            for p, got in zip(prompts, res.token_ids):
+                ref = target.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens, do_sample=False)
+                ref = ref[0, len(p):].tolist()
+                d = classify(target, p, ref, got)
+                out["cases"] += 1
+                out["equal"] += d is None
+                if d is not None:
+                    out[d["kind"]] += 1
+                    out["details"].append({"method": method, "B": B, "C": C, "F": F, "batch": batch, **d})
+    out["ok"] = out["real"] == 0
+    return out
+
+
+def _tv(counts: dict, exact: dict, n: int) -> float:
+    return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in {**{k: 0.0 for k in counts}, **exact}.items())
+
+
+def stage_sampling(device: str, n_requests: int = 3000) -> dict:
+    # 1. one verification step, toy vocabulary of 6: the first token out follows p exactly
+    g = torch.Generator(device=device).manual_seed(1)
+    torch.manual_seed(0)
+    V, B, n = 6, 3, 60000
+    p_logits = (torch.randn(1, B, V) * 1.5).expand(n, B, V).to(device)
+    q_logits = (torch.randn(1, B - 1, V) * 1.5).expand(n, B - 1, V).to(device)
+    s = Sampling(temperature=1.0)
+    q = probs(q_logits, s)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, B - 1)
+    accepted, token = sample_verify(p_logits, drafts, q, s, g)
+    first = torch.where(accepted > 0, drafts[:, 0], token)
+    emp = torch.bincount(first, minlength=V).float().cpu() / n
+    step_tv = 0.5 * (emp - probs(p_logits[0, 0], s).cpu()).abs().sum().item()
+    out = {"step_tv": step_tv, "step_tv_limit": 0.015}
+    # 2. the joint law of two sampled tokens through each loop (top-k keeps the support small)
+    target, drafter = tiny_pair(device, torch.float32, block_size=4)
+    prompt = random_prompts(1, 256, seed=5)[0]
+    sk = Sampling(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = probs(target(torch.tensor([prompt], device=device)).logits[0, -1], sk)
+        exact = {}
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            p2 = probs(target(torch.tensor([prompt + [x1]], device=device)).logits[0, -1], sk)
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                exact[(x1, x2)] = (p1[x1] * p2[x2]).item()
+    out["joint_tv"], out["joint_tv_limit"] = {}, 0.06  # 16 outcomes, n = 3000: noise gives ~0.03
+    for method in ("ar", "sync", "async"):
+        cfg = DecodeConfig(method=method, block_size=4, C=3, F=2, temperature=1.0, top_k=4, max_new_tokens=2)
+        res = SpecGenerator(target, NoText(), None if method == "ar" else drafter, cfg, eos_token_ids=[],
+                            seed=7).generate([prompt] * n_requests)
+        counts: dict = {}
+        for t in res.token_ids:
+            counts[tuple(t)] = counts.get(tuple(t), 0) + 1
+        out["joint_tv"][method] = _tv(counts, exact, n_requests)
+    out["ok"] = step_tv < out["step_tv_limit"] and all(v < out["joint_tv_limit"] for v in out["joint_tv"].values())
+    return out
+
+
+def stage_async_sync(device: str, dtype: torch.dtype = torch.bfloat16, new_tokens: int = 48) -> dict:
+    """Both loops verify the same shapes, so async must return the sync tokens and τ bit for bit:
+    what differs is scheduling (and on CUDA a second stream), which must change nothing."""
+    target, drafter = tiny_pair(device, dtype, block_size=6)
+    out = {"dtype": str(dtype).replace("torch.", ""), "runs": 0, "equal_tokens": 0, "equal_tau": 0, "hit_rates": []}
+    overlaps = ["stream", "none"] if device.startswith("cuda") else ["none", "thread"]
+    for batch in (1, 3):
+        prompts = random_prompts(batch, 256, seed=10 + batch)
+        sync = SpecGenerator(target, NoText(), drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=new_tokens),
+                             eos_token_ids=[]).generate(prompts)
+        for C, F in [(3, 2), (6, 3)]:
+            for overlap in overlaps:
+                cfg = DecodeConfig(method="async", block_size=6, C=C, F=F, overlap=overlap, cpu_threads_drafter=1,
+                                   max_new_tokens=new_tokens)
+                res = SpecGenerator(target, NoText(), drafter, cfg, eos_token_ids=[]).generate(prompts)
+                out["runs"] += 1
+                out["equal_tokens"] += res.token_ids == sync.token_ids
+                out["equal_tau"] += res.taus() == sync.taus()
+                out["hit_rates"].append(res.hit_rate)
+    out["ok"] = out["equal_tokens"] == out["equal_tau"] == out["runs"]
+    return out
+
+
+def stage_gpu_tests(device: str) -> dict:
+    if not device.startswith("cuda"):
+        return {"ok": True, "skipped": "CPU run: the gpu-marked tests need CUDA"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return {"ok": proc.returncode == 0, "returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
+def stage_train(device: str, out_dir: Path, toy: bool) -> dict:
+    script = ROOT / "scripts" / "gpu_train_check.py"
+    if not script.is_file():
+        return {"ok": False, "error": "scripts/gpu_train_check.py is missing"}
+    out = out_dir / "gpu_train_check.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script), "--device", device.split(":")[0], "--out", str(out),
+                           "--steps", "4" if toy else "20"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    res = json.loads(out.read_text()) if out.is_file() else {}
+    return {"ok": proc.returncode == 0, "returncode": proc.returncode, "result": res,
+            "tail": (proc.stdout + proc.stderr)[-2000:]}
+
+
+def stage_readiness(device: str, out_dir: Path, toy: bool) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_readiness", ROOT / "scripts" / "gpu_readiness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = str(out_dir / "gpu_readiness.json")
+    if toy:
+        argv = ["--target", "toy", "--drafter", "toy", "--device", device, "--dtype", "float32", "--prefix", "32",
+                "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
+                "--loop-tokens", "12", "--repeats", "1", "--out", out]
+    else:
+        argv = ["--target", "qwen3_8b", "--drafter", "qwen3_1p7b", "--device", device, "--dtype", "bfloat16",
+                "--prefix", "2048", "--out", out]
+    res = module.main(argv)
+    return {"ok": True, "result": res}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--toy", action="store_true", help="toy sizes everywhere (the CPU test)")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "outputs/gpu_check"))
+    p.add_argument("--stages", nargs="+", default=None, help="run only these stages")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report_file = out_dir / "gpu_check.json"
+    dev = args.device
+    if dev.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stages compare with generate in true fp32
+    report: dict = {"env": {"python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": __import__("transformers").__version__, "device": dev,
+                            "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor(),
+                            "capability": list(torch.cuda.get_device_capability(dev)) if dev.startswith("cuda") else None,
+                            "toy": args.toy},
+                    "stages": {}}
+    stages = {
+        "greedy": lambda: stage_greedy(dev, 16 if args.toy else 32),
+        "sampling": lambda: stage_sampling(dev),
+        "async_sync": lambda: stage_async_sync(dev, new_tokens=24 if args.toy else 48),
+        "gpu_tests": lambda: stage_gpu_tests(dev),
+        "train": lambda: stage_train(dev, out_dir, args.toy),
+        "readiness": lambda: stage_readiness(dev, out_dir, args.toy),
+    }
+    for name, run in stages.items():
+        if args.stages and name not in args.stages:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = run()
+        except Exception as err:  # recorded, and the next stage still runs
+            res = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        report["stages"][name] = res
+        report_file.write_text(json.dumps(report, indent=2, default=str))
+        print(f"[gpu_check] {name}: {'ok' if res['ok'] else 'FAILED'} in {res['seconds']} s", flush=True)
+        if not res["ok"]:
+            print(json.dumps({k: v for k, v in res.items() if k != "result"}, indent=2, default=str)[-3000:], flush=True)
+    report["ok"] = all(s["ok"] for s in report["stages"].values())
+    report_file.write_text(json.dumps(report, indent=2, default=str))
+    print(f"[gpu_check] {'all stages passed' if report['ok'] else 'SOME STAGES FAILED'}; written: {report_file}")
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["ok"] else 1)
