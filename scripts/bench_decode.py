@@ -37,7 +37,7 @@ from d3d.utils.timing import timed
 
 def hf_call(target, tok, eos, **kw):
     def run(ids, n):
-        out = target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+        out = target.generate(torch.tensor([ids], device=target.device), max_new_tokens=n, do_sample=False, eos_token_id=eos,
                               pad_token_id=tok.pad_token_id, **kw)
         new = out[0, len(ids):].tolist()
         return new, {}
@@ -52,7 +52,8 @@ def our_call(gen: SpecGenerator):
         return res.token_ids[0], {"tau": res.mean_tau, "hit_rate": res.hit_rate, "prefill_s": res.prefill_s,
                                   "decode_s": res.decode_s, "rounds": len(res.rounds),
                                   "round_ms": 1000 * mean("wall_s"), "draft_ms": 1000 * mean("draft_s"),
-                                  "verify_ms": 1000 * mean("verify_s"), "tray_wait_ms": 1000 * mean("tray_wait_s")}
+                                  "verify_ms": 1000 * mean("verify_s"), "tray_ms": 1000 * mean("tray_s"),
+                                  "tray_wait_ms": 1000 * mean("tray_wait_s")}
     return run
 
 
@@ -66,13 +67,15 @@ def pass_cost(model, prompt: list[int], widths: list[int], repeats: int = 5) -> 
 
     state = KVState(model, 1)
     n = len(prompt)
-    state.forward(torch.tensor([prompt]), clean_layout(n))
+    dev = model.device
+    state.forward(torch.tensor([prompt], device=dev), clean_layout(n, device=dev), causal=True)
     out = {}
     for w in widths:
-        ids, layout = torch.tensor([prompt[-1:] * w]), clean_layout(w, start=n)  # token values do not change the cost
+        # token values do not change the cost
+        ids, layout = torch.tensor([prompt[-1:] * w], device=dev), clean_layout(w, start=n, device=dev)
 
         def one():
-            state.forward(ids, layout)
+            state.forward(ids, layout, causal=True)
             state.crop(n)  # back to the prompt
 
         out[w] = timed(one, model.device, repeats)

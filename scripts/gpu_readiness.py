@@ -96,7 +96,7 @@ def draft_latency(drafter, prefix: int, blocks: int, device, repeats: int) -> fl
     s = DrafterSettings.of(drafter)
     ids = torch.randint(0, s.vocab_size - 2, (1, prefix), device=device)
     cache = DynamicCache(config=drafter.config)
-    hidden_states(drafter, ids, clean_layout(prefix), cache=cache)
+    hidden_states(drafter, ids, clean_layout(prefix, device=device), cache=cache)
     block = torch.full((1, blocks * s.block_size), s.mask_token_id, device=device)
     layout = block_layout(torch.full((1, blocks), prefix, device=device), s.block_size)
 

@@ -262,3 +262,17 @@ def test_contract8_loop_is_device_clean(models, method, temperature, batch):
     finally:
         torch.set_default_device(None)
     assert trapped.token_ids == free.token_ids and trapped.taus() == free.taus()
+
+
+def test_estimator_is_device_clean(models):
+    """Pruning runs the offline estimator on the GPU: the same meta-device trap as the loop."""
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    ids = tok(PROMPTS[0])["input_ids"] + tok(PROMPTS[3])["input_ids"]
+    free = match_lengths(drafter, ids, 4, 6, s.mask_token_id, s.vocab_size, chunk=5)
+    torch.set_default_device("meta")
+    try:
+        trapped = match_lengths(drafter, ids, 4, 6, s.mask_token_id, s.vocab_size, chunk=5)
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(trapped, free)

@@ -36,9 +36,9 @@ class Layout:
         return self.pos.shape
 
 
-def clean_layout(length: int, start: int = 0, batch: int = 1) -> Layout:
-    """`length` causal tokens at positions start..start+length-1."""
-    pos = torch.arange(start, start + length).expand(batch, -1)
+def clean_layout(length: int, start: int = 0, batch: int = 1, device: torch.device | str | None = None) -> Layout:
+    """`length` causal tokens at positions start..start+length-1 (on `device`, default the CPU)."""
+    pos = torch.arange(start, start + length, device=device or "cpu").expand(batch, -1)
     return Layout(pos.clone(), torch.full_like(pos, CLEAN), pos + 1)
 
 
