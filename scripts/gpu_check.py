@@ -175,6 +175,32 @@ def stage_async_sync(device: str, dtype: torch.dtype = torch.bfloat16, new_token
                 out["equal_tau"] += res.taus() == sync.taus()
                 out["hit_rates"].append(res.hit_rate)
     out["ok"] = out["equal_tokens"] == out["equal_tau"] == out["runs"]
+    if device.startswith("cuda"):
+        out["host_syncs_per_round"] = count_syncs(target, drafter, random_prompts(3, 256, seed=13), new_tokens)
+    return out
+
+
+def count_syncs(target, drafter, prompts, new_tokens: int) -> dict:
+    """Synchronising CUDA calls per round of each loop (torch's sync debug mode counts them): the
+    loop itself makes one (its host transfer); the rest come from the model code it calls."""
+    import warnings
+
+    out = {}
+    for method in ("ar", "sync", "async"):
+        gen = SpecGenerator(target, NoText(), None if method == "ar" else drafter,
+                            DecodeConfig(method=method, block_size=6, C=3, F=2, max_new_tokens=new_tokens),
+                            eos_token_ids=[])
+        gen.generate(prompts, max_new_tokens=8)  # warm-up outside the count
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                res = gen.generate(prompts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+        out[method] = {"rounds": len(res.rounds), "per_round": len(syncs) / max(len(res.rounds), 1),
+                       "kinds": sorted(set(syncs))[:5]}
     return out
 
 

@@ -197,7 +197,7 @@ class SpecGenerator:
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for t in tensors:
-            if t is not None:
+            if t is not None and t.numel():
                 t.record_stream(stream)
 
     def _take(self, stream, *tensors) -> None:
@@ -207,7 +207,7 @@ class SpecGenerator:
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(stream)
         for t in tensors:
-            if t is not None:
+            if t is not None and t.numel():
                 t.record_stream(current)
 
     # ------------------------------------------------------------------ passes

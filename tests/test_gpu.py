@@ -1,0 +1,49 @@
+"""CUDA-only checks of the decoding engine (marked `gpu`, skipped without a GPU; scripts/gpu_check.py
+runs them on a lent machine). The CPU suite covers the same properties with the meta-device trap
+(tests/test_decoding.py) and the CPU mode of the GPU check (tests/test_gpu_readiness.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import load_script
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def check():
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the equality checks
+    return load_script("gpu_check")
+
+
+def test_greedy_equals_generate_on_cuda_fp32(check):
+    res = check.stage_greedy("cuda")
+    assert res["real"] == 0 and res["equal"] == res["cases"], res["details"]
+
+
+def test_sampling_is_lossless_on_cuda(check):
+    res = check.stage_sampling("cuda")
+    assert res["ok"], res
+
+
+def test_async_equals_sync_in_bf16_with_a_side_stream(check):
+    """The side stream must not race the main stream (through the caching allocator or missing
+    waits): a race shows up as async tokens or τ that differ from the synchronous loop's."""
+    res = check.stage_async_sync("cuda")
+    assert res["ok"], res
+
+
+def test_every_method_runs_ragged_on_cuda_at_both_temperatures(check):
+    from d3d.decoding import DecodeConfig, SpecGenerator
+
+    target, drafter = check.tiny_pair("cuda", torch.bfloat16, block_size=6)
+    prompts = check.random_prompts(3, 256, seed=2)
+    for method in ("ar", "sync", "async"):
+        for temperature in (0.0, 1.0):
+            cfg = DecodeConfig(method=method, block_size=6, C=3, F=2, temperature=temperature, max_new_tokens=20)
+            res = SpecGenerator(target, check.NoText(), None if method == "ar" else drafter, cfg,
+                                eos_token_ids=[]).generate(prompts)
+            assert [len(t) for t in res.token_ids] == [20, 20, 20]
+            assert all(0 <= x < 256 for t in res.token_ids for x in t)
