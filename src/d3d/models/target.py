@@ -148,11 +148,16 @@ def resolve_model_path(model_cfg: Any, cache_dir: str | Path) -> str:
 
 
 def torch_dtype(name: str | None, device: str | torch.device = "cpu") -> torch.dtype:
-    """`auto` is bf16 on CUDA and fp32 on CPU: measured on the AVX2 CPUs of our machines, bf16
-    matmuls with more than one row (batched generation, 16-token verification, training) run
-    2-7x slower than fp32, while a one-token bf16 step is only ~1.3x faster (scripts/bench_dtype.py)."""
+    """`auto` is bf16 on CUDA; on a CPU, bf16 where it has native bf16 matrix instructions
+    (AVX512-BF16 / AMX) and fp32 elsewhere: on AVX2-only CPUs bf16 matmuls with more than one row
+    (batched generation, 16-token verification, training) run 2-7x slower than fp32
+    (d3d.utils.hardware; D3D_CPU_BF16=0/1 overrides)."""
     if name in (None, "auto"):
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        from d3d.utils.hardware import cpu_prefers_bf16
+
+        if torch.device(device).type == "cuda" or cpu_prefers_bf16():
+            return torch.bfloat16
+        return torch.float32
     try:
         return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
                 "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}[str(name)]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from d3d.utils.hardware import cpu_info
+
 
 def git_commit() -> str | None:
     try:
@@ -40,6 +42,7 @@ def run_info(device: torch.device | str | None = None) -> dict:
         "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu": cpu_info(),  # model, bf16 flags: CPU figures depend on them (bf16 native or emulated)
     }
     if device is not None:
         info["device"] = str(device)
