@@ -221,10 +221,10 @@ def test_contract1_on_the_real_smollm2_target(cache_dir):
 def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
     """run.json and the budget sweep report DecodeConfig.budget as the packed tokens: it must be the
     size of the pass the loop really runs (glue + trays), also when C exceeds the draft slots."""
-    from d3d.decoding.engine import SpecGenerator as Gen
+    from d3d.decoding.methods import Async
 
     target, drafter, tok = models
-    sizes, real = [], Gen._tray_pass
+    sizes, real = [], Async._tray_pass
 
     def tray_pass(self, dr, *args):
         forward = dr.forward
@@ -234,9 +234,9 @@ def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
         finally:
             dr.forward = forward
 
-    monkeypatch.setattr(Gen, "_tray_pass", tray_pass)
+    monkeypatch.setattr(Async, "_tray_pass", tray_pass)
     cfg = DecodeConfig(method="async", block_size=6, C=C, F=F, max_new_tokens=20)
-    Gen(target, tok, drafter, cfg).generate([tok(PROMPTS[0])["input_ids"]])
+    SpecGenerator(target, tok, drafter, cfg).generate([tok(PROMPTS[0])["input_ids"]])
     assert sizes and set(sizes) == {cfg.budget}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60
 
 
@@ -276,3 +276,19 @@ def test_estimator_is_device_clean(models):
     finally:
         torch.set_default_device(None)
     assert torch.equal(trapped, free)
+
+
+def test_batched_async_serves_each_row_that_hit(models):
+    """In a batch, a row whose outcome hit takes its tray and only the rows that missed are
+    drafted (on CPU, from a copy of their KV rows); the output is still the sync loop's."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    sync = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=30)).generate(prompts)
+    res = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=4, F=2,
+                                                           max_new_tokens=30)).generate(prompts)
+    assert res.token_ids == sync.token_ids and res.taus() == sync.taus()
+    mixed = [r for r in res.rounds if 0 < r.get("drafted_rows", len(r["rows"])) < len(r["rows"])]
+    assert mixed, "no round served some rows from trays and drafted the others"
+    for prev, cur in zip(res.rounds, res.rounds[1:]):  # a round drafts exactly the rows that missed before
+        missed = [row for row, h in zip(prev["rows"], prev["hit"]) if not h and row in cur["rows"]]
+        assert cur.get("drafted_rows", 0) == len(missed)

@@ -1,6 +1,10 @@
-"""The decoding loops: AR baseline, synchronous and asynchronous speculative decoding (DESIGN §5).
+"""The decoding driver: AR baseline, synchronous and asynchronous speculative decoding (DESIGN §5).
 
-One round of each, for a batch of requests (rows advance at their own speed; finished rows leave):
+`SpecGenerator` is the driver every method shares: prefill, the target's verify pass, the accept
+decision, the one host transfer per round, committing text (EOS, max_new_tokens, stop strings),
+retiring finished rows and timing. What differs between methods — where drafts come from and what
+runs beside verification — is a step object per method (d3d.decoding.methods, a registry keyed by
+`decode.method`). One round of each, for a batch of requests (rows advance at their own speed):
 
     ar:    target([pending])                      -> next token
     sync:  drafter([newly committed | pending, MASK x (B-1)])      -> drafts d_1..d_{B-1}
@@ -9,7 +13,8 @@ One round of each, for a batch of requests (rows advance at their own speed; fin
            [pending, d_1..d_{B-1}] (causal: it commits whatever the target accepts) plus one block
            per anticipated outcome: "j-1 drafts accepted, then alternative t" for covered slots j
            and the top-F alternatives t, and "all accepted, then the bonus guess". If the outcome
-           (a, token) has a tray, its drafts are the next block (a hit); else draft synchronously.
+           (a, token) has a tray, its drafts are the next block (a hit); rows that missed draft
+           synchronously (on CPU only they do; on CUDA one pass over all rows costs the same).
 
 The drafter's block slot B-1 predicts the token after the block: that is the bonus guess.
 The target's pending token (the last committed one) is always fed in the next target pass, so the
@@ -44,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.decoding.kv import KVState
-from d3d.decoding.verify import Sampling, draft_from, greedy_verify, probs, sample_verify
+from d3d.decoding.verify import Sampling, greedy_verify, sample_verify
 from d3d.models.drafter import DrafterSettings, logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
 
@@ -75,9 +80,10 @@ class DecodeConfig:
 
     @property
     def budget(self) -> int:
-        """Tokens in one packed async pass: B * ((C-1)*F + 2), with at most the B-1 draft slots
-        covered (C > B buys nothing: `_covered_slots` caps it)."""
-        return self.block_size * (min(self.C - 1, self.block_size - 1) * self.F + 2)
+        """Tokens of drafter work beside each verification (async: the packed pass)."""
+        from d3d.decoding.methods import method_class
+
+        return method_class(self.method).budget(self)
 
 
 @dataclass
@@ -147,13 +153,31 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+@dataclass
+class Round:
+    """What one round knows, filled in as it goes (tensors on the device)."""
+
+    pending: torch.Tensor  # (b,) the last committed token of each row
+    next_pos: torch.Tensor  # (b,) its position
+    stat: dict  # this round's record: rows, tau, hit, timings
+    clock: "_Clock"
+    drafts: torch.Tensor | None = None  # (b, B-1)
+    q: torch.Tensor | None = None  # (b, B-1, V): the drafts' distributions (T > 0)
+    accepted: torch.Tensor | None = None  # (b,)
+    token: torch.Tensor | None = None  # (b,) correction or bonus
+    hit_idx: torch.Tensor | None = None  # (b,) async: the tray that matched, -1 for none
+
+
 class SpecGenerator:
     """`SpecGenerator(target, tokenizer, drafter, DecodeConfig(...)).generate(prompt_ids)`."""
 
     def __init__(self, target, tokenizer, drafter=None, config: DecodeConfig | None = None,
                  eos_token_ids: list[int] | None = None, seed: int = 0):
+        from d3d.decoding.methods import method_class
+
         self.cfg = config or DecodeConfig()
-        if self.cfg.method != "ar" and drafter is None:
+        self.method = method_class(self.cfg.method)
+        if self.method.needs_drafter and drafter is None:
             raise ValueError(f"decode.method={self.cfg.method} needs a drafter; use method=ar for the baseline")
         self.target, self.drafter, self.tok = target, drafter, tokenizer
         self.device = next(target.parameters()).device
@@ -161,7 +185,7 @@ class SpecGenerator:
             raise ValueError(f"the drafter is on {next(drafter.parameters()).device} and the target on {self.device}: "
                              "put both on one device (the loop keeps its state there)")
         self.settings = DrafterSettings.of(drafter) if drafter is not None else None
-        self.B = 1 if self.cfg.method == "ar" else int(self.cfg.block_size)
+        self.B = self.method.block_size(self.cfg)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
         self.seed = seed
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -189,7 +213,7 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ streams
 
-    def _lend(self, stream, *tensors) -> None:
+    def lend(self, stream, *tensors) -> None:
         """`tensors`, made on the current stream, are about to be used on `stream`: order that
         stream after the work queued so far, and keep the allocator from reusing their memory
         until `stream` is done with them."""
@@ -200,7 +224,7 @@ class SpecGenerator:
             if t is not None and t.numel():
                 t.record_stream(stream)
 
-    def _take(self, stream, *tensors) -> None:
+    def take(self, stream, *tensors) -> None:
         """The converse: the current stream will use `tensors` that `stream` made."""
         if stream is None:
             return
@@ -210,9 +234,9 @@ class SpecGenerator:
             if t is not None and t.numel():
                 t.record_stream(current)
 
-    # ------------------------------------------------------------------ passes
+    # ------------------------------------------------------------------ passes shared by the methods
 
-    def _prefill(self, state: KVState, prompts: list[list[int]]) -> None:
+    def prefill(self, state: KVState, prompts: list[list[int]]) -> None:
         """Every prompt token but the last (the first pending token), left-padded. Built on the
         host from Python lists and moved in one transfer per tensor."""
         lens = [len(p) - 1 for p in prompts]
@@ -226,70 +250,30 @@ class SpecGenerator:
         ids, pos, block = (torch.tensor(x, dtype=torch.long, device=dev) for x in (ids, pos, block))
         state.forward(ids, Layout(pos, block, pos + 1), causal=True)
 
-    def _verify_pass(self, tgt: KVState, pending: torch.Tensor, drafts: torch.Tensor, next_pos: torch.Tensor):
+    def verify_pass(self, tgt: KVState, pending: torch.Tensor, drafts: torch.Tensor, next_pos: torch.Tensor):
         """Target logits at [pending, drafts] (b, B, V); their slots stay in the cache for now."""
         ids = torch.cat([pending[:, None], drafts], dim=1)
         pos = next_pos[:, None] + torch.arange(ids.shape[1], device=self.device)
         h = tgt.forward(ids, Layout(pos, torch.full_like(pos, CLEAN), pos + 1), causal=True)
         return logits_at(self.target, h).float()
 
-    def _draft_pass(self, dr: KVState, unc: torch.Tensor, unc_n: torch.Tensor, pending: torch.Tensor,
-                    next_pos: torch.Tensor):
+    def draft_pass(self, dr: KVState, pending: torch.Tensor, next_pos: torch.Tensor, unc: torch.Tensor | None = None,
+                   unc_n: torch.Tensor | None = None):
         """Commit each row's new tokens (`unc` (b, k), the first unc_n[r] of row r; they end just
         before next_pos) into the drafter's cache and draft the next block: logits (b, B, V)."""
-        b, B, s = len(pending), self.B, self.settings
+        b, B, s, dev = len(pending), self.B, self.settings, self.device
+        if unc is None:
+            unc, unc_n = torch.zeros(b, 0, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
         k = unc.shape[1]
-        span = torch.arange(k, device=self.device)
+        span = torch.arange(k, device=dev)
         pos = (next_pos - unc_n)[:, None] + span
         block = torch.where(span[None, :] < unc_n[:, None], CLEAN, PAD)
-        blocks = torch.full((b, B), s.mask_token_id, dtype=torch.long, device=self.device)
+        blocks = torch.full((b, B), s.mask_token_id, dtype=torch.long, device=dev)
         blocks[:, 0] = pending
         layout = concat(Layout(pos, block, pos + 1), block_layout(next_pos[:, None], B))
         h = dr.forward(torch.cat([unc, blocks], dim=1), layout)
         dr.crop(len(dr) - B)  # the block's slots are never reused
         return logits_at(self.drafter, h[:, k:], s.vocab_size).float()  # (b, B, V)
-
-    def _tray_pass(self, dr: KVState, pending, drafts, q_logits, next_pos):
-        """Glue + trays in one packed pass. Returns (keys (b, n, 2), tray logits (b, n, B, V))."""
-        b, B, s, cfg, dev = len(pending), self.B, self.settings, self.cfg, self.device
-        glue = torch.cat([pending[:, None], drafts], dim=1)
-        gpos = next_pos[:, None] + torch.arange(B, device=dev)
-        slots = self._covered_slots(q_logits, drafts)  # (b, C-1): slot j = 1..B-1
-        scores = probs(q_logits, cfg.sampling) if not cfg.sampling.greedy else q_logits
-        alt_scores = scores[:, : B - 1].gather(1, (slots - 1)[:, :, None].expand(-1, -1, scores.shape[-1])).clone()
-        drafted = drafts.gather(1, slots - 1)
-        alt_scores.scatter_(2, drafted[:, :, None], float("-inf"))  # the drafted token is no alternative
-        alts = alt_scores.topk(cfg.F, dim=-1).indices if cfg.F > 0 else \
-            torch.zeros(b, slots.shape[1], 0, dtype=torch.long, device=dev)
-        anchor_pos = (next_pos[:, None, None] + slots[:, :, None]).expand_as(alts).reshape(b, -1)
-        anchor_tok = alts.reshape(b, -1)
-        keys_a = (slots[:, :, None] - 1).expand_as(alts).reshape(b, -1)
-        bonus = q_logits[:, B - 1].argmax(-1)  # slot B-1 guesses the token after the block
-        anchor_pos = torch.cat([anchor_pos, (next_pos + B)[:, None]], dim=1)
-        anchor_tok = torch.cat([anchor_tok, bonus[:, None]], dim=1)
-        keys = torch.stack([torch.cat([keys_a, torch.full((b, 1), B - 1, device=dev)], dim=1), anchor_tok], dim=-1)
-        n = anchor_tok.shape[1]
-        trays = torch.full((b, n, B), s.mask_token_id, dtype=torch.long, device=dev)
-        trays[:, :, 0] = anchor_tok
-        layout = concat(Layout(gpos, torch.full_like(gpos, CLEAN), gpos + 1), block_layout(anchor_pos, B))
-        h = dr.forward(torch.cat([glue, trays.reshape(b, n * B)], dim=1), layout)
-        dr.crop(len(dr) - n * B)  # keep the glue (B slots); verification decides how much of it stays
-        tray_logits = logits_at(self.drafter, h[:, B:].reshape(b, n, B, -1), s.vocab_size).float()
-        return keys, tray_logits
-
-    def _covered_slots(self, q_logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """Rejection slots j (1-based draft index) that get trays: the first C-1, or the C-1 where
-        rejection is likeliest under the drafter: prod_{i<j} q(d_i) * (1 - q(d_j))."""
-        b, n = drafts.shape
-        dev = drafts.device
-        c = max(0, min(self.cfg.C - 1, n))
-        if self.cfg.coverage == "first" or c == 0:
-            return torch.arange(1, c + 1, device=dev).expand(b, c).clone()
-        q = probs(q_logits[:, :n], Sampling(1.0)) if self.cfg.sampling.greedy else probs(q_logits[:, :n], self.cfg.sampling)
-        qd = q.gather(2, drafts[:, :, None]).squeeze(2)
-        survive = torch.cat([torch.ones(b, 1, device=dev), qd.cumprod(1)[:, :-1]], dim=1)
-        reject_here = survive * (1 - qd)
-        return (reject_here.topk(c, dim=1).indices + 1).sort(dim=1).values
 
     # ------------------------------------------------------------------ the loop
 
@@ -318,7 +302,7 @@ class SpecGenerator:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> GenerationResult:
-        cfg, B, dev, ds = self.cfg, self.B, self.device, self.dstream
+        cfg, B, dev = self.cfg, self.B, self.device
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         max_new = int(max_new_tokens or cfg.max_new_tokens)
@@ -328,86 +312,43 @@ class SpecGenerator:
                              f"target's context of {limit} tokens. Fix: shorten the prompt or lower max_new_tokens.")
         b = len(prompts)
         clock = _Clock(dev)
+        step = self.method(self)
         _sync(dev)
         t0 = time.perf_counter()
         tgt = KVState(self.target, b)
-        self._prefill(tgt, prompts)
-        dr = None
-        if self.drafter is not None:
-            with _on(ds):
-                dr = KVState(self.drafter, b)
-                self._prefill(dr, prompts)
+        self.prefill(tgt, prompts)
+        step.begin(prompts)
         _sync(dev)
         prefill_s = time.perf_counter() - t0
 
         rows = list(range(b))  # original index of each active row (host bookkeeping)
         pending = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
         next_pos = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=dev)
-        # sync: tokens committed by the target but not yet by the drafter (pending + accepted drafts)
-        unc = torch.zeros(b, 0, dtype=torch.long, device=dev)
-        unc_n = torch.zeros(b, dtype=torch.long, device=dev)
         out: list[list[int]] = [[] for _ in range(b)]
         reasons = ["length"] * b
-        prepared = None  # async: the next block's drafter logits, when every row hit
         rounds = []
         t_dec = time.perf_counter()
         while rows:
             r_start = time.perf_counter()
-            n_active = len(rows)
-            stat: dict = {"rows": list(rows)}
-            no_drafts = torch.zeros(n_active, 0, dtype=torch.long, device=dev)
-            drafts, q, hit_idx, future = no_drafts, None, None, None
-            if cfg.method != "ar":
-                # ---- drafter side (its own stream when overlapping)
-                self._lend(ds, pending, next_pos, unc, unc_n, prepared)
-                with _on(ds):
-                    if prepared is None:
-                        d0 = clock.mark(ds)
-                        q_logits = self._draft_pass(dr, unc, unc_n, pending, next_pos)
-                        clock.span(stat, "draft_s", d0, clock.mark(ds))
-                        unc, unc_n = no_drafts, torch.zeros_like(unc_n)
-                    else:
-                        q_logits = prepared
-                    drafts, q = draft_from(q_logits[:, : B - 1], cfg.sampling, self.gen)
-                    glue_start = len(dr)
-                self._take(ds, drafts, q)
-                if cfg.method == "async" and self.pool is None and ds is None:  # serially, first
-                    t = clock.mark()
-                    future = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-                    clock.span(stat, "tray_s", t)
-            # ---- target side: verify (AR is the same pass with no drafts)
+            r = Round(pending, next_pos, {"rows": list(rows)}, clock)
+            step.propose(r)  # r.drafts (b, B-1), r.q
             start = len(tgt)
             v0 = clock.mark()
-            p_logits = self._verify_pass(tgt, pending, drafts, next_pos)
-            if cfg.method == "async" and future is None:  # launched after verify: the two overlap
-                future = self._launch_trays(dr, pending, drafts, q_logits, next_pos, clock, stat)
+            p_logits = self.verify_pass(tgt, pending, r.drafts, next_pos)
+            step.beside_verify(r)  # launched after verification: on CUDA the two overlap
             if cfg.sampling.greedy:
-                accepted, token = greedy_verify(p_logits, drafts)
+                r.accepted, r.token = greedy_verify(p_logits, r.drafts)
             else:
-                accepted, token = sample_verify(p_logits, drafts, q if q is not None else
-                                                torch.zeros_like(p_logits[:, :0]), cfg.sampling, self.gen)
-            clock.span(stat, "verify_s", v0)
-            if cfg.method == "async":
-                t = time.perf_counter()
-                keys, tray_logits = future.result() if hasattr(future, "result") else future
-                if self.pool is not None:
-                    stat["tray_wait_s"] = time.perf_counter() - t
-                self._take(ds, keys, tray_logits)
-                hit_idx = self._find_trays(keys, accepted, token)
-            elif cfg.method == "sync":
-                unc, unc_n = torch.cat([pending[:, None], drafts], dim=1), accepted + 1
-            # ---- the one host transfer of the round
-            cols = [accepted[:, None], token[:, None], (hit_idx if hit_idx is not None else accepted)[:, None], drafts]
-            host = torch.cat(cols, dim=1).tolist()
+                q = r.q if r.q is not None else torch.zeros_like(p_logits[:, :0])
+                r.accepted, r.token = sample_verify(p_logits, r.drafts, q, cfg.sampling, self.gen)
+            clock.span(r.stat, "verify_s", v0)
+            step.settle(r)
+            # ---- the one host transfer of the round: accept counts, next tokens, hits, drafts
+            hits = r.hit_idx if r.hit_idx is not None else r.accepted
+            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.drafts], dim=1).tolist()
             most = max(h[0] for h in host) + 1  # the longest commit of any row
-            tgt.keep_first(start, accepted + 1, most)
-            if cfg.method == "async":
-                self._lend(ds, accepted)
-                with _on(ds):
-                    dr.keep_first(glue_start, accepted + 1, most)  # the glue commits pending + accepted drafts
-                stat["hit"] = [h[2] >= 0 for h in host]
-            elif cfg.method == "sync":
-                unc = unc[:, :most]
+            tgt.keep_first(start, r.accepted + 1, most)
+            step.commit(r, host, most)
             # ---- commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
             taus, finished = [], []
             for i, (a, tok, _, *drafted) in enumerate(host):
@@ -416,29 +357,20 @@ class SpecGenerator:
                 taus.append(kept)
                 if kept < a + 1 or len(out[row]) >= max_new or reasons[row] == "stop":
                     finished.append(i)
-            stat["tau"] = taus
-            if cfg.method == "async" and all(stat["hit"]):
-                prepared = tray_logits[torch.arange(n_active, device=dev), hit_idx]
-            else:
-                prepared = None
-            pending = token
-            next_pos = next_pos + accepted + 1
-            stat["wall_s"] = time.perf_counter() - r_start
-            rounds.append(stat)
+            r.stat["tau"] = taus
+            pending = r.token
+            next_pos = next_pos + r.accepted + 1
+            r.stat["wall_s"] = time.perf_counter() - r_start
+            rounds.append(r.stat)
             if finished:
-                keep_list = [i for i in range(n_active) if i not in set(finished)]
+                keep_list = [i for i in range(len(rows)) if i not in set(finished)]
                 if not keep_list:
                     break
                 keep = torch.tensor(keep_list, dtype=torch.long, device=dev)
                 rows = [rows[i] for i in keep_list]
-                pending, next_pos, unc, unc_n = pending[keep], next_pos[keep], unc[keep], unc_n[keep]
+                pending, next_pos = pending[keep], next_pos[keep]
                 tgt.select(keep)
-                if dr is not None:
-                    self._lend(ds, keep)
-                    with _on(ds):
-                        dr.select(keep)
-                if prepared is not None:
-                    prepared = prepared[keep]
+                step.retire(keep, keep_list)
         _sync(dev)
         decode_s = time.perf_counter() - t_dec
         clock.resolve()
@@ -466,31 +398,3 @@ class SpecGenerator:
                         reasons[row] = "stop"
                         break
         return kept
-
-    def _launch_trays(self, dr, pending, drafts, q_logits, next_pos, clock: _Clock, stat: dict):
-        """The tray pass beside verification: queued on the drafter's stream (CUDA), or run by the
-        worker thread (CPU, overlap=thread)."""
-        if self.dstream is not None:
-            ds = self.dstream  # its inputs were lent to it at the start of the round, before verify
-            with _on(ds):
-                t0 = clock.mark(ds)
-                res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-                clock.span(stat, "tray_s", t0, clock.mark(ds))
-            return res
-
-        @torch.inference_mode()  # grad mode is per thread: the worker needs its own
-        def work():
-            t0 = time.perf_counter()
-            res = self._tray_pass(dr, pending, drafts, q_logits, next_pos)
-            stat["tray_s"] = time.perf_counter() - t0
-            return res
-
-        return self.pool.submit(work)
-
-    @staticmethod
-    def _find_trays(keys: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Index of the tray keyed (accepted, token) per row, -1 when none (a miss)."""
-        match = (keys[:, :, 0] == accepted[:, None]) & (keys[:, :, 1] == token[:, None])
-        found = match.any(dim=1)
-        idx = match.long().argmax(dim=1)
-        return torch.where(found, idx, torch.full_like(idx, -1))

@@ -58,6 +58,18 @@ class KVState:
         self.valid[:, start:] &= span[None, :] < counts[:, None]
         self.crop(start + most)  # batch 1: most == counts[0], so no hidden slot is left (gapless holds)
 
+    def subset(self, rows: torch.Tensor) -> "KVState":
+        """A separate state holding copies of some rows (a pass over a few rows that must leave
+        the rest alone; its KV rows are copied, so it costs a read of those rows' cache)."""
+        from transformers import DynamicCache
+
+        sub = KVState.__new__(KVState)
+        sub.model, sub.device, sub.gapless = self.model, self.device, self.gapless and len(rows) == 1
+        layers = [(layer.keys[rows], layer.values[rows]) for layer in self.cache.layers]
+        sub.cache = DynamicCache(layers, config=self.model.config)
+        sub.pos, sub.valid = self.pos[rows], self.valid[rows]
+        return sub
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only some rows of the batch (finished requests leave); `rows` on the device."""
         self.cache.batch_select_indices(rows)
