@@ -31,7 +31,7 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.report import read_rows, summary_markdown, write_report
-from d3d.utils.io import JsonlWriter, write_json
+from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -196,6 +196,14 @@ def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -
 
 
 def run_eval(cfg: DictConfig) -> Path:
+    """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
+    from accelerate import PartialState
+
+    with lock_folder(output_dir(cfg), "d3d.eval", PartialState().process_index):
+        return _evaluate(cfg)
+
+
+def _evaluate(cfg: DictConfig) -> Path:
     from accelerate import PartialState
 
     state = PartialState()  # one process unless started by `accelerate launch`
