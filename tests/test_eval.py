@@ -225,3 +225,32 @@ def test_resume_check_allows_new_methods_refuses_changed_ones(tmp_path):
         check_resumable(tmp_path, {**key, "methods": {**key["methods"], "sync": {"block_size": 8}}}, rows)
     with pytest.raises(ConfigError, match=r"\(max_new_tokens, target differ\)"):
         check_resumable(tmp_path, {**key, "target": "u", "max_new_tokens": 9}, rows)
+
+
+def test_sampled_eval_resumed_gives_the_rows_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    """T = 1: every row draws from its own stream, so a run grown (or resumed) item by item samples
+    exactly what one uninterrupted run samples (before: one stream per process, most rows differed)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sampled = SMOKE + ["decode.temperature=1", "eval.methods=[ar,sync]"]
+
+    def run(folder, n):
+        return run_eval(compose("eval", sampled + [f"eval.out_dir={tmp_path}/{folder}", f"eval.n={n}"], tmp_path))
+
+    tokens = lambda out: {(r["id"], r["method"]): r["token_ids"] for r in read_rows(out)}
+    whole = tokens(run("whole", 2))
+    run("grown", 1)
+    grown = tokens(run("grown", 2))
+    assert len(whole) == 4 and grown == whole
+
+
+@pytest.mark.parametrize("change", ["benchmark.specs.gsm8k.template='Q: {question}'", "eval.exec_timeout_s=3",
+                                    "benchmark.specs.gsm8k.seed=1"])
+def test_resume_refuses_a_changed_template_subset_or_timeout(tmp_path, monkeypatch, change):
+    """Each changes a prompt, the items or a verdict: resuming would mix old and new rows in one summary."""
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]")
+    key = change.split("=")[0].replace("benchmark.specs.", "benchmarks.").replace("eval.", "")
+    with pytest.raises(ConfigError, match=rf"\({key} differ\)"):
+        evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", change)

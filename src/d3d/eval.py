@@ -14,6 +14,7 @@ items across processes (rows.rank<r>.jsonl), and the main process writes the mer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, replace
@@ -93,13 +94,18 @@ def output_dir(cfg: DictConfig) -> Path:
 
 
 def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
-    """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key)."""
+    """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
+    Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
     drafter = cfg.drafter.get("checkpoint")
     return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
             "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(resolve_path(drafter))} if drafter else {}),
             "max_new_tokens": int(cfg.eval.max_new_tokens), "enable_thinking": bool(cfg.eval.enable_thinking),
-            "seed": int(cfg.seed),
+            "seed": int(cfg.seed), "exec_timeout_s": float(cfg.eval.exec_timeout_s),
+            # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
+            # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
+            "benchmarks": {spec["name"]: OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
+                           else dict(spec) for spec in iter_specs(cfg.benchmark)},
             "methods": {name: {k: v for k, v in asdict(dc).items() if k != "max_new_tokens"} for name, dc in methods.items()}}
 
 
@@ -155,6 +161,13 @@ def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompt
             "finish_reason": res.finish_reasons[0] if single else res.finish_reasons}
 
 
+def item_seed(seed, *key) -> int:
+    """A random stream per row (seed, benchmark, id, turn, method): a sampled run resumed after a
+    kill, or split over processes, draws exactly what an uninterrupted run draws for that row."""
+    digest = hashlib.sha256(json.dumps([int(seed), *map(str, key)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # torch seeds are < 2**63
+
+
 def run_single(cfg, spec, records, gens, tok, done, writer, timeout_s: float) -> None:
     """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method."""
     for rec in tqdm(records, desc=spec["name"], unit="item", disable=not cfg.eval.progress):
@@ -167,7 +180,8 @@ def run_single(cfg, spec, records, gens, tok, done, writer, timeout_s: float) ->
                 row = done.get(key)
                 if row is None:
                     ids = chat_prompt_ids(tok, history[name], bool(cfg.eval.enable_thinking))
-                    row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids]))
+                    seed = item_seed(cfg.seed, spec["name"], rec.id, turn, name)
+                    row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
                     row.update(grade(spec, rec, row["text"], turn, timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
@@ -188,7 +202,8 @@ def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -
         for name, gen in gens.items():
             row = done.get((spec["name"], key_id, 0, name, concurrency))
             if row is None:
-                row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts))
+                seed = item_seed(cfg.seed, spec["name"], key_id, 0, name)
+                row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                 writer.write([row])
             if name == "ar":

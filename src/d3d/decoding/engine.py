@@ -222,7 +222,10 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ the loop
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> GenerationResult:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        if seed is not None:  # this call's own random stream (per-item streams resume identically)
+            self.gen.manual_seed(int(seed))
         if self.overlap == "none":
             return self._generate(prompts, max_new_tokens)
         # a worker thread for this call only; on CPU the cores are split between target and drafter
