@@ -254,3 +254,44 @@ def test_resume_refuses_a_changed_template_subset_or_timeout(tmp_path, monkeypat
     key = change.split("=")[0].replace("benchmark.specs.", "benchmarks.").replace("eval.", "")
     with pytest.raises(ConfigError, match=rf"\({key} differ\)"):
         evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", change)
+
+
+def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch):
+    """Before: eval.max_new_tokens=0 wrote empty rows; decode.top_p=0 crashed mid-run."""
+    import d3d.eval
+    from d3d.config import ConfigError
+
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
+    for bad, message in [("eval.max_new_tokens=0", "eval.max_new_tokens=0: an integer >= 1"),
+                         ("decode.top_p=0", r"decode.top_p=0: a number in \(0, 1\]"),
+                         ("decode.block_size=0", "decode.block_size=0"), ("eval.n=0", "eval.n=0")]:
+        with pytest.raises(ConfigError, match=message):
+            evaluate(tmp_path, bad)
+
+
+def test_a_run_folder_given_as_drafter_names_its_final(tmp_path):
+    from d3d.config import ConfigError
+
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"is a run folder, not a drafter. Fix: drafter.checkpoint={tmp_path}/run/final"):
+        evaluate(tmp_path, f"drafter.checkpoint={tmp_path}/run")
+    with pytest.raises(ConfigError, match="does not exist"):
+        evaluate(tmp_path, f"drafter.checkpoint={tmp_path}/nowhere")
+
+
+def test_cli_user_error_is_one_line_and_exit_2_traceback_when_verbose(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "d3d.eval", "+experiment=smoke", "decode.block_size=0", f"eval.out_dir={tmp_path}/ev",
+           f"paths.root_dir={tmp_path}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    quiet = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert quiet.returncode == 2
+    assert quiet.stderr.strip().splitlines()[-1].startswith("error: decode.block_size=0: an integer in [2, 256]")
+    assert "Traceback" not in quiet.stderr
+    loud = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, timeout=300)
+    assert loud.returncode != 0 and "Traceback" in loud.stderr

@@ -32,6 +32,7 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.report import read_rows, summary_markdown, write_report
+from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
@@ -49,6 +50,7 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
     lends the shared keys to the others: `decode.temperature=1` samples every method (AR too) and
     `decode.block_size=4` drafts 4-token blocks in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
+    check_eval_settings(cfg.eval)
     composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
     shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if composed.method != "ar" else [])
     out = {}
@@ -63,7 +65,7 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
             dc = DecodeConfig.from_cfg(OmegaConf.to_container(own, resolve=False))
             keys = SHARED_SAMPLING if dc.method == "ar" else shared
             dc = replace(dc, **{k: getattr(composed, k) for k in keys})
-        dc.max_new_tokens = int(cfg.eval.max_new_tokens)
+        dc = replace(dc, max_new_tokens=int(cfg.eval.max_new_tokens))  # replace() re-validates
         if dc.method == "async" and cfg.eval.get("async_budgets"):
             for C, F in (parse_budget(b) for b in cfg.eval.async_budgets):
                 out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
@@ -72,6 +74,23 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
     if "ar" not in out:
         raise ConfigError("eval.methods must include ar: speedups and equality are measured against it")
     return {"ar": out.pop("ar"), **out}
+
+
+def check_eval_settings(ev: DictConfig) -> None:
+    """eval.* values that cannot work, refused before any model loads (max_new_tokens=0 used to write
+    empty rows and an empty table)."""
+    def whole(key, least, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}")
+
+    whole("max_new_tokens", 1, ev.max_new_tokens)
+    whole("warmup", 0, ev.warmup)
+    if ev.n is not None:
+        whole("n", 1, ev.n)
+    for c in ev.concurrency:
+        whole("concurrency", 1, c)
+    if isinstance(ev.exec_timeout_s, bool) or not isinstance(ev.exec_timeout_s, (int, float)) or ev.exec_timeout_s <= 0:
+        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0")
 
 
 def parse_budget(text) -> tuple[int, int]:
@@ -97,6 +116,8 @@ def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
     """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
     Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
     drafter = cfg.drafter.get("checkpoint")
+    if drafter:
+        drafter_folder(drafter)  # a missing path or a run folder: said now, with the fix
     return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
             "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(resolve_path(drafter))} if drafter else {}),

@@ -27,7 +27,7 @@ log = logging.getLogger("d3d.generate")
 SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt")
 
 
-class OutputMismatchError(RuntimeError):
+class OutputMismatchError(ConfigError):
     """The output folder holds rows made by a different target or with different settings."""
 
 

@@ -39,7 +39,7 @@ from d3d.train import (
     batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples,
     train_resume_key,
 )
-from d3d.utils.checkpoints import mark_complete, promote, saved_step, trim_rows
+from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.timing import timed
@@ -182,6 +182,8 @@ def prune_resume_key(cfg: DictConfig) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
     calibration/hold-out split and the recovery objective."""
     checkpoint = cfg.drafter.get("checkpoint")
+    if checkpoint:
+        drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else to_plain(cfg.drafter))
     return {"drafter": start, "seed": int(cfg.seed), "train": train_resume_key(cfg)["train"],
