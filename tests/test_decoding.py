@@ -292,3 +292,19 @@ def test_batched_async_serves_each_row_that_hit(models):
     for prev, cur in zip(res.rounds, res.rounds[1:]):  # a round drafts exactly the rows that missed before
         missed = [row for row, h in zip(prev["rows"], prev["hit"]) if not h and row in cur["rows"]]
         assert cur.get("drafted_rows", 0) == len(missed)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("block_size", 0, r"decode.block_size=0: an integer in \[2, 256\]"), ("block_size", -1, "block_size=-1"),
+    ("block_size", 1000, r"block_size=1000: an integer in \[2, 256\]"), ("temperature", -1, "temperature=-1: a number >= 0"),
+    ("top_p", 2, r"top_p=2: a number in \(0, 1\]"), ("top_p", 0, "top_p=0"), ("top_k", -1, "top_k=-1: an integer >= 0"),
+    ("method", "nonsense", "method='nonsense': use ar, sync or async"), ("max_new_tokens", 0, "max_new_tokens=0"),
+    ("C", 0, "C=0"), ("F", -1, "F=-1"), ("coverage", "most", "coverage='most'"),
+])
+def test_bad_decode_settings_are_refused_at_construction(key, value, message):
+    """Before: these failed deep in torch after the models loaded, ran silently greedy, or did nothing."""
+    from d3d.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        DecodeConfig(**{key: value})
+    assert "\n" not in str(pytest.raises(ConfigError, DecodeConfig, **{key: value}).value)  # one line

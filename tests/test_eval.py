@@ -225,3 +225,73 @@ def test_resume_check_allows_new_methods_refuses_changed_ones(tmp_path):
         check_resumable(tmp_path, {**key, "methods": {**key["methods"], "sync": {"block_size": 8}}}, rows)
     with pytest.raises(ConfigError, match=r"\(max_new_tokens, target differ\)"):
         check_resumable(tmp_path, {**key, "target": "u", "max_new_tokens": 9}, rows)
+
+
+def test_sampled_eval_resumed_gives_the_rows_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    """T = 1: every row draws from its own stream, so a run grown (or resumed) item by item samples
+    exactly what one uninterrupted run samples (before: one stream per process, most rows differed)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sampled = SMOKE + ["decode.temperature=1", "eval.methods=[ar,sync]"]
+
+    def run(folder, n):
+        return run_eval(compose("eval", sampled + [f"eval.out_dir={tmp_path}/{folder}", f"eval.n={n}"], tmp_path))
+
+    tokens = lambda out: {(r["id"], r["method"]): r["token_ids"] for r in read_rows(out)}
+    whole = tokens(run("whole", 2))
+    run("grown", 1)
+    grown = tokens(run("grown", 2))
+    assert len(whole) == 4 and grown == whole
+
+
+@pytest.mark.parametrize("change", ["benchmark.specs.gsm8k.template='Q: {question}'", "eval.exec_timeout_s=3",
+                                    "benchmark.specs.gsm8k.seed=1"])
+def test_resume_refuses_a_changed_template_subset_or_timeout(tmp_path, monkeypatch, change):
+    """Each changes a prompt, the items or a verdict: resuming would mix old and new rows in one summary."""
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]")
+    key = change.split("=")[0].replace("benchmark.specs.", "benchmarks.").replace("eval.", "")
+    with pytest.raises(ConfigError, match=rf"\({key} differ\)"):
+        evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", change)
+
+
+def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch):
+    """Before: eval.max_new_tokens=0 wrote empty rows; decode.top_p=0 crashed mid-run."""
+    import d3d.eval
+    from d3d.config import ConfigError
+
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
+    for bad, message in [("eval.max_new_tokens=0", "eval.max_new_tokens=0: an integer >= 1"),
+                         ("decode.top_p=0", r"decode.top_p=0: a number in \(0, 1\]"),
+                         ("decode.block_size=0", "decode.block_size=0"), ("eval.n=0", "eval.n=0")]:
+        with pytest.raises(ConfigError, match=message):
+            evaluate(tmp_path, bad)
+
+
+def test_a_run_folder_given_as_drafter_names_its_final(tmp_path):
+    from d3d.config import ConfigError
+
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"is a run folder, not a drafter. Fix: drafter.checkpoint={tmp_path}/run/final"):
+        evaluate(tmp_path, f"drafter.checkpoint={tmp_path}/run")
+    with pytest.raises(ConfigError, match="does not exist"):
+        evaluate(tmp_path, f"drafter.checkpoint={tmp_path}/nowhere")
+
+
+def test_cli_user_error_is_one_line_and_exit_2_traceback_when_verbose(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "d3d.eval", "+experiment=smoke", "decode.block_size=0", f"eval.out_dir={tmp_path}/ev",
+           f"paths.root_dir={tmp_path}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    quiet = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert quiet.returncode == 2
+    assert quiet.stderr.strip().splitlines()[-1].startswith("error: decode.block_size=0: an integer in [2, 256]")
+    assert "Traceback" not in quiet.stderr
+    loud = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, timeout=300)
+    assert loud.returncode != 0 and "Traceback" in loud.stderr

@@ -80,3 +80,142 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
     for rec in records:
         assert grade(spec, rec, f"```python\n{rec.metadata['canonical_solution']}\n```")["correct"] is True
         assert grade(spec, rec, "```python\npass\n```")["correct"] is False
+
+
+# ---------------------------------------------------------------------------- containment (DESIGN §9.10)
+# Harmless payloads only: they aim at a canary in the test's own temp dir, a socket this test
+# opens, a signal handler this test installs, an allocation under a small limit.
+
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+
+from d3d.grading import Limits, isolation, run_python
+
+
+def alive_with(marker: str) -> list[int]:
+    """Host pids (zombies excluded) whose command line carries `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+            state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmd and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("early_exit", ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"])
+def test_exit_zero_before_the_tests_is_a_fail(early_exit):
+    ok, err = run_python(f"{early_exit}\nassert 1 == 2, 'wrong answer'\n", timeout_s=10)
+    assert not ok and "before its tests finished" in err
+    assert run_python("assert 1 == 1\n", timeout_s=10) == (True, "")  # the same shape, tests run: a pass
+
+
+def test_memory_is_limited():
+    grab = "buf = bytearray({} << 20)\n"
+    small = Limits(memory_mb=256)
+    ok, err = run_python(grab.format(512), timeout_s=10, limits=small)
+    assert not ok and "MemoryError" in err
+    assert run_python(grab.format(16), timeout_s=10, limits=small)[0]  # the limit leaves room to work
+
+
+def test_output_is_capped_and_only_its_tail_kept():
+    ok, err = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout_s=10,
+                         limits=Limits(file_mb=1))
+    assert not ok and "over 1 MB" in err and len(err) < 5000
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_timeout_kills_the_whole_process_group(detach):
+    """A spawned grandchild (and, in a PID namespace, one that left the session) dies with the program."""
+    if detach and isolation()["pids"] != "namespace":
+        pytest.skip(f"no PID namespace here ({isolation()}): a setsid grandchild can escape")
+    marker = f"d3d-canary-{uuid.uuid4().hex}"
+    program = (f"import subprocess, sys\n"
+               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
+               f" start_new_session={detach})\n"
+               f"while True:\n    pass\n")
+    ok, err = run_python(program, timeout_s=2)
+    assert not ok and err == "timeout"
+    deadline = time.time() + 5  # the kernel reaps asynchronously
+    while alive_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert alive_with(marker) == []
+
+
+def test_a_passing_program_leaves_nothing_running():
+    marker = f"d3d-canary-{uuid.uuid4().hex}"
+    program = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+    assert run_python(program, timeout_s=10)[0]
+    deadline = time.time() + 5
+    while alive_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert alive_with(marker) == []
+
+
+def test_stdin_is_closed(monkeypatch):
+    """The grader's stdin (here a pipe holding a secret) is not the program's."""
+    saved = os.dup(0)
+    r, w = os.pipe()
+    os.write(w, b"secret\n")
+    os.close(w)
+    os.dup2(r, 0)
+    try:
+        ok, err = run_python("import sys\nassert 'secret' not in sys.stdin.read(), 'read the grader stdin'\n", 10)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(r)
+    assert ok, err
+
+
+def test_files_outside_its_directory_are_untouched(tmp_path):
+    if isolation()["filesystem"] != "readonly":
+        pytest.skip(f"no private read-only mounts here ({isolation()})")
+    canary = tmp_path / "canary.txt"
+    canary.write_text("keep me")
+    program = (f"import os\n"
+               f"for attempt in (lambda: os.remove({str(canary)!r}), lambda: open({str(canary)!r}, 'w').write('gone')):\n"
+               f"    try:\n        attempt()\n    except OSError:\n        pass\n"
+               f"open('scratch.txt', 'w').write('its own directory is writable')\n")
+    assert run_python(program, timeout_s=10)[0]
+    assert canary.read_text() == "keep me"
+
+
+def test_no_network():
+    if isolation()["network"] != "unshared":
+        pytest.skip(f"no network namespace here ({isolation()})")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        ok, err = run_python(program, timeout_s=10)
+    finally:
+        server.close()
+    assert not ok and "Error" in err  # unreachable, not merely refused
+
+
+def test_cannot_signal_the_grader():
+    if isolation()["pids"] != "namespace":
+        pytest.skip(f"no PID namespace here ({isolation()})")
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+    try:
+        program = (f"import os, signal\n"
+                   f"for pid in ({os.getpid()}, os.getppid()):\n"
+                   f"    try:\n        os.kill(pid, signal.SIGUSR1)\n    except OSError:\n        pass\n")
+        run_python(program, timeout_s=10)
+        time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert got == []

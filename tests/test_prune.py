@@ -141,3 +141,44 @@ def test_holdout_measures_the_retention_on_responses_the_choice_did_not_see(root
         prune(root, "holdout", "train.val_size=5", "prune.num_layers=2")
     with pytest.raises(ConfigError, match="train.val_size"):
         prune(root, "too_few", "prune.holdout_size=1")
+
+
+@pytest.mark.parametrize("window", ["writing", "before_row", "before_promotion", "between_renames"])
+def test_a_kill_anywhere_in_a_step_resumes_to_the_same_rows_and_weights(root, monkeypatch, window):
+    """Killed while finishing step 2: the rerun's rows equal an uninterrupted run's, and last/ holds
+    as many layers as the last row says (before: the unpruned drafter, or one removal unrecorded)."""
+    import json
+
+    import d3d.prune
+    import d3d.utils.checkpoints as ck
+    from d3d.utils.io import JsonlWriter
+
+    full, _, _ = prune(root, "full")
+    calls = []
+
+    def kill_on(n, real, when=lambda *a, **k: True):
+        def fn(*args, **kw):
+            if when(*args, **kw):
+                calls.append(1)
+                if len(calls) == n:
+                    raise Killed
+            return real(*args, **kw)
+        return fn
+
+    with monkeypatch.context() as m:
+        if window == "writing":
+            m.setattr(d3d.prune, "mark_complete", kill_on(2, ck.mark_complete))
+        elif window == "before_row":
+            is_step = lambda self, rows: any("removed" in r for r in rows)
+            m.setattr(JsonlWriter, "write", kill_on(3, JsonlWriter.write, is_step))  # rows 0, 1, then 2
+        elif window == "before_promotion":
+            m.setattr(d3d.prune, "promote", kill_on(2, ck.promote))
+        else:
+            m.setattr(ck, "_rename", kill_on(3, ck._rename))
+        with pytest.raises(Killed):
+            prune(root, f"killed_{window}")
+    rows, out, _ = prune(root, f"killed_{window}")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["removed"] for r in rows] == [r["removed"] for r in full]
+    last = json.loads((out / "last" / "config.json").read_text())
+    assert last["num_hidden_layers"] == rows[-1]["layers"] == 2

@@ -121,3 +121,46 @@ def test_two_process_training_keeps_the_schedule_and_saves(root, tmp_path):
 
     model, _ = load_drafter(tmp_path / "ddp" / "final", dtype="float32")
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL at one point of a checkpoint save."""
+
+
+@pytest.mark.parametrize("window", ["writing", "complete", "between_renames"])
+def test_a_kill_anywhere_in_a_save_resumes_like_an_uninterrupted_run(root, monkeypatch, window):
+    """Killed in the save at step 6 (saves at 3 and 6): the rerun continues from a whole checkpoint
+    (not step 0), and metrics hold each step once, equal to an uninterrupted run's."""
+    import d3d.train
+    import d3d.utils.checkpoints as ck
+
+    full, _ = train(root, "full")
+    name = f"killed_{window}"
+    calls = []
+
+    def kill_on(n, real):
+        def fn(*args, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                raise Killed
+            return real(*args, **kw)
+        return fn
+
+    with monkeypatch.context() as m:
+        if window == "writing":  # the state is written, its COMPLETE marker is not
+            m.setattr(d3d.train, "mark_complete", kill_on(2, ck.mark_complete))
+        elif window == "complete":  # complete, not yet promoted
+            m.setattr(d3d.train, "promote", kill_on(2, ck.promote))
+        else:  # last/ moved aside, last.partial not yet in its place (the old rmtree-then-rename gap)
+            m.setattr(ck, "_rename", kill_on(3, ck._rename))
+        with pytest.raises(Killed):
+            train(root, name)
+    steps_run = []
+    real_loss = d3d.train.d3d_loss
+    monkeypatch.setattr(d3d.train, "d3d_loss", lambda *a, **k: (steps_run.append(1), real_loss(*a, **k))[1])
+    resumed, out = train(root, name)
+    # a complete step-6 state wins (promoted on restart); an unfinished one is redone from step 3; never step 0
+    assert len(steps_run) == (3 if window == "writing" else 0)
+    assert [r["step"] for r in resumed] == [r["step"] for r in full]  # each step once
+    assert losses(resumed) == losses(full)
+    assert not (out / "last.partial").exists() and not (out / "last.old").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,19 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the fix."""
+
+
+class UserError(Exception):
+    """A problem the user fixes (a path, a file, a folder in use); the message says what and how."""
+
+
+# Shown by the Hydra jobs as one `error: ...` line with exit status 2 (HYDRA_FULL_ERROR=1 or
+# D3D_VERBOSE=1 keeps the traceback). Other exceptions are bugs and keep theirs.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, UserError)
+
+
+def verbose() -> bool:
+    return any(os.environ.get(v, "") not in ("", "0") for v in ("HYDRA_FULL_ERROR", "D3D_VERBOSE"))
 
 
 def config_dir() -> Path:
@@ -55,8 +69,19 @@ def hydra_job(config_name: str) -> Callable:
 
     def wrap(fn: Callable[[DictConfig], object]) -> Callable:
         @functools.wraps(fn)
+        def guarded(cfg: DictConfig):
+            try:
+                return fn(cfg)
+            except USER_ERRORS as err:
+                if verbose():
+                    raise
+                # what went wrong, where and the fix are in the message; the traceback would bury it
+                print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+                sys.exit(2)
+
+        @functools.wraps(fn)
         def main():
-            return hydra.main(config_path=str(config_dir()), config_name=config_name, version_base="1.3")(fn)()
+            return hydra.main(config_path=str(config_dir()), config_name=config_name, version_base="1.3")(guarded)()
 
         return main
 

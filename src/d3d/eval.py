@@ -14,6 +14,7 @@ items across processes (rows.rank<r>.jsonl), and the main process writes the mer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, replace
@@ -32,7 +33,8 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.report import read_rows, summary_markdown, write_report
-from d3d.utils.io import JsonlWriter, write_json
+from d3d.utils.checkpoints import drafter_folder
+from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -49,6 +51,7 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
     lends the shared keys to the others: `decode.temperature=1` samples every method (AR too) and
     `decode.block_size=4` drafts 4-token blocks in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
+    check_eval_settings(cfg.eval)
     composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
     shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if composed.method != "ar" else [])
     out = {}
@@ -63,7 +66,7 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
             dc = DecodeConfig.from_cfg(OmegaConf.to_container(own, resolve=False))
             keys = SHARED_SAMPLING if dc.method == "ar" else shared
             dc = replace(dc, **{k: getattr(composed, k) for k in keys})
-        dc.max_new_tokens = int(cfg.eval.max_new_tokens)
+        dc = replace(dc, max_new_tokens=int(cfg.eval.max_new_tokens))  # replace() re-validates
         if dc.method == "async" and cfg.eval.get("async_budgets"):
             for C, F in (parse_budget(b) for b in cfg.eval.async_budgets):
                 out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
@@ -72,6 +75,23 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
     if "ar" not in out:
         raise ConfigError("eval.methods must include ar: speedups and equality are measured against it")
     return {"ar": out.pop("ar"), **out}
+
+
+def check_eval_settings(ev: DictConfig) -> None:
+    """eval.* values that cannot work, refused before any model loads (max_new_tokens=0 used to write
+    empty rows and an empty table)."""
+    def whole(key, least, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}")
+
+    whole("max_new_tokens", 1, ev.max_new_tokens)
+    whole("warmup", 0, ev.warmup)
+    if ev.n is not None:
+        whole("n", 1, ev.n)
+    for c in ev.concurrency:
+        whole("concurrency", 1, c)
+    if isinstance(ev.exec_timeout_s, bool) or not isinstance(ev.exec_timeout_s, (int, float)) or ev.exec_timeout_s <= 0:
+        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0")
 
 
 def parse_budget(text) -> tuple[int, int]:
@@ -94,13 +114,20 @@ def output_dir(cfg: DictConfig) -> Path:
 
 
 def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
-    """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key)."""
+    """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
+    Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
     drafter = cfg.drafter.get("checkpoint")
+    if drafter:
+        drafter_folder(drafter)  # a missing path or a run folder: said now, with the fix
     return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
             "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(resolve_path(drafter))} if drafter else {}),
             "max_new_tokens": int(cfg.eval.max_new_tokens), "enable_thinking": bool(cfg.eval.enable_thinking),
-            "seed": int(cfg.seed),
+            "seed": int(cfg.seed), "exec_timeout_s": float(cfg.eval.exec_timeout_s),
+            # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
+            # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
+            "benchmarks": {spec["name"]: OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
+                           else dict(spec) for spec in iter_specs(cfg.benchmark)},
             "methods": {name: {k: v for k, v in asdict(dc).items() if k != "max_new_tokens"} for name, dc in methods.items()}}
 
 
@@ -156,6 +183,13 @@ def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompt
             "finish_reason": res.finish_reasons[0] if single else res.finish_reasons}
 
 
+def item_seed(seed, *key) -> int:
+    """A random stream per row (seed, benchmark, id, turn, method): a sampled run resumed after a
+    kill, or split over processes, draws exactly what an uninterrupted run draws for that row."""
+    digest = hashlib.sha256(json.dumps([int(seed), *map(str, key)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # torch seeds are < 2**63
+
+
 def compare_with_references(row: dict, gen: SpecGenerator, ar: dict | None, sync: dict | None,
                             prompts: list[list[int]]) -> None:
     """Two checks that stay meaningful in bf16, where AR and a B-token verify pass can round a
@@ -164,7 +198,8 @@ def compare_with_references(row: dict, gen: SpecGenerator, ar: dict | None, sync
       bit. Both verify the same shapes, so this isolates the async logic from numerics.
     - `divergence` (greedy rows that differ from AR): the first differing position, the target's
       logit margins there, and whether rounding explains it (numerical) or not (real)."""
-    if gen.cfg.method == "async" and sync is not None and int(sync.get("concurrency", 1)) == int(row["concurrency"]):
+    comparable = gen.cfg.sampling.greedy and sync is not None and int(sync.get("concurrency", 1)) == int(row["concurrency"])
+    if gen.cfg.method == "async" and comparable:  # sampled rows draw from per-method streams: no bitwise claim
         row["equal_to_sync"] = row["token_ids"] == sync["token_ids"] and row["taus"] == sync["taus"]
     if ar is None or row["equal_to_ar"] or not gen.cfg.sampling.greedy:
         return
@@ -200,7 +235,8 @@ def run_single(cfg, spec, records, gens, tok, done, writer, timeout_s: float) ->
                 row = done.get(key)
                 if row is None:
                     ids = chat_prompt_ids(tok, history[name], bool(cfg.eval.enable_thinking))
-                    row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids]))
+                    seed = item_seed(cfg.seed, spec["name"], rec.id, turn, name)
+                    row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
                     row.update(grade(spec, rec, row["text"], turn, timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
@@ -225,7 +261,8 @@ def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -
         for name, gen in gens.items():
             row = done.get((spec["name"], key_id, 0, name, concurrency))
             if row is None:
-                row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts))
+                seed = item_seed(cfg.seed, spec["name"], key_id, 0, name)
+                row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                 compare_with_references(row, gen, ar, sync, prompts)
                 writer.write([row])
@@ -237,6 +274,14 @@ def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -
 
 
 def run_eval(cfg: DictConfig) -> Path:
+    """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
+    from accelerate import PartialState
+
+    with lock_folder(output_dir(cfg), "d3d.eval", PartialState().process_index):
+        return _evaluate(cfg)
+
+
+def _evaluate(cfg: DictConfig) -> Path:
     from accelerate import PartialState
 
     state = PartialState()  # one process unless started by `accelerate launch`

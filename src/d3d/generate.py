@@ -19,7 +19,7 @@ from d3d.config import ConfigError, hydra_job, resolve_path, to_plain
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import Prompt, load_prompt_set
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path
-from d3d.utils.io import JsonlWriter, read_jsonl, write_json
+from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.generate")
@@ -27,16 +27,16 @@ log = logging.getLogger("d3d.generate")
 SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt")
 
 
-class OutputMismatchError(RuntimeError):
+class OutputMismatchError(ConfigError):
     """The output folder holds rows made by a different target or with different settings."""
 
 
 def read_responses(out_dir: str | Path) -> list[dict]:
-    """All rows of a responses folder (every rank's file), in file order."""
+    """All rows of a responses folder (every rank's file), in file order, each id once."""
     rows = []
     for path in sorted(Path(out_dir).glob("responses.rank*.jsonl")):
         rows += list(read_jsonl(path))
-    return rows
+    return unique(rows, lambda r: r["id"])
 
 
 def check_output_folder(out_dir: Path, header: dict) -> None:
@@ -107,7 +107,15 @@ def generate_batch(model, tokenizer, batch: list[tuple[Prompt, list[int]]], kwar
 
 
 def run_generate(cfg: DictConfig) -> Path:
-    """Answer every prompt not yet answered in the output folder; returns the folder."""
+    """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
+    time per folder: a second writer would answer every prompt again."""
+    from accelerate import PartialState
+
+    with lock_folder(resolve_path(cfg.generate.out_dir), "d3d.generate", PartialState().process_index):
+        return _generate(cfg)
+
+
+def _generate(cfg: DictConfig) -> Path:
     from accelerate import PartialState
 
     state = PartialState()

@@ -11,11 +11,18 @@ Other benchmarks (MT-Bench, LiveCodeBench, Alpaca) get `None`: no cheap referenc
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
+import resource
+import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Mapping
 
@@ -97,18 +104,189 @@ def extract_code(text: str) -> str:
     return text
 
 
-def run_python(program: str, timeout_s: float) -> tuple[bool, str]:
-    """Run a program in a fresh interpreter (isolated mode, temp cwd); passed = exit status 0."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "check.py")
+# How graded code runs (DESIGN §9.10). Model output is untrusted code, but it is written by a
+# language model answering a benchmark, not by an attacker: the aim is that an honest mistake or a
+# careless program (an endless loop, a fork, a huge allocation, `sys.exit(0)` before its tests, a
+# stray `rm`) cannot hurt the host, outlive its time limit, or be graded correct. It is NOT a
+# security sandbox for hostile code: a program that sets out to escape (reads the evidence pipe,
+# calls setsid from outside a PID namespace, exploits the kernel) may succeed. Layers:
+#   - always: a fresh `python -I`, its own session (process group) killed whole on timeout and after
+#     it exits; resource limits (address space, CPU seconds, file size, open files, processes);
+#     stdin closed; stdout/stderr into files whose size the file-size limit caps (only their tails
+#     are read back); cwd, HOME and TMPDIR in a temporary directory;
+#   - where `unshare` is permitted (root, or user namespaces): new network namespace (no network,
+#     not even the host's localhost), new PID namespace (the grader and every other process are
+#     invisible to kill(); when the program exits the kernel kills whatever it left behind), and a
+#     new mount namespace in which every mount is read-only but the temporary directory.
+# `isolation()` says which layers this machine gives; eval records it in run.json.
+# A pass needs exit status 0 AND the per-call sentinel that the runner prints after the program
+# returned: exiting early (sys.exit(0), os._exit(0), a killed interpreter) is a failure.
+
+_BOOT = r"""
+import ctypes, os, sys
+path, work, fs, evidence = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if fs == "readonly":
+    # Private mount namespace (unshare --mount): keep the work dir writable, make the rest read-only.
+    libc = ctypes.CDLL(None, use_errno=True)
+    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+    KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,  # locked flags must be restated
+            "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+    if libc.mount(work.encode(), work.encode(), None, MS_BIND, None) != 0:
+        sys.exit("d3d grading: cannot bind the work dir")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [(line.split()[4], line.split()[5]) for line in f]
+    for point, opts in mounts:
+        point = point.replace("\\040", " ")
+        if point == work:
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for o in opts.split(","):
+            flags |= KEEP.get(o, 0)
+        libc.mount(None, point.encode(), None, flags, None)  # a mount that refuses stays as it was
+    os.chdir(work)  # the cwd still pointed into the mount under the bind, now read-only
+os.set_inheritable(evidence, False)  # children of the program do not get the pipe
+sys.argv = [path]
+with open(path, encoding="utf-8") as f:
+    code = compile(f.read(), path, "exec")
+exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+# Only now, after the program returned normally, is the sentinel read and shown.
+sentinel = os.read(evidence, 64)
+sys.stdout.flush()
+os.write(1, b"\n" + sentinel + b"\n")
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one graded program (per process; processes counted per user)."""
+
+    memory_mb: int = 2048  # address space: HumanEval/MBPP solutions need tens of MB
+    file_mb: int = 16  # largest file it may write, its captured output included
+    processes: int = 64  # beyond those the user already runs (root ignores this limit)
+    open_files: int = 256
+
+
+def _unshare_prefix(as_root: bool) -> list[str]:
+    base = ["unshare", "--net", "--pid", "--mount", "--fork", "--kill-child"]
+    return base if as_root else base[:1] + ["--map-root-user"] + base[1:]
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> dict:
+    """Which layers this machine gives graded code, found by running a probe through the real chain:
+    it tries to reach the network and to write outside its directory."""
+    facts = {"session": True, "rlimits": True, "namespaces": None, "network": "shared", "pids": "shared",
+             "filesystem": "writable"}
+    if shutil.which("unshare") is None:
+        return facts
+    probe = ("import os, socket, sys\n"
+             "s = socket.socket(); s.settimeout(1)\n"
+             "try:\n    s.connect(('127.0.0.1', 9)); net = 'shared'\n"
+             "except ConnectionRefusedError:\n    net = 'shared'\n"
+             "except OSError:\n    net = 'unshared'\n"
+             "try:\n    open(os.path.join(sys.argv[0].rsplit('/', 2)[0], 'outside'), 'w').close(); fs = 'writable'\n"
+             "except OSError:\n    fs = 'readonly'\n"
+             "print(net, fs, os.getpid() == 1)\n")
+    for prefix in (_unshare_prefix(os.geteuid() == 0), _unshare_prefix(False)):
+        try:
+            ok, out = _run_contained(probe, 10.0, Limits(), prefix, "readonly")
+        except OSError:
+            continue
+        words = out.split()
+        if ok and len(words) >= 3:
+            facts.update(namespaces=prefix, network=words[-3], filesystem=words[-2],
+                         pids="namespace" if words[-1] == "True" else "shared")
+            break
+    return facts
+
+
+def _preexec(limits: Limits, timeout_s: float, extra_processes: int):
+    def apply() -> None:
+        cap = lambda which, value: resource.setrlimit(which, (value, value))
+        cap(resource.RLIMIT_AS, limits.memory_mb << 20)
+        cap(resource.RLIMIT_CPU, int(math.ceil(timeout_s)) + 1)  # a busy grandchild dies on its own too
+        cap(resource.RLIMIT_FSIZE, limits.file_mb << 20)
+        cap(resource.RLIMIT_NOFILE, limits.open_files)
+        cap(resource.RLIMIT_CORE, 0)
+        cap(resource.RLIMIT_NPROC, extra_processes + limits.processes)
+    return apply
+
+
+def _user_processes() -> int:
+    """Processes of this user now: RLIMIT_NPROC counts them all, not only the program's."""
+    uid, n = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                n += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - n))
+        return f.read().decode("utf-8", "replace")
+
+
+def _run_contained(program: str, timeout_s: float, limits: Limits, prefix: list[str], fs: str) -> tuple[bool, str]:
+    """One program through `prefix` (an unshare command line, or nothing); (passed, stdout or error tail)."""
+    with tempfile.TemporaryDirectory(prefix="d3d-grade-") as tmp:
+        work = os.path.join(os.path.realpath(tmp), "work")  # the program's world; tmp itself holds what it must not touch
+        os.mkdir(work)
+        path = os.path.join(work, "check.py")
         with open(path, "w", encoding="utf-8") as f:
             f.write(program)
-        try:
-            proc = subprocess.run([sys.executable, "-I", path], cwd=tmp, capture_output=True, text=True,
-                                  timeout=timeout_s, env={"PATH": os.environ.get("PATH", "")})
-        except subprocess.TimeoutExpired:
-            return False, "timeout"
-    return proc.returncode == 0, proc.stderr[-500:]
+        sentinel = secrets.token_hex(16).encode()
+        read_end, write_end = os.pipe()
+        os.write(write_end, sentinel)
+        os.close(write_end)
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
+            try:
+                proc = subprocess.Popen([*prefix, sys.executable, "-I", "-c", _BOOT, path, work, fs, str(read_end)], cwd=work,
+                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                        pass_fds=(read_end,), start_new_session=True,
+                                        preexec_fn=_preexec(limits, timeout_s, _user_processes()))
+            finally:
+                os.close(read_end)
+            try:
+                code = proc.wait(timeout=timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_group(proc)
+            code = proc.wait()
+        stdout, stderr = _tail(out_path), _tail(err_path)
+        flooded = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.file_mb << 20
+    if timed_out:
+        return False, "timeout"
+    if flooded or code == -signal.SIGXFSZ:  # Python ignores SIGXFSZ and raises "File too large" instead
+        return False, f"output or a file over {limits.file_mb} MB"
+    if code != 0:
+        return False, stderr or f"exit status {code}"
+    if not stdout.endswith("\n" + sentinel.decode() + "\n"):
+        return False, "exited before its tests finished (status 0 without the runner's evidence)"
+    return True, stdout[: -len(sentinel) - 2]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the program's whole process group (its session): forks and spawned commands too."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_python(program: str, timeout_s: float, limits: Limits | None = None) -> tuple[bool, str]:
+    """Run a program contained (see above); (passed, the error tail when it failed)."""
+    facts = isolation()
+    prefix = facts["namespaces"] or []
+    ok, out = _run_contained(program, timeout_s, limits or Limits(), prefix, "readonly" if prefix else "writable")
+    return ok, "" if ok else out
 
 
 def humaneval_program(record: Record, text: str) -> str:

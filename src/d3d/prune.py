@@ -39,7 +39,9 @@ from d3d.train import (
     batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples,
     train_resume_key,
 )
-from d3d.utils.io import JsonlWriter, read_jsonl, write_json
+from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
+from d3d.utils.checkpoints import recover as recover_checkpoint
+from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.timing import timed
 
 log = logging.getLogger("d3d.prune")
@@ -180,6 +182,8 @@ def prune_resume_key(cfg: DictConfig) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
     calibration/hold-out split and the recovery objective."""
     checkpoint = cfg.drafter.get("checkpoint")
+    if checkpoint:
+        drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else to_plain(cfg.drafter))
     return {"drafter": start, "seed": int(cfg.seed), "train": train_resume_key(cfg)["train"],
@@ -187,6 +191,26 @@ def prune_resume_key(cfg: DictConfig) -> dict:
 
 
 def run_prune(cfg: DictConfig) -> Path:
+    """Prune into prune.out_dir, one run at a time per folder (two would both remove layers)."""
+    with lock_folder(resolve_path(cfg.prune.out_dir), "d3d.prune"):
+        return _prune(cfg)
+
+
+def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path | None]:
+    """The rows and the checkpoint a resumed run continues from, made to agree. A step writes
+    last.partial (complete, its step inside), then its row, then promotes: recovery promotes a
+    complete last.partial whose row is on disk and redoes one whose row is not."""
+    last = recover_checkpoint(out_dir, upto=history[-1]["step"])
+    step = saved_step(last) if last else None
+    if step is None:
+        if len(history) > 1 and last is None:
+            raise ConfigError(f"{out_dir / 'steps.jsonl'} records {len(history) - 1} removals but {out_dir} has no "
+                              f"last/ checkpoint to continue from. Fix: delete {out_dir} to start over.")
+        return history, last  # step 0 only, or a folder from before steps were recorded in last/
+    return trim_rows(out_dir / "steps.jsonl", lambda r: r["step"] <= step), last
+
+
+def _prune(cfg: DictConfig) -> Path:
     pc = cfg.prune
     torch.manual_seed(int(cfg.seed))
     out_dir = resolve_path(pc.out_dir)
@@ -197,14 +221,17 @@ def run_prune(cfg: DictConfig) -> Path:
 
     device = str(pc.get("device") or "auto")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    history = list(read_jsonl(out_dir / "steps.jsonl"))
+    history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
     key = prune_resume_key(cfg)
     differ = differing_keys(history[0].get("resume_key") or {}, key) if history else []  # old runs: no key
     if differ or (history and ("holdout_tau" in history[0]) != bool(holdout)):
         raise ConfigError(f"{out_dir} was pruned with other settings ({', '.join(differ) or 'prune.holdout_size'} "
                           f"differ); resuming would mix two runs. Fix: pass a new prune.out_dir, or delete that one.")
-    if history and (out_dir / "last").is_dir():
-        model, tok = load_drafter(out_dir / "last", device=device, dtype="float32")
+    last = None
+    if history:
+        history, last = resume_point(out_dir, history)
+    if last is not None:
+        model, tok = load_drafter(last, device=device, dtype="float32")
         log.info("resuming after step %d", history[-1]["step"])
     elif cfg.drafter.get("checkpoint"):
         model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32")
@@ -243,11 +270,12 @@ def run_prune(cfg: DictConfig) -> Path:
         save_drafter(model, tok, out_dir / f"step_{step}")
         if row["retention"] >= float(pc.min_retention):
             save_drafter(model, tok, out_dir / "final")
+        shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
         save_drafter(model, tok, out_dir / "last.partial")
-        shutil.rmtree(out_dir / "last", ignore_errors=True)
-        (out_dir / "last.partial").rename(out_dir / "last")
-        writer.write([row])  # the step counts as finished once its row is on disk
+        mark_complete(out_dir / "last.partial", step)
+        writer.write([row])  # after the complete checkpoint, before promoting it (see resume_point)
         history.append(row)
+        promote(out_dir)
         held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
         print(f"[d3d.prune] step {step}: removed layer {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
               f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)

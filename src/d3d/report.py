@@ -22,15 +22,20 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from d3d.utils.io import read_jsonl, write_json
+from d3d.utils.io import read_jsonl, unique, write_json
 
 
 def read_rows(folder: str | Path) -> list[dict]:
-    """Every row of a result folder: rows.jsonl, or one rows.rank<r>.jsonl per process."""
+    """Every row of a result folder: rows.jsonl, or one rows.rank<r>.jsonl per process; each key once."""
     rows = []
     for path in sorted(Path(folder).glob("rows*.jsonl")):
         rows += list(read_jsonl(path))
-    return rows
+    return unique(rows, row_key)
+
+
+def row_key(row: dict) -> tuple:
+    """What makes a row one result: a second row with the same key is a duplicate, not a sample."""
+    return row["benchmark"], row["id"], row.get("turn", 0), row["method"], row.get("concurrency", 1)
 
 
 def _mean_or_none(values: list) -> float | None:

@@ -28,7 +28,9 @@ from d3d.estimator import estimate_acceptance
 from d3d.generate import read_responses
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import Example, ObjectiveConfig, d3d_loss, pack
-from d3d.utils.io import JsonlWriter, read_jsonl, write_json
+from d3d.utils.checkpoints import mark_complete, promote, trim_rows
+from d3d.utils.checkpoints import recover as recover_checkpoint
+from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.train")
@@ -171,7 +173,7 @@ def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:
     """out_dir/last: accelerate state (model, optimizer, scheduler, RNG) + trainer state, atomically."""
-    tmp, last = out_dir / "last.partial", out_dir / "last"
+    tmp = out_dir / "last.partial"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -180,12 +182,21 @@ def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -
     if accelerator.is_main_process:
         write_json(tmp / "trainer_state.json", state)
         save_drafter(accelerator.unwrap_model(model), tokenizer, tmp / "drafter", weights)
-        shutil.rmtree(last, ignore_errors=True)
-        tmp.rename(last)
+        mark_complete(tmp, state["step"])
+        promote(out_dir)  # a kill anywhere in here leaves one whole checkpoint (d3d.utils.checkpoints)
     accelerator.wait_for_everyone()
 
 
 def run_train(cfg: DictConfig) -> Path:
+    """Train into train.out_dir, one run at a time per folder (two would interleave metrics and
+    checkpoints). Each process of `accelerate launch` holds its rank's lock."""
+    import os
+
+    with lock_folder(resolve_path(cfg.train.out_dir), "d3d.train", int(os.environ.get("RANK", 0))):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -202,6 +213,9 @@ def run_train(cfg: DictConfig) -> Path:
     val = cut_responses(val, tc.get("val_max_new_tokens"))
 
     resume_dir = out_dir / "last"
+    if tc.resume and accelerator.is_main_process:
+        recover_checkpoint(out_dir)  # finish a save a kill interrupted (else step 0 and no metrics)
+    accelerator.wait_for_everyone()
     resuming = bool(tc.resume) and (resume_dir / "trainer_state.json").is_file()
     model, tokenizer = build_drafter(cfg.drafter, cfg.target, cache_dir, device="cpu", dtype="float32")
     settings = DrafterSettings.of(model)
@@ -220,6 +234,8 @@ def run_train(cfg: DictConfig) -> Path:
         state = json.loads((resume_dir / "trainer_state.json").read_text())
         check_same_run(resume_dir, state, key)
         accelerator.load_state(str(resume_dir))
+        if accelerator.is_main_process:  # rows of steps after the checkpoint are redone, not doubled
+            trim_rows(out_dir / "metrics.jsonl", lambda r: r["step"] <= int(state["step"]))
         log.info("resumed from %s at step %d", resume_dir, state["step"])
     elif accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,7 +304,7 @@ def run_train(cfg: DictConfig) -> Path:
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         final = save_drafter(accelerator.unwrap_model(model), tokenizer, out_dir / "final", weights)
-        history = list(read_jsonl(out_dir / "metrics.jsonl"))
+        history = unique(read_jsonl(out_dir / "metrics.jsonl"), lambda r: r["step"])
         evals = [r for r in history if "val_tau" in r]
         write_json(out_dir / "summary.json", {
             "steps": step, "max_steps": max_steps, "elapsed_s": round(time.perf_counter() - start, 1),

@@ -48,10 +48,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from d3d.config import ConfigError
 from d3d.decoding.kv import KVState
 from d3d.decoding.verify import Sampling, greedy_verify, sample_verify
 from d3d.models.drafter import DrafterSettings, logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
+
+
+MAX_BLOCK = 256  # far above any trained drafter (16); 1000 used to run for minutes before anything failed
 
 
 @dataclass
@@ -68,6 +72,32 @@ class DecodeConfig:
     overlap: str = "auto"  # auto | stream | thread | none (see SpecGenerator.overlap_mode)
     cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
     stop_strings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Every setting checked here, before any model loads: a bad value used to fail deep in torch
+        (block_size=0), run silently greedy (temperature=-1) or do nothing (top_p=2)."""
+        def bad(key, allowed):
+            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}")
+
+        from d3d.decoding.methods import METHODS  # the registry names the methods there are
+
+        choices = {"method": tuple(METHODS), "coverage": ("first", "confident"),
+                   "overlap": ("auto", "stream", "thread", "none")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+        low = 2 if METHODS[self.method].needs_drafter else 1  # a speculative block: the pending token + >= 1 draft
+        if not whole(self.block_size) or not low <= self.block_size <= MAX_BLOCK:
+            bad("block_size", f"an integer in [{low}, {MAX_BLOCK}] for method={self.method} (the drafter's "
+                              "training block size is the right one)")
+        for key, least in (("C", 1), ("F", 0), ("top_k", 0), ("max_new_tokens", 1)):
+            if not whole(getattr(self, key)) or getattr(self, key) < least:
+                bad(key, f"an integer >= {least}" + (" (0 = off)" if key == "top_k" else ""))
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1] (1 = off)")
 
     @classmethod
     def from_cfg(cls, cfg) -> "DecodeConfig":

@@ -1,0 +1,102 @@
+"""Crash-safe checkpoint promotion: `last/` is replaced by a finished `last.partial/` so that a kill
+at any moment leaves one complete checkpoint that says which step it holds.
+
+    write everything into last.partial/ -> mark_complete(last.partial, step)   (COMPLETE, written last)
+    (the job writes its row for that step here: the row may run ahead of last/, never behind)
+    promote(): last -> last.old, last.partial -> last, remove last.old
+
+`recover()` at start-up finishes an interrupted promotion: a complete last.partial wins (it is the
+newest finished state), else last/, else a last.old left by a kill between the two renames. An
+incomplete last.partial is deleted. `trim_rows` then drops the rows of steps the checkpoint does
+not hold, so that a resumed run rewrites them instead of logging them twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from d3d.config import ConfigError, resolve_path
+from d3d.utils.io import read_jsonl
+
+MARKER = "COMPLETE"
+
+
+def mark_complete(folder: Path, step: int) -> None:
+    """Record the step inside the checkpoint, last and durably: its presence means "finished"."""
+    path = Path(folder) / MARKER
+    with open(path, "w") as f:
+        f.write(json.dumps({"step": int(step)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def saved_step(folder: Path) -> int | None:
+    """The step a complete checkpoint holds; None for an unfinished one or one from before markers."""
+    path = Path(folder) / MARKER
+    return json.loads(path.read_text())["step"] if path.is_file() else None
+
+
+def _rename(src: Path, dst: Path) -> None:
+    os.replace(src, dst)  # one function, so tests can stop the process between the two renames
+
+
+def promote(out_dir: Path, name: str = "last") -> Path:
+    """Make out_dir/<name>.partial (complete) the new out_dir/<name>."""
+    last, partial, old = out_dir / name, out_dir / f"{name}.partial", out_dir / f"{name}.old"
+    if saved_step(partial) is None:
+        raise RuntimeError(f"{partial} is not complete: mark_complete() it before promoting")
+    shutil.rmtree(old, ignore_errors=True)
+    if last.exists():
+        _rename(last, old)
+    _rename(partial, last)
+    shutil.rmtree(old, ignore_errors=True)
+    return last
+
+
+def recover(out_dir: Path, name: str = "last", upto: int | None = None) -> Path | None:
+    """Finish or undo an interrupted save; the complete checkpoint to resume from, if any.
+    `upto`: the last step the job's record holds; a complete last.partial beyond it is a step whose
+    row was never written (prune writes the row after the checkpoint), so it is redone instead."""
+    last, partial, old = out_dir / name, out_dir / f"{name}.partial", out_dir / f"{name}.old"
+    step = saved_step(partial) if partial.is_dir() else None
+    if step is not None and (upto is None or step <= upto):
+        promote(out_dir, name)  # killed after the state was complete: it is the newest
+    else:
+        shutil.rmtree(partial, ignore_errors=True)  # killed while writing it (or before its row): redone
+        if not last.exists() and old.is_dir():
+            _rename(old, last)  # killed between the renames: the previous checkpoint is still whole
+    shutil.rmtree(old, ignore_errors=True)
+    return last if last.is_dir() else None
+
+
+def trim_rows(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
+    """Rewrite a jsonl file (atomically) keeping the rows `keep` accepts; returns them."""
+    path = Path(path)
+    rows = list(read_jsonl(path))
+    kept = [r for r in rows if keep(r)]
+    if len(kept) != len(rows):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(path)
+    return kept
+
+
+def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
+    """A drafter checkpoint the user named, checked before anything loads: a training run folder
+    (whose drafter is its final/) or a missing path gets a one-line error with the fix."""
+    path = resolve_path(value)
+    if not path.exists():
+        raise ConfigError(f"{key}={value}: {path} does not exist. Fix: pass a folder written by d3d.train "
+                          f"(<train.out_dir>/final) or d3d.prune (<prune.out_dir>/final).")
+    if (path / "config.json").is_file():
+        return path
+    for inner in ("final", "last/drafter"):
+        if (path / inner / "config.json").is_file():
+            raise ConfigError(f"{key}={value} is a run folder, not a drafter. Fix: {key}={path / 'final'}"
+                              + ("" if inner == "final" else " (once the run finishes; or its last/drafter)"))
+    raise ConfigError(f"{key}={value}: {path} holds no config.json, so it is not a saved drafter. Fix: pass "
+                      f"the final/ folder of a d3d.train or d3d.prune run.")
