@@ -122,12 +122,15 @@ class TrainRecipe:
         return self.accelerator.unwrap_model(self.step_module).drafter
 
     def micro_batches(self, step: int):
-        """This process's micro-batches of one optimizer step, packed with anchors drawn from a
-        generator seeded by (seed, step, rank): a resumed run draws what the uninterrupted one did."""
+        """This process's micro-batches of one optimizer step. Each slice of the step's global batch
+        draws its anchors from a generator seeded by (seed, step, slice), so a resumed run draws what
+        the uninterrupted one did, and N processes x 1 micro-batch train on exactly the batches that
+        1 process x N micro-batches does (contract 9)."""
         tc, cfg, rank, ranks = self.tc, self.cfg, self.accelerator.process_index, self.accelerator.num_processes
         per_step = int(tc.batch_size) * int(tc.grad_accum) * ranks  # the global batch of one optimizer step
-        gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + step + 7_919_000_000 * rank)
         for micro in range(int(tc.grad_accum)):
+            piece = micro * ranks + rank  # batch_at's slice index within the step
+            gen = torch.Generator().manual_seed((int(cfg.seed) * 1_000_003 + step) * 4_099 + piece)
             yield pack(batch_at(self.train_set, step, micro, per_step, int(tc.batch_size), int(cfg.seed), rank, ranks),
                        self.objective, self.settings.mask_token_id, self.tokenizer.pad_token_id, gen)
 
