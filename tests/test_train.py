@@ -11,7 +11,7 @@ import pytest
 from d3d.generate import run_generate
 from d3d.train import batch_at, run_train
 from d3d.utils.io import read_jsonl
-from tests.conftest import CACHE_DIR, ROOT, compose
+from tests.conftest import CACHE_DIR, ROOT, compose, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +98,6 @@ def test_each_rank_and_micro_batch_reads_its_own_slice():
         assert sorted(flat) == sorted(one_process)
         seen += flat
     assert len(set(seen)) == len(seen) == 4 * per_step
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(nproc: int, script, *args, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node N` on this machine: N real processes (gloo on CPU). `accelerate
-    launch --cpu --num_processes 2` starts only one here (DESIGN §10)."""
-    import os
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_contract9_two_processes_equal_one_process_on_the_global_batch(root, tmp_path):
