@@ -101,7 +101,7 @@ def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed:
     tc = cfg.train
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
-    step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, int(tc.get("loss_chunk_rows") or 4096))
+    step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, int(tc.loss_chunk_rows))
     optimizer = make_optimizer(model, tc)
     model.train()
     for step in range(steps):

@@ -26,8 +26,9 @@ from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
-    D3DTrainingStep, batch_at, cut_responses, drafter_state_dict, freeze_embeddings_except_mask, freeze_lower_layers,
-    load_examples, make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
+    D3DTrainingStep, batch_at, cut_responses, drafter_state_dict, enable_activation_checkpointing,
+    freeze_embeddings_except_mask, freeze_lower_layers, load_examples, make_accelerator, make_optimizer,
+    make_scheduler, optimizer_step, split_examples, train_resume_key,
 )
 from d3d.utils.io import JsonlWriter, read_jsonl, write_json
 from d3d.utils.runinfo import run_info
@@ -95,12 +96,11 @@ class TrainRecipe:
             freeze_embeddings_except_mask(drafter, settings.mask_token_id)
         if tc.get("trainable_from_layer"):
             freeze_lower_layers(drafter, int(tc.trainable_from_layer))
-        if tc.get("gradient_checkpointing"):
-            # Each decoder layer keeps only its input and recomputes the rest in backward.
-            drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if tc.gradient_checkpointing:
+            enable_activation_checkpointing(drafter)
         self.objective = ObjectiveConfig.from_cfg(tc, settings.block_size)
         step_module = D3DTrainingStep(drafter, settings.vocab_size, self.objective.ar_weight,
-                                      int(tc.get("loss_chunk_rows") or 4096))
+                                      int(tc.loss_chunk_rows))
         optimizer = make_optimizer(step_module, tc)
         scheduler = make_scheduler(optimizer, tc)
         self.step_module, self.optimizer, self.scheduler = accelerator.prepare(step_module, optimizer, scheduler)

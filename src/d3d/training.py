@@ -184,6 +184,16 @@ def freeze_lower_layers(model, first_trainable: int) -> None:
             layer.requires_grad_(False)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Each decoder layer keeps only its input and recomputes the rest in backward. transformers
+    5.24 renamed the switch (activation_checkpointing_enable); earlier 5.x have only the old name."""
+    kwargs = {"use_reentrant": False}  # the non-reentrant form works with frozen inputs and autocast
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def make_optimizer(model, tc):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
