@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,5 +40,23 @@ def load_script(name: str):
 
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int, script, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N` on this machine: N real processes (gloo on CPU). `accelerate
+    launch --cpu --num_processes 2` starts only one here (DESIGN §10)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)

@@ -12,6 +12,7 @@ from d3d.models.drafter import (
 )
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example, ObjectiveConfig, pack
+from d3d.training import D3DTrainingStep
 from tests.conftest import compose
 
 
@@ -38,7 +39,8 @@ def test_contract3_training_forward_equals_inference_forward(arch, tmp_path):
     anchors = torch.tensor([11, 15, 20, 33, 38])
     batch = pack([ex], ObjectiveConfig(block_size=B, anchors_per_seq=5), s.mask_token_id, 0, g, [anchors])
     with torch.no_grad():
-        h = hidden_states(model, batch.input_ids, batch.layout)[0]
+        # The training path proper: the module d3d.train prepares (mask built where the model is).
+        h = D3DTrainingStep(model, s.vocab_size, ar_weight=1.0).hidden(batch)[0]
         train_logits = logits_at(model, h[len(ids):].reshape(len(anchors), B, -1), s.vocab_size)
         from transformers import DynamicCache
 

@@ -157,7 +157,9 @@ def test_accelerate_two_processes_split_and_merge(tmp_path):
 
     from tests.conftest import CACHE_DIR, ROOT
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "-m", "d3d.eval",
+    # torchrun starts two real processes (gloo); `accelerate launch --cpu --num_processes 2` starts one here.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "d3d.eval",
            *SMOKE, "eval.n=3", "eval.methods=[ar,sync]", f"eval.out_dir={tmp_path}/ev", f"paths.root_dir={tmp_path}",
            f"paths.cache_dir={CACHE_DIR}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from d3d.models.drafter import hidden_states, logits_at
 from d3d.models.masks import Layout, block_layout, clean_layout, concat, pad_layout
@@ -125,31 +126,77 @@ def pack(examples: list[Example], cfg: ObjectiveConfig, mask_id: int, pad_id: in
     )
 
 
+def _weighted_ce(head, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                 vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden)
+    logits = (logits[..., :vocab_size] if vocab_size else logits).float()
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    return (ce * weights).sum(), logits.argmax(-1) == targets
+
+
+def chunked_weighted_ce(head, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                        vocab_size: int | None, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_i w_i·CE_i, argmax hit per row) through the LM head, `chunk_rows` rows at a time.
+
+    A Qwen3 micro-batch has ~25k loss rows and a 152k vocabulary: their fp32 logits alone would be
+    ~15 GB. Each chunk's logits are recomputed in backward (activation checkpointing), so at most
+    one chunk's (rows, V) tensor is alive at any time."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    hits = []
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    for s in range(0, hidden.shape[0], chunk_rows):
+        args = (head, hidden[s : s + chunk_rows], targets[s : s + chunk_rows], weights[s : s + chunk_rows], vocab_size)
+        if recompute:
+            part, hit = torch.utils.checkpoint.checkpoint(_weighted_ce, *args, use_reentrant=False)
+        else:
+            part, hit = _weighted_ce(*args)
+        total = total + part
+        hits.append(hit)
+    return total, (torch.cat(hits) if hits else targets.new_zeros(0, dtype=torch.bool))
+
+
+def loss_from_hidden(hidden: torch.Tensor, head, batch: PackedBatch, ar_weight: float, vocab_size: int | None,
+                     chunk_rows: int = 4096) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L = L_denoise + λ·L_AR from the packed forward's final hidden states (b, T, d), with logits
+    only at loss rows. Metrics stay 0-dim tensors on the device (read them with metrics_to_floats:
+    one host transfer per step, not one per metric)."""
+    dev = hidden.device
+    h = hidden.reshape(-1, hidden.shape[-1])
+    targets, w = batch.dn_targets.to(dev), batch.dn_weights.to(dev)
+    dn_sum, hit = chunked_weighted_ce(head, h[batch.dn_rows.to(dev)], targets, w, vocab_size, chunk_rows)
+    loss_dn = dn_sum / w.sum().clamp(min=1e-9)
+    loss = loss_dn
+    metrics = {"loss_denoise": loss_dn.detach()}
+    if len(batch.dn_slots):
+        # Per-slot accuracy: hits summed per slot on the device; the counts are known on the host.
+        counts = torch.bincount(batch.dn_slots)
+        slot_hits = torch.zeros(len(counts), device=dev).index_add_(0, batch.dn_slots.to(dev), hit.float())
+        for j, n in enumerate(counts.tolist()):
+            if n:
+                metrics[f"acc_slot{j + 1}"] = slot_hits[j] / n
+    if ar_weight > 0 and len(batch.ar_rows):
+        ar_t = batch.ar_targets.to(dev)
+        ar_sum, _ = chunked_weighted_ce(head, h[batch.ar_rows.to(dev)], ar_t, torch.ones(len(ar_t), device=dev),
+                                        vocab_size, chunk_rows)
+        loss_ar = ar_sum / len(ar_t)
+        loss = loss + ar_weight * loss_ar
+        metrics["loss_ar"] = loss_ar.detach()
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    values = torch.stack([v.float() for v in metrics.values()]).tolist() if metrics else []
+    return dict(zip(metrics, values))
+
+
 def d3d_loss(model, batch: PackedBatch, ar_weight: float, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
-    """L = L_denoise + λ·L_AR, with logits only at loss rows. Returns (loss, metrics)."""
+    """L = L_denoise + λ·L_AR on a bare drafter (benchmarks, tests). Training goes through
+    d3d.training.D3DTrainingStep, the module a distributed wrapper can prepare. Returns (loss, metrics)."""
     dev = next(model.parameters()).device
     h = hidden_states(model, batch.input_ids.to(dev), batch.layout)
-    h = h.reshape(-1, h.shape[-1])
-    metrics: dict = {}
-    dn_logits = logits_at(model, h[batch.dn_rows.to(dev)], vocab_size).float()
-    ce = F.cross_entropy(dn_logits, batch.dn_targets.to(dev), reduction="none")
-    w = batch.dn_weights.to(dev)
-    loss_dn = (ce * w).sum() / w.sum().clamp(min=1e-9)
-    loss = loss_dn
-    metrics["loss_denoise"] = loss_dn.item()
-    with torch.no_grad():
-        hit = (dn_logits.argmax(-1) == batch.dn_targets.to(dev)).float().cpu()
-        for j in range(int(batch.dn_slots.max().item()) + 1 if len(batch.dn_slots) else 0):
-            sel = batch.dn_slots == j
-            if sel.any():
-                metrics[f"acc_slot{j + 1}"] = hit[sel].mean().item()
-    if ar_weight > 0 and len(batch.ar_rows):
-        ar_logits = logits_at(model, h[batch.ar_rows.to(dev)], vocab_size).float()
-        loss_ar = F.cross_entropy(ar_logits, batch.ar_targets.to(dev))
-        loss = loss + ar_weight * loss_ar
-        metrics["loss_ar"] = loss_ar.item()
-    metrics["loss"] = loss.item()
-    return loss, metrics
+    loss, metrics = loss_from_hidden(h, model.get_output_embeddings(), batch, ar_weight, vocab_size)
+    return loss, metrics_to_floats(metrics)
 
 
 def weight_of_draft(k: int, gamma: float) -> float:

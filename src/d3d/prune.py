@@ -34,10 +34,10 @@ from d3d.models.drafter import (
     weights_fingerprint,
 )
 from d3d.models.masks import block_layout, clean_layout
-from d3d.objective import ObjectiveConfig, d3d_loss, pack
-from d3d.train import (
-    batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer, split_examples,
-    train_resume_key,
+from d3d.objective import ObjectiveConfig, pack
+from d3d.training import (
+    D3DTrainingStep, batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer,
+    optimizer_step, split_examples, train_resume_key,
 )
 from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
@@ -102,17 +102,15 @@ def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed:
         return
     tc = cfg.train
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
+    # The same training step as d3d.train (the module, its chunked loss and device-built mask).
+    step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, int(tc.loss_chunk_rows))
     optimizer = make_optimizer(model, tc)
     model.train()
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         batch = pack(batch_at(train, step, 0, int(tc.batch_size), int(tc.batch_size), seed), objective,
                      s.mask_token_id, pad_id, gen)
-        loss, _ = d3d_loss(model, batch, objective.ar_weight, s.vocab_size)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(tc.clip))
-        optimizer.step()
-        optimizer.zero_grad()
+        optimizer_step(step_module, optimizer, [batch], tc.clip)
     model.eval()
 
 

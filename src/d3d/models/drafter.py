@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from d3d.models.masks import Layout, build_mask, float_mask
+from d3d.models.masks import Layout, block_mask, build_mask, float_mask
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 
 
@@ -225,11 +225,27 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
 # ---------------------------------------------------------------------------- forward passes
 
 
-def attention_mask_for(model, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA (and flex, via its own path) take the boolean mask; eager wants an additive one."""
-    if model.config._attn_implementation == "eager":
+def attention_mask_for(model, mask):
+    """SDPA takes the boolean mask; eager wants an additive one; flex takes only a `BlockMask`
+    (transformers adds a tensor mask to flex's scores: a bool mask would be a +1/+0 bias that masks
+    nothing, DESIGN §10), so a tensor under flex is refused rather than silently ignored."""
+    impl = model.config._attn_implementation
+    if impl == "flex_attention":
+        if isinstance(mask, torch.Tensor):
+            raise TypeError("flex_attention needs a BlockMask (d3d.models.masks.block_mask), not a "
+                            f"{mask.dtype} tensor: transformers would add it to the scores and mask nothing")
+        return mask
+    if impl == "eager":
         return float_mask(mask, model.dtype)
     return mask
+
+
+def packed_attention_mask(model, layout: Layout):
+    """The d3d mask of a packed training input, built on the layout's device (move the layout
+    first): a BlockMask under flex_attention, else build_mask's dense mask as the backend wants it."""
+    if model.config._attn_implementation == "flex_attention":
+        return block_mask(layout)
+    return attention_mask_for(model, build_mask(layout))
 
 
 def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,

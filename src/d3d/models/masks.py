@@ -101,3 +101,34 @@ def pad_layout(layout: Layout, length: int) -> Layout:
 def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive float mask for eager attention (SDPA takes the boolean mask as it is)."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def mask_mod_for(query: Layout, cache_len: int = 0):
+    """build_mask's rule as a flex_attention `mask_mod(b, h, q, kv) -> bool`, for a layout whose
+    cached keys (if any) are the clean positions 0..cache_len-1. Index tensors, no (T, K) tensor:
+    flex evaluates it per tile on the device, so a long packed row never builds a dense mask."""
+    pos, block, limit = query.pos, query.block, query.limit
+    c = int(cache_len)
+
+    def mask_mod(b, h, q, kv):
+        t = (kv - c).clamp(min=0)  # the query-token index of an in-row key (kv >= c)
+        in_cache = kv < c
+        key_pos = torch.where(in_cache, kv, pos[b, t])
+        key_block = torch.where(in_cache, CLEAN, block[b, t])
+        q_block = block[b, q]
+        sees_clean = (key_block == CLEAN) & (key_pos < limit[b, q])
+        same_block = (key_block == q_block) & (q_block >= 0)
+        # A padding query sees only itself (as in build_mask), so its softmax row is never empty.
+        return torch.where(q_block == PAD, kv == q + c, sees_clean | same_block)
+
+    return mask_mod
+
+
+def block_mask(query: Layout, cache_len: int = 0, block_size: int = 128):
+    """The d3d mask as a flex_attention `BlockMask`, built on the layout's device (DESIGN §4: flex on
+    CUDA). Tiles that nothing in them may see are skipped, which a dense SDPA mask cannot do."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, t = query.shape
+    return create_block_mask(mask_mod_for(query, cache_len), b, None, t, int(cache_len) + t,
+                             device=query.pos.device, BLOCK_SIZE=block_size)

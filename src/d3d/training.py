@@ -1,0 +1,287 @@
+"""What d3d.train and d3d.prune's recovery share: the training step as a module, its optimizer, the
+accelerate/DeepSpeed setup from `train.*`, and the data order that resumes exactly (DESIGN §4).
+
+The step is an `nn.Module` (`D3DTrainingStep`) whose `forward(batch)` returns the loss and metrics:
+`accelerator.prepare` wraps *it*, so DDP's gradient all-reduce, FSDP2's all-gathers, DeepSpeed's
+engine and accelerate's bf16 autocast all run around the whole packed forward and loss. (Calling
+`model.base_model(...)` on a prepared drafter bypasses every one of them; DESIGN §10.)
+
+No Hydra or DeepSpeed import at module level: scripts/gpu_train_check.py runs this module on
+machines that have neither.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from d3d.models.drafter import packed_attention_mask
+from d3d.models.masks import Layout
+from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_floats
+
+# ---------------------------------------------------------------------------- data
+
+
+def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
+    """(prompt + response) token ids of every response row, cut to max_len, sorted by id."""
+    from d3d.config import ConfigError
+    from d3d.generate import read_responses
+
+    rows = read_responses(responses_dir)
+    if not rows:
+        raise ConfigError(
+            f"no target responses in {responses_dir}. Fix: run `python -m d3d.generate` with the same "
+            "target and data first (or set train.responses_dir)."
+        )
+    out = []
+    for row in sorted(rows, key=lambda r: r["id"]):
+        ids = (row["prompt_ids"] + row["response_ids"])[:max_len]
+        if len(ids) > len(row["prompt_ids"]):
+            out.append(Example(ids, len(row["prompt_ids"])))
+    return out
+
+
+def split_examples(examples: list[Example], val_size: int, seed: int) -> tuple[list[Example], list[Example]]:
+    from d3d.config import ConfigError
+
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    val = [examples[i] for i in sorted(order[:val_size])]
+    train = [examples[i] for i in sorted(order[val_size:])]
+    if not train:
+        raise ConfigError(f"only {len(examples)} responses: none left for training after val_size={val_size}")
+    return train, val
+
+
+def batch_at(train: list[Example], step: int, micro: int, per_step: int, batch_size: int, seed: int,
+             rank: int = 0, ranks: int = 1) -> list[Example]:
+    """The micro-batch of a given step on one process: data order is a pure function of (seed,
+    position), so a resumed run reads exactly what the uninterrupted run would have read. A step
+    reads per_step = batch_size * grad_accum * ranks examples; each (micro, rank) its own slice."""
+    start = step * per_step + (micro * ranks + rank) * batch_size
+    orders: dict[int, list[int]] = {}  # one seeded shuffle per epoch the batch touches
+    out = []
+    for i in range(start, start + batch_size):
+        epoch, idx = divmod(i, len(train))
+        if epoch not in orders:
+            orders[epoch] = list(range(len(train)))
+            random.Random(seed * 7919 + epoch).shuffle(orders[epoch])
+        out.append(train[orders[epoch][idx]])
+    return out
+
+
+def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[Example]:
+    """Keep the first `max_new_tokens` response tokens of each example (all when None): τ on a
+    prefix of each held-out response keeps validation and pruning's calibration cheap."""
+    if not max_new_tokens:
+        return examples
+    return [Example(e.ids[: e.prompt_len + int(max_new_tokens)], e.prompt_len) for e in examples]
+
+
+# train.* keys a resumed run may change: budgets, cadence, where things go. Anything else changes the
+# experiment, and a run resumed with it would be half one experiment and half another.
+RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every", "progress", "resume",
+                        "stop_at_step", "out_dir", "responses_dir", "val_max_new_tokens",
+                        "gradient_checkpointing", "loss_chunk_rows"}  # memory knobs: same numbers either way
+
+
+def train_resume_key(cfg) -> dict:
+    from d3d.config import to_plain
+
+    plain = to_plain(cfg)
+    target = {k: v for k, v in plain["target"].items() if k not in ("device", "dtype", "attn_implementation")}
+    return {"target": target, "drafter": plain["drafter"], "data": plain["data"], "seed": plain["seed"],
+            "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}}
+
+
+# ---------------------------------------------------------------------------- the step
+
+
+class D3DTrainingStep(nn.Module):
+    """One packed D3D forward and its loss, as the module a distributed wrapper prepares.
+
+    `forward(batch)` moves the batch to the drafter's device, builds the d3d mask there (a BlockMask
+    under flex_attention), runs the drafter's backbone and takes the loss on the loss rows only, in
+    chunks of `loss_chunk_rows`. Returns (loss, metrics as 0-dim tensors)."""
+
+    def __init__(self, drafter: nn.Module, vocab_size: int, ar_weight: float, loss_chunk_rows: int = 4096):
+        super().__init__()
+        self.drafter = drafter
+        self.vocab_size = int(vocab_size)
+        self.ar_weight = float(ar_weight)
+        self.loss_chunk_rows = int(loss_chunk_rows)
+
+    def hidden(self, batch: PackedBatch) -> torch.Tensor:
+        """Final (normed) hidden states (b, T, d) of the packed input under the d3d mask."""
+        dev = self.drafter.get_input_embeddings().weight.device
+        layout = Layout(*(t.to(dev, non_blocking=True) for t in (batch.layout.pos, batch.layout.block, batch.layout.limit)))
+        out = self.drafter.base_model(input_ids=batch.input_ids.to(dev, non_blocking=True),
+                                      attention_mask=packed_attention_mask(self.drafter, layout),
+                                      position_ids=layout.pos, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return loss_from_hidden(self.hidden(batch), self.drafter.get_output_embeddings(), batch, self.ar_weight,
+                                self.vocab_size, self.loss_chunk_rows)
+
+
+def optimizer_step(step_module, optimizer, batches, clip: float | None, accelerator=None) -> dict[str, float]:
+    """One optimizer step over the micro-batches (gradient accumulation); returns the metrics
+    averaged over them, read from the device once. With an accelerator the backward, clipping and
+    accumulation go through it (DDP no_sync between micro-batches, DeepSpeed's engine); without
+    one (prune's recovery on one device) it is a plain loop."""
+    batches = list(batches)
+    sums: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        if accelerator is None:
+            loss, m = step_module(batch)
+            (loss / len(batches)).backward()
+            last = batch is batches[-1]
+            if last and clip:
+                m["grad_norm"] = torch.nn.utils.clip_grad_norm_(step_module.parameters(), float(clip)).detach()
+            if last:
+                optimizer.step()
+                optimizer.zero_grad()
+        else:
+            with accelerator.accumulate(step_module):
+                loss, m = step_module(batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and clip:
+                    norm = accelerator.clip_grad_norm_(step_module.parameters(), float(clip))
+                    if norm is not None:  # DeepSpeed clips inside its engine and may not report it
+                        m["grad_norm"] = torch.as_tensor(norm).detach()
+                optimizer.step()
+                optimizer.zero_grad()
+        for k, v in m.items():
+            # grad_norm is taken once per step; everything else is a mean over the micro-batches
+            sums[k] = sums.get(k, 0) + (v if k == "grad_norm" else v / len(batches))
+    return metrics_to_floats(sums)
+
+
+# ---------------------------------------------------------------------------- model and optimizer
+
+
+def freeze_embeddings_except_mask(model, mask_id: int) -> None:
+    """Tied input/output embeddings stay the target's; only the mask token's row learns."""
+    emb = model.get_input_embeddings().weight
+    keep = torch.zeros(emb.shape[0], 1, dtype=emb.dtype, device=emb.device)
+    keep[mask_id] = 1
+    emb.register_hook(lambda grad: grad * keep.to(grad.dtype))
+    out = model.get_output_embeddings()
+    if out is not None and out.weight is not emb:
+        out.weight.requires_grad_(False)
+
+
+def freeze_lower_layers(model, first_trainable: int) -> None:
+    """Train only layers >= first_trainable (and the final norm): a cheaper backward on CPU."""
+    for i, layer in enumerate(model.base_model.layers):
+        if i < first_trainable:
+            layer.requires_grad_(False)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Each decoder layer keeps only its input and recomputes the rest in backward. transformers
+    5.24 renamed the switch (activation_checkpointing_enable); earlier 5.x have only the old name."""
+    kwargs = {"use_reentrant": False}  # the non-reentrant form works with frozen inputs and autocast
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def make_optimizer(model, tc):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": float(tc.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=float(tc.lr), betas=tuple(tc.betas))
+
+
+def make_scheduler(optimizer, tc):
+    warmup, total = int(tc.warmup_steps), int(tc.max_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(warmup, 1)
+        progress = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------- accelerate
+
+
+def mixed_precision(setting: str) -> str:
+    """auto = bf16 on CUDA, none on CPU: on our AVX2 CPUs bf16 matmuls of many rows run 2-7x
+    slower than fp32 (scripts/bench_generate.py), so CPU training stays fp32."""
+    if setting == "auto":
+        return "bf16" if torch.cuda.is_available() else "no"
+    return setting
+
+
+def deepspeed_config(tc, precision: str, zero_stage: int) -> dict:
+    """The DeepSpeed config, every value from train.* (one source of truth): the accelerate yaml's
+    deepspeed_config only chooses the ZeRO stage and offloading. Explicit values, never "auto":
+    accelerate fills "auto" only from a prepared DataLoader, and d3d reads its own batches."""
+    return {
+        "train_micro_batch_size_per_gpu": int(tc.batch_size),
+        "gradient_accumulation_steps": int(tc.grad_accum),
+        "gradient_clipping": float(tc.clip or 0.0),
+        # bf16 weights and activations, fp32 master weights in the optimizer (DeepSpeed's bf16 mode)
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_optimization": {"stage": int(zero_stage)},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def deepspeed_plugin(tc, precision: str):
+    """A DeepSpeedPlugin from train.* when `accelerate launch` asked for DeepSpeed, else None. The
+    plugin's own fields are set too: accelerate would otherwise fill them from the yaml's env vars
+    (ACCELERATE_GRADIENT_ACCUMULATION_STEPS=1 used to override train.grad_accum)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    from accelerate.utils import DeepSpeedPlugin
+
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+    config = deepspeed_config(tc, precision, stage)
+    for kind in ("optimizer", "param"):
+        device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none")
+        if device != "none":
+            config["zero_optimization"][f"offload_{kind}"] = {"device": device}
+    return DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=int(tc.grad_accum),
+                           gradient_clipping=float(tc.clip or 0.0), zero_stage=stage)
+
+
+def make_accelerator(tc, cpu: bool | None = None):
+    """The Accelerator of a training run, configured from train.* (micro-batch, accumulation,
+    clipping, precision). The scheduler is stepped by hand once per optimizer step: accelerate would
+    otherwise step it once per process (it assumes a sharded dataloader shortened the epoch)."""
+    from accelerate import Accelerator
+
+    precision = mixed_precision(str(tc.mixed_precision))
+    if torch.cuda.is_available():
+        # TF32 for the fp32 matmuls that remain (loss, fp32 master copies): ~8x faster on H100/H200.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return Accelerator(mixed_precision=precision, step_scheduler_with_optimizer=False,
+                       gradient_accumulation_steps=int(tc.grad_accum),
+                       deepspeed_plugin=deepspeed_plugin(tc, precision),
+                       cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
+
+
+def drafter_state_dict(accelerator, step_module) -> dict:
+    """The drafter's full weights (gathered from FSDP/ZeRO-3 shards: every process must call this),
+    with the step module's `drafter.` prefix removed so they load into the bare drafter."""
+    state = accelerator.get_state_dict(step_module)
+    if state is None:  # processes other than the main one get nothing under some backends
+        return None
+    return {k.removeprefix("drafter."): v for k, v in state.items()}

@@ -1,0 +1,216 @@
+"""d3d.training: the DeepSpeed plugin carries train.*, bf16 autocast reaches the drafter's matmuls
+through the prepared step, the chunked loss equals the whole-batch loss, memory switches keep the
+numbers, and the flex mask rule equals build_mask (CPU; the flex output equality is a gpu test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.masks import block_layout, build_mask, clean_layout, concat, mask_mod_for, pad_layout
+from d3d.objective import ObjectiveConfig, loss_from_hidden, metrics_to_floats, pack
+from d3d.training import D3DTrainingStep, deepspeed_plugin, enable_activation_checkpointing, make_accelerator
+from tests.conftest import compose
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; a test that picks another precision resets it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def tiny(tmp_path, *overrides):
+    cfg = compose("train", ["+experiment=smoke", "drafter.block_size=4", *overrides], tmp_path)
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    return cfg, model, tok
+
+
+def a_batch(model, tok, n=2, length=40, anchors=5, seed=0):
+    from d3d.objective import Example
+
+    s = DrafterSettings.of(model)
+    g = torch.Generator().manual_seed(seed)
+    examples = [Example(torch.randint(4, 200, (length - 7 * i,), generator=g).tolist(), 10) for i in range(n)]
+    return pack(examples, ObjectiveConfig(block_size=s.block_size, anchors_per_seq=anchors), s.mask_token_id,
+                tok.pad_token_id, g)
+
+
+def test_deepspeed_plugin_carries_train_settings(monkeypatch):
+    """accelerate launch with deepspeed_zero2.yaml: the engine's micro-batch, accumulation, clipping
+    and precision are train.*'s, even where the yaml's env says otherwise (it said GA=1)."""
+    cfg = compose("train", ["+experiment=qwen3_8b"])
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "0.5")
+    plugin = deepspeed_plugin(cfg.train, "bf16")
+    ds = plugin.deepspeed_config
+    tc = cfg.train
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == \
+        (tc.batch_size, tc.grad_accum, tc.clip) == (8, 4, 1.0)
+    assert (plugin.gradient_accumulation_steps, plugin.gradient_clipping, plugin.zero_stage) == (4, 1.0, 2)
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["zero_optimization"]["stage"] == 2
+    assert "auto" not in str(ds)  # "auto" is filled only from a prepared DataLoader, which d3d has not
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    assert deepspeed_plugin(cfg.train, "bf16") is None
+
+
+def test_bf16_autocast_reaches_the_drafter_matmuls(tmp_path, fresh_accelerate_state):
+    """mixed_precision=bf16 through the prepared training step: the decoder's projections and the
+    LM head run in bf16 (autocast wraps the prepared module's forward), the loss stays fp32."""
+    cfg, model, tok = tiny(tmp_path, "train.mixed_precision=bf16")
+    accelerator = make_accelerator(cfg.train, cpu=True)
+    s = DrafterSettings.of(model)
+    step = accelerator.prepare(D3DTrainingStep(model, s.vocab_size, 1.0))
+    seen = {}
+    hooks = [mod.register_forward_hook(lambda m, i, o, name=name: seen.update({name: o.dtype}))
+             for name, mod in model.named_modules() if name.endswith(("q_proj", "down_proj", "lm_head"))]
+    loss, _ = step(a_batch(model, tok))
+    for h in hooks:
+        h.remove()
+    assert seen and set(seen.values()) == {torch.bfloat16}, seen
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert next(model.parameters()).dtype == torch.float32  # weights stay fp32 (autocast, not a cast)
+
+
+def test_chunked_loss_equals_whole_loss_and_gradient(tmp_path):
+    """Loss rows' logits in chunks (recomputed in backward) give the loss and gradients of one pass."""
+    _, model, tok = tiny(tmp_path)
+    s = DrafterSettings.of(model)
+    batch = a_batch(model, tok)
+    results = []
+    for chunk in (10_000, 7):
+        model.zero_grad()
+        step = D3DTrainingStep(model, s.vocab_size, 1.0, loss_chunk_rows=chunk)
+        loss, m = step(batch)
+        loss.backward()
+        results.append((loss.detach(), metrics_to_floats(m), [p.grad.clone() for p in model.parameters()]))
+    (l1, m1, g1), (l2, m2, g2) = results
+    assert len(batch.dn_rows) > 7 * 3  # several chunks really ran
+    torch.testing.assert_close(l1, l2)
+    assert m1.keys() == m2.keys() and all(abs(m1[k] - m2[k]) < 1e-5 for k in m1)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_keeps_loss_and_gradient(tmp_path):
+    _, model, tok = tiny(tmp_path)
+    s = DrafterSettings.of(model)
+    batch = a_batch(model, tok)
+    step = D3DTrainingStep(model, s.vocab_size, 1.0).train()
+    out = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        model.zero_grad()
+        loss, _ = step(batch)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert model.is_gradient_checkpointing  # the switch took
+    torch.testing.assert_close(out[0][0], out[1][0])
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_from_hidden_takes_no_full_vocabulary_tensor(tmp_path):
+    """No (rows, V) float tensor for all loss rows at once: the biggest float tensor the LM head
+    makes is one chunk's logits."""
+    _, model, tok = tiny(tmp_path)
+    s = DrafterSettings.of(model)
+    batch = a_batch(model, tok)
+    head = model.get_output_embeddings()
+    shapes = []
+    hook = head.register_forward_hook(lambda m, i, o: shapes.append(o.shape[0]))
+    h = torch.randn(*batch.input_ids.shape, model.config.hidden_size, requires_grad=True)
+    loss, _ = loss_from_hidden(h, head, batch, 1.0, s.vocab_size, chunk_rows=16)
+    loss.backward()
+    hook.remove()
+    assert max(shapes) == 16 and len(batch.dn_rows) > 16
+
+
+def test_mask_mod_equals_build_mask():
+    """The flex_attention rule (evaluated per (q, kv) index) is build_mask's, on a packed training
+    layout with padding and on a decoding layout after a cache."""
+    anchors = torch.tensor([[3, 6, 9]])
+    train = pad_layout(concat(clean_layout(12), block_layout(anchors, 4)), 30)
+    short = pad_layout(concat(clean_layout(7), block_layout(torch.tensor([[2, 5, 6]]), 4)), 30)
+    both = type(train)(*(torch.cat([getattr(train, f), getattr(short, f)]) for f in ("pos", "block", "limit")))
+    decode = block_layout(torch.tensor([[5, 8]]), 4)
+    for layout, cache_len in ((both, 0), (decode, 5)):
+        dense = build_mask(layout, cache_len)[:, 0]
+        b, t, k = dense.shape
+        mod = mask_mod_for(layout, cache_len)
+        bi, qi, ki = torch.meshgrid(torch.arange(b), torch.arange(t), torch.arange(k), indexing="ij")
+        assert torch.equal(mod(bi, torch.zeros_like(bi), qi, ki), dense)
+
+
+def test_attention_mask_for_refuses_a_tensor_under_flex(tmp_path):
+    from d3d.models.drafter import attention_mask_for
+
+    _, model, _ = tiny(tmp_path)
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(TypeError, match="BlockMask"):
+        attention_mask_for(model, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention with a BlockMask needs CUDA here")
+def test_flex_block_mask_output_equals_dense_sdpa(tmp_path):
+    """On CUDA the training step under flex_attention (BlockMask) gives the loss and hidden states
+    of SDPA with the dense bool mask."""
+    _, model, tok = tiny(tmp_path)
+    model = model.cuda()
+    s = DrafterSettings.of(model)
+    batch = a_batch(model, tok, length=150, anchors=8)
+    step = D3DTrainingStep(model, s.vocab_size, 1.0)
+    with torch.no_grad():
+        model.config._attn_implementation = "sdpa"
+        h_sdpa, (l_sdpa, _) = step.hidden(batch), step(batch)
+        model.set_attn_implementation("flex_attention")
+        h_flex, (l_flex, _) = step.hidden(batch), step(batch)
+    real = batch.layout.block.cuda() != -2  # padding rows differ by design (flex skips empty tiles)
+    torch.testing.assert_close(h_flex[real], h_sdpa[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(l_flex, l_sdpa, rtol=1e-4, atol=1e-4)
+
+
+def test_gpu_train_check_runs_on_cpu_without_hydra_or_deepspeed(tmp_path):
+    """scripts/gpu_train_check.py at toy size, in a process where hydra, omegaconf, datasets and
+    deepspeed cannot be imported (the GPU image has none of them): loss finite and falling, JSON written."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "train_check.json"
+    blocked = ["hydra", "omegaconf", "datasets", "deepspeed"]
+    code = (f"import sys, runpy; sys.modules.update(dict.fromkeys({blocked!r})); "
+            f"sys.argv = ['gpu_train_check.py', '--device', 'cpu', '--out', {str(out)!r}, '--steps', '4', '--layers', "
+            "'2', '--hidden', '64', '--vocab', '512', '--seq-len', '96', '--block-size', '4', '--anchors', '4']; "
+            f"runpy.run_path({str(ROOT / 'scripts' / 'gpu_train_check.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["losses"]) == 4 and report["finite"] and report["falling"]
+    assert report["host_peak_rss_mb"] > 0 and report["matmul_dtype"] == "torch.float32"
+
+
+def test_memory_plan_overlays_fit_and_formula_matches_a_measured_peak():
+    """scripts/memory_plan.py: every GPU overlay under every accelerate config fits 8 x H200 with 25 %
+    headroom, and its formula is within 25 % of a measured tensor peak at small size on the CPU."""
+    from tests.conftest import load_script
+
+    plan = load_script("memory_plan")
+    rows = [r for name in ("qwen3_8b", "qwen3_32b") for r in plan.overlay_plan(name, 8)]
+    assert {r["config"] for r in rows} == set(plan.CONFIGS) and len(rows) == 8
+    assert all(r["total_gb"] < 0.75 * plan.HBM["H200"] / plan.GB for r in rows), rows
+    v = plan.validate(checkpointing=True)
+    assert 0.8 < v["ratio"] < 1.25, v
