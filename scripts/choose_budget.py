@@ -1,0 +1,97 @@
+"""Choose the async budget (C, F) for a drafter on this device: offline hit rates on greedy
+responses of the target, measured pass costs, projected speedup per budget (d3d.decoding.budget).
+
+    python scripts/choose_budget.py --drafter checkpoints/cpu_default_lam1/final --n 6
+    python scripts/choose_budget.py --drafter <ckpt> --responses data/responses/<target>/<set> target=...
+
+Calibration responses: --responses (a d3d.generate folder; the held-out tail of it is used), else
+greedy responses the target writes now to the last --n prompts of the `data` prompt set. Prints the
+table and writes outputs/bench/budget_<target>.json (the choice, every budget, costs, the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from d3d.config import compose, resolve_path
+from d3d.data.chat import chat_prompt_ids, eos_ids
+from d3d.data.prompts import load_prompt_set
+from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.budget import GRID, choose, hit_rates, pass_costs, round_outcomes
+from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.drafter import DrafterSettings, load_drafter
+from d3d.utils.runinfo import run_info
+
+
+def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
+    """(prompt + response ids, prompt length) pairs of target greedy responses."""
+    if args.responses:
+        from d3d.training import load_examples
+
+        examples = load_examples(resolve_path(args.responses), int(args.max_len))[-args.n:]
+        return [(ex.ids, ex.prompt_len) for ex in examples]
+    prompts = load_prompt_set(cfg.data, resolve_path(cfg.paths.cache_dir))[-args.n:]
+    gen = SpecGenerator(target, tok, None, DecodeConfig(method="ar", max_new_tokens=args.max_new_tokens),
+                        eos_ids(tok, target))
+    out = []
+    for p in prompts:
+        ids = chat_prompt_ids(tok, p.messages)
+        out.append((ids + gen.generate([ids]).token_ids[0], len(ids)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--responses", default=None)
+    ap.add_argument("--n", type=int, default=6, help="calibration responses")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--overlap", choices=["auto", "serial", "stream"], default="auto",
+                    help="auto: the packed pass overlaps verification on CUDA, runs serially on CPU")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+
+    cfg = compose("generate", args.overrides)
+    path = resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))
+    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, "auto")
+    drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
+    s = DrafterSettings.of(drafter)
+    pairs = calibration(args, cfg, target, tok)
+    outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, ids, n, s.block_size, s.mask_token_id, s.vocab_size)]
+    tau = sum(k + 1 for k, _, _ in outcomes) / max(len(outcomes), 1)
+    hits = hit_rates(outcomes, s.block_size, GRID)
+    costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], s.block_size, GRID, args.repeats)
+    overlap = target.device.type == "cuda" if args.overlap == "auto" else args.overlap == "stream"
+    best = choose(costs, hits, tau, overlap)
+
+    print(f"{cfg.target.name} target, drafter {args.drafter} (B = {s.block_size}), {target.device} {target.dtype}; "
+          f"{len(pairs)} calibration responses, {len(outcomes)} rounds, τ {tau:.3f}; packed pass "
+          f"{'overlapped' if overlap else 'serial'}")
+    print(f"costs ms: step {costs['step_ms']:.1f}, verify {costs['verify_ms']:.1f}, draft {costs['draft_ms']:.1f}; "
+          f"sync projected {best.sync_speedup:.3f}×\n")
+    print("| C | F | packed tokens | packed ms | hit rate | round ms | projected speedup |\n|---|---|---|---|---|---|---|")
+    for r in sorted(best.table, key=lambda r: (r["C"], r["F"])):
+        mark = " **chosen**" if (r["C"], r["F"]) == (best.C, best.F) else ""
+        print(f"| {r['C']} | {r['F']} | {s.block_size * (min(r['C'] - 1, s.block_size - 1) * r['F'] + 2)} | "
+              f"{r['packed_ms']:.1f} | {r['hit_rate']:.3f} | {r['round_ms']:.1f} | {r['projected_speedup']:.3f}×{mark} |")
+    result = {"target": str(cfg.target.name), "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
+              "rounds": len(outcomes), "responses": len(pairs), "overlap": overlap, "costs": costs,
+              "choice": best.as_dict(), "dtype": str(target.dtype), "run": run_info(target.device)}
+    out = Path(args.out or f"outputs/bench/budget_{cfg.target.name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nchosen: C={best.C} F={best.F} (projected {best.projected_speedup:.3f}× vs sync {best.sync_speedup:.3f}×); "
+          f"written: {out}")
+    return result
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,146 @@
+"""Choosing the async budget (C, F) from measurements on this device (`decode.C=auto`).
+
+A packed tray pass of B·((C−1)·F + 2) tokens buys a hit rate h(C, F): on a hit the next round skips
+its synchronous draft. Whether that pays depends on the device: on a GPU the packed pass hides
+behind verification while it is small enough; on a CPU it runs serially and costs its full price
+(DESIGN §5: the budget is chosen by projected speedup, never by hit rate). So:
+
+1. hit rates, exactly and offline: when the calibration responses are the target's greedy
+   outputs, a greedy round at anchor a accepts k = min(m(a), B−1) drafts and then emits the
+   response's next token t*. With coverage `first`, its outcome has a tray iff k < B−1, slot
+   j = k+1 ≤ C−1 and t* is among the top-F tokens of q at slot j other than the draft — i.e. its
+   rank there is < F — or k = B−1 and the bonus guess (slot B−1's argmax) is t*. One drafter pass
+   per anchor (as the acceptance estimator does) gives every (C, F) at once.
+2. pass costs on this device: target step (1 token) and verify (B tokens), the drafter's sync
+   draft (one block), and the packed pass for each budget, after a cached prefix.
+3. projection per round: sync = draft + verify; async = verify ⊕ packed + (1 − h)·draft, where ⊕
+   is a sum when the packed pass runs serially (CPU) and max when it overlaps (CUDA stream).
+   Speedup = τ · step / round; τ is the same for sync and async (greedy outputs are identical).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from d3d.models.drafter import hidden_states, logits_at
+from d3d.models.masks import block_layout, clean_layout
+from d3d.utils.timing import timed
+
+GRID = [(C, F) for C in (2, 4, 8, 12, 16) for F in (1, 2, 5)]
+
+
+@torch.no_grad()
+def round_outcomes(model, ids: list[int], prompt_len: int, block_size: int, mask_id: int,
+                   vocab_size: int | None = None) -> list[tuple[int, int, bool]]:
+    """(accepted k, rank of the next token among the non-drafted tokens at slot k+1, bonus right)
+    for every round of greedy decoding of this response (the acceptance estimator's teacher
+    forcing, walked round by round)."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    B, L = block_size, len(ids)
+    seq = torch.tensor(ids, dtype=torch.long, device=dev)
+    cache = DynamicCache(config=model.config)
+    hidden_states(model, seq[None, : L - 1], clean_layout(L - 1, device=dev), cache=cache)
+    out, a = [], prompt_len - 1
+    while a < L - 1:
+        blocks = torch.full((1, B), mask_id, dtype=torch.long, device=dev)
+        blocks[0, 0] = seq[a]
+        # cached keys are positions 0..L-2; the block at anchor a sees those < a (the mask's rule)
+        h = hidden_states(model, blocks, block_layout(torch.full((1, 1), a, device=dev), B), cache=cache,
+                          cache_len=L - 1)
+        cache.crop(-B)
+        logits = logits_at(model, h[0], vocab_size)  # (B, V): slot i predicts the token at a+i+1
+        drafts = logits[: B - 1].argmax(-1).tolist()
+        truth = ids[a + 1 : a + B]
+        k = 0
+        while k < min(B - 1, len(truth)) and drafts[k] == truth[k]:
+            k += 1
+        if a + k + 1 >= L:  # the response ended inside the block: no next round to prepare
+            break
+        t_star = ids[a + k + 1]
+        if k < B - 1:
+            row = logits[k].clone()
+            row[drafts[k]] = float("-inf")  # the drafted token is no alternative
+            rank = int((row > row[t_star]).sum())
+            out.append((k, rank, False))
+        else:
+            out.append((k, -1, int(logits[B - 1].argmax()) == t_star))
+        a += k + 1
+    return out
+
+
+def hit_rates(outcomes: list[tuple[int, int, bool]], block_size: int, grid=GRID) -> dict[tuple[int, int], float]:
+    """h(C, F) for coverage `first` from round outcomes (see the module docstring)."""
+    def hit(k, rank, bonus, C, F):
+        if k == block_size - 1:
+            return bonus
+        return k + 1 <= C - 1 and rank < F
+
+    n = max(len(outcomes), 1)
+    return {(C, F): sum(hit(*o, C, F) for o in outcomes) / n for C, F in grid}
+
+
+@torch.inference_mode()
+def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, repeats: int = 5) -> dict:
+    """Median ms of each pass after a cached prefix, on the models' device."""
+    from transformers import DynamicCache
+
+    dev = next(target.parameters()).device
+    B, mask_id = block_size, int(drafter.config.d3d["mask_token_id"])
+    ids = torch.tensor([prefix], dtype=torch.long, device=dev)
+    n = ids.shape[1]
+
+    def cached(model):
+        cache = DynamicCache(config=model.config)
+        hidden_states(model, ids, clean_layout(n, device=dev), cache=cache)
+        return cache
+
+    def target_pass(width):
+        cache, x = cached(target), ids[:, -1:].expand(1, width)
+
+        def one():
+            hidden_states(target, x, clean_layout(width, start=n, device=dev), cache=cache, cache_len=n)
+            cache.crop(-width)
+        return timed(one, dev, repeats)
+
+    def drafter_pass(blocks):
+        cache = cached(drafter)
+        x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
+        layout = block_layout(torch.full((1, blocks), n, device=dev), B)
+
+        def one():
+            logits_at(drafter, hidden_states(drafter, x, layout, cache=cache, cache_len=n))
+            cache.crop(-blocks * B)
+        return timed(one, dev, repeats)
+
+    return {"step_ms": target_pass(1), "verify_ms": target_pass(B), "draft_ms": drafter_pass(1),
+            "packed_ms": {f"{C}x{F}": drafter_pass(min(C - 1, B - 1) * F + 2) for C, F in grid}}
+
+
+@dataclass
+class BudgetChoice:
+    C: int
+    F: int
+    projected_speedup: float
+    sync_speedup: float
+    table: list[dict]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap: bool) -> BudgetChoice:
+    """The budget with the highest projected speedup (module docstring, step 3)."""
+    step, verify, draft = costs["step_ms"], costs["verify_ms"], costs["draft_ms"]
+    sync = tau * step / (draft + verify)
+    table = []
+    for (C, F), h in hits.items():
+        packed = costs["packed_ms"][f"{C}x{F}"]
+        both = max(verify, packed) if overlap else verify + packed
+        table.append({"C": C, "F": F, "hit_rate": h, "packed_ms": packed, "round_ms": both + (1 - h) * draft,
+                      "projected_speedup": tau * step / (both + (1 - h) * draft)})
+    best = max(table, key=lambda r: r["projected_speedup"])
+    return BudgetChoice(best["C"], best["F"], best["projected_speedup"], sync, table)

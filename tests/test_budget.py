@@ -1,0 +1,68 @@
+"""The budget chooser: offline hit rates equal the real async loop's, and the projection picks
+what the round-time model says on a hand case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.budget import choose, hit_rates, round_outcomes
+from d3d.models.drafter import DrafterSettings
+from tests.test_decoding import PROMPTS, models  # noqa: F401  (the fixture)
+
+
+@pytest.mark.parametrize("C,F", [(3, 1), (4, 2), (6, 3), (3, "all")])
+def test_offline_hit_rates_equal_the_async_loop(models, C, F):  # noqa: F811
+    """Contract-4 style: on the target's own greedy output, the offline outcome of every round
+    gives exactly the loop's τ sequence and its hit/miss sequence. F = all alternatives makes
+    every covered rejection a hit, so the coverage boundary (slot C-1) is what decides."""
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    F = s.vocab_size - 1 if F == "all" else F
+    for text in PROMPTS:
+        prompt = tok(text)["input_ids"]
+        res = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=C, F=F,
+                                                               max_new_tokens=30)).generate([prompt])
+        ids = prompt + res.token_ids[0]
+        outcomes = round_outcomes(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size)
+        loop = [r for r in res.rounds if "hit" in r]
+        # the loop's last round has no successor in the response, so the offline walk stops before it
+        assert [o[0] + 1 for o in outcomes] == res.taus()[: len(outcomes)]
+        assert [bool(r["hit"][0]) for r in loop[: len(outcomes)]] == \
+            [hit for hit in (hit_rates([o], 6, [(C, F)])[(C, F)] == 1.0 for o in outcomes)]
+
+
+def test_choose_follows_the_round_model():
+    costs = {"step_ms": 10.0, "verify_ms": 12.0, "draft_ms": 8.0, "packed_ms": {"4x1": 6.0, "8x2": 20.0}}
+    hits = {(4, 1): 0.3, (8, 2): 0.7}
+    serial = choose(costs, hits, tau=3.0, overlap=False)
+    # serial: 4x1 -> 12 + 6 + 0.7*8 = 23.6 ms; 8x2 -> 12 + 20 + 0.3*8 = 34.4 ms
+    assert (serial.C, serial.F) == (4, 1) and serial.projected_speedup == pytest.approx(30 / 23.6)
+    assert serial.sync_speedup == pytest.approx(30 / 20)
+    overlapped = choose(costs, hits, tau=3.0, overlap=True)
+    # overlapped: 4x1 -> 12 + 5.6 = 17.6; 8x2 -> 20 + 2.4 = 22.4
+    assert (overlapped.C, overlapped.F) == (4, 1)
+    costs["packed_ms"]["8x2"] = 12.0  # now the big budget hides behind verify: 12 + 2.4 = 14.4
+    assert (choose(costs, hits, 3.0, overlap=True).C, choose(costs, hits, 3.0, overlap=True).F) == (8, 2)
+
+
+def test_choose_budget_script_on_the_smoke_setup(tmp_path):
+    """The CLI end to end on the tiny model: a choice, a row per budget, the CPU recorded."""
+    import json
+
+    from d3d.models.drafter import build_drafter, save_drafter
+    from tests.conftest import compose, load_script
+
+    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    drafter, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    save_drafter(drafter, tok, tmp_path / "drafter")
+    out = tmp_path / "budget.json"
+    res = load_script("choose_budget").main(
+        ["--drafter", str(tmp_path / "drafter"), "--n", "2", "--max-new-tokens", "24", "--repeats", "1",
+         "--out", str(out), "+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+    saved = json.loads(out.read_text())
+    assert saved["rounds"] > 0 and len(saved["choice"]["table"]) == 15
+    best = max(saved["choice"]["table"], key=lambda r: r["projected_speedup"])
+    assert (best["C"], best["F"]) == (res["choice"]["C"], res["choice"]["F"])
+    assert saved["overlap"] is False and "model" in saved["run"]["cpu"]  # serial on CPU; the CPU named
