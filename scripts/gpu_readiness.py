@@ -101,7 +101,7 @@ def draft_latency(drafter, prefix: int, blocks: int, device, repeats: int) -> fl
     layout = block_layout(torch.full((1, blocks), prefix, device=device), s.block_size)
 
     def one():
-        h = hidden_states(drafter, block, layout, cache=cache, cache_len=prefix)
+        h = hidden_states(drafter, block, layout, cache=cache, cache_len=prefix, plain=False)  # no sync to decide
         drafter.lm_head(h)  # the loop reads logits at every block slot
         cache.crop(-block.shape[1])  # back to the prefix
 

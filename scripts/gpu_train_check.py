@@ -18,13 +18,16 @@ import resource
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without `pip install -e .`
 
 from d3d.objective import Example, ObjectiveConfig, pack  # noqa: E402
-from d3d.training import D3DTrainingStep, enable_activation_checkpointing, optimizer_step  # noqa: E402
+from d3d.training import (  # noqa: E402
+    D3DTrainingStep, enable_activation_checkpointing, freeze_embeddings_except_mask, make_optimizer, optimizer_step,
+)
 
 
 def tiny_qwen3(vocab: int, layers: int, hidden: int, attn: str):
@@ -71,13 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     model = tiny_qwen3(args.vocab, args.layers, args.hidden, attn)
     enable_activation_checkpointing(model)
     mask_id = args.vocab - 1
+    # as d3d.train does: the hook is registered on the CPU model, before prepare moves it to the GPU
+    freeze_embeddings_except_mask(model, mask_id)
+    emb_before = model.get_input_embeddings().weight.detach().clone()
     g = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(1, mask_id, (args.seq_len,), generator=g).tolist(), args.seq_len // 4)
                 for _ in range(args.batch_size)]
     objective = ObjectiveConfig(block_size=args.block_size, anchors_per_seq=args.anchors)
     batch = pack(examples, objective, mask_id, 0, g)
     step = D3DTrainingStep(model, args.vocab, objective.ar_weight, loss_chunk_rows=1024)
-    optimizer = torch.optim.AdamW(step.parameters(), lr=1e-3)
+    # d3d.train's optimizer groups: no weight decay on the (frozen but for one row) embeddings
+    optimizer = make_optimizer(step, SimpleNamespace(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01))
     step, optimizer = accelerator.prepare(step, optimizer)
     step.train()
 
@@ -108,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         report.update(peak_memory_mb(device))
         out_path.write_text(json.dumps(report, indent=1))  # after every step: a crash keeps what ran
     hook.remove()
-    ok = report["finite"] and report["falling"] and (precision == "no" or report["matmul_dtype"] == "torch.bfloat16")
+    emb_after = model.get_input_embeddings().weight.detach().to("cpu", torch.float32)
+    moved = (emb_after - emb_before.to(torch.float32)).abs().amax(dim=1)
+    report["frozen_rows_unchanged"] = bool((moved[:mask_id] == 0).all())  # only the mask row may learn
+    report["mask_row_moved"] = bool(moved[mask_id] > 0)
+    out_path.write_text(json.dumps(report, indent=1))
+    ok = report["finite"] and report["falling"] and (precision == "no" or report["matmul_dtype"] == "torch.bfloat16") \
+        and report["frozen_rows_unchanged"] and report["mask_row_moved"]
     print(f"[gpu_train_check] {device}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps, matmuls "
           f"{report['matmul_dtype']}, peak {report.get('cuda_peak_allocated_mb', report['host_peak_rss_mb'])} MB: "
           f"{'ok' if ok else 'FAILED'}")

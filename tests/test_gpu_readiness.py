@@ -60,11 +60,18 @@ def test_json_is_written_after_each_stage(script, tmp_path, monkeypatch):
 
 
 def test_gpu_check_end_to_end_on_cpu(tmp_path):
-    """The prepared GPU check at toy size on the CPU: every stage that runs here passes, and the
-    JSON holds each stage's record."""
-    check = load_script("gpu_check")
-    report = check.main(["--device", "cpu", "--toy", "--out-dir", str(tmp_path)])
-    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    """The prepared GPU check at toy size on the CPU, in a process that cannot import Hydra,
+    OmegaConf, datasets or DeepSpeed (the GPU machines have none of them): every stage passes,
+    and the JSON holds each stage's record. Its pytest stage's file collects there too."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "scripts/gpu_check.py", "--device", "cpu", "--toy",
+                           "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = saved = json.loads((tmp_path / "gpu_check.json").read_text())
     stages = saved["stages"]
     assert list(stages) == ["greedy", "sampling", "async_sync", "gpu_tests", "train", "readiness"]
     assert stages["greedy"]["cases"] == 20 and stages["greedy"]["real"] == 0
@@ -74,3 +81,16 @@ def test_gpu_check_end_to_end_on_cpu(tmp_path):
     assert not failed and report["ok"], failed
     train = stages["train"]["result"]
     assert len(train["losses"]) == 4 and train["finite"] and train["falling"]
+
+
+def test_the_gpu_tests_collect_without_hydra():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    # -p no:hydra_pytest: here Hydra is installed and pytest would load its plugin; there it is not
+    proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                           "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/test_gpu.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "5 tests collected" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

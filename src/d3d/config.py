@@ -19,12 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
-
-
-class UserError(Exception):
-    """A problem the user fixes (a path, a file, a folder in use); the message says what and how."""
+from d3d.errors import ConfigError, UserError  # noqa: E402  (re-exported: d3d.config is where jobs look)
 
 
 # Shown by the Hydra jobs as one `error: ...` line with exit status 2 (HYDRA_FULL_ERROR=1 or

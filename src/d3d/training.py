@@ -115,6 +115,19 @@ class D3DTrainingStep(nn.Module):
         self.vocab_size = int(vocab_size)
         self.ar_weight = float(ar_weight)
         self.loss_chunk_rows = int(loss_chunk_rows)
+        # FSDP's transformer-based auto-wrap reads the wrapped module's _no_split_modules: without the
+        # drafter's, no decoder layer becomes its own unit and the whole model is gathered at once.
+        self._no_split_modules = list(getattr(drafter, "_no_split_modules", None) or [])
+
+    # accelerate's FSDP2 path carves out the embeddings / head and re-ties them through these
+    def get_input_embeddings(self):
+        return self.drafter.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.drafter.get_output_embeddings()
+
+    def tie_weights(self, *args, **kwargs):
+        return self.drafter.tie_weights(*args, **kwargs)
 
     def hidden(self, batch: PackedBatch) -> torch.Tensor:
         """Final (normed) hidden states (b, T, d) of the packed input under the d3d mask."""
@@ -169,9 +182,9 @@ def optimizer_step(step_module, optimizer, batches, clip: float | None, accelera
 def freeze_embeddings_except_mask(model, mask_id: int) -> None:
     """Tied input/output embeddings stay the target's; only the mask token's row learns."""
     emb = model.get_input_embeddings().weight
-    keep = torch.zeros(emb.shape[0], 1, dtype=emb.dtype, device=emb.device)
-    keep[mask_id] = 1
-    emb.register_hook(lambda grad: grad * keep.to(grad.dtype))
+    # Built from the gradient itself: the model moves to the GPU after this hook is registered
+    # (accelerator.prepare), so a mask made now would sit on the CPU.
+    emb.register_hook(lambda grad: grad * (torch.arange(grad.shape[0], device=grad.device) == mask_id)[:, None].to(grad.dtype))
     out = model.get_output_embeddings()
     if out is not None and out.weight is not emb:
         out.weight.requires_grad_(False)

@@ -95,14 +95,14 @@ def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, r
 
     def cached(model):
         cache = DynamicCache(config=model.config)
-        hidden_states(model, ids, clean_layout(n, device=dev), cache=cache)
+        hidden_states(model, ids, clean_layout(n, device=dev), cache=cache, plain=True)
         return cache
 
     def target_pass(width):
         cache, x = cached(target), ids[:, -1:].expand(1, width)
 
         def one():
-            hidden_states(target, x, clean_layout(width, start=n, device=dev), cache=cache, cache_len=n)
+            hidden_states(target, x, clean_layout(width, start=n, device=dev), cache=cache, cache_len=n, plain=True)
             cache.crop(-width)
         return timed(one, dev, repeats)
 
@@ -112,7 +112,7 @@ def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, r
         layout = block_layout(torch.full((1, blocks), n, device=dev), B)
 
         def one():
-            logits_at(drafter, hidden_states(drafter, x, layout, cache=cache, cache_len=n))
+            logits_at(drafter, hidden_states(drafter, x, layout, cache=cache, cache_len=n, plain=False))
             cache.crop(-blocks * B)
         return timed(one, dev, repeats)
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.decoding.kv import KVState
 from d3d.decoding.verify import Sampling, greedy_verify, sample_verify
 from d3d.models.drafter import DrafterSettings, logits_at
@@ -239,6 +239,8 @@ class SpecGenerator:
             return "stream" if device.type == "cuda" else "none"
         if cfg.overlap == "stream" and device.type != "cuda":
             raise ValueError("decode.overlap=stream needs a CUDA device; use thread or none on CPU")
+        if cfg.overlap == "thread" and device.type == "cuda":  # its worker would use the default stream
+            raise ValueError("decode.overlap=thread is for CPUs; on CUDA use stream (or auto)")
         return cfg.overlap
 
     # ------------------------------------------------------------------ streams

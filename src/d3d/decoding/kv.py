@@ -72,5 +72,10 @@ class KVState:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only some rows of the batch (finished requests leave); `rows` on the device."""
-        self.cache.batch_select_indices(rows)
+        from transformers import DynamicCache
+
+        if len(self) == 0:  # HF skips empty layers when selecting rows: they would keep the old batch size
+            self.cache = DynamicCache(config=self.model.config)
+        else:
+            self.cache.batch_select_indices(rows)
         self.pos, self.valid = self.pos[rows], self.valid[rows]

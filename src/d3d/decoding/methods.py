@@ -115,11 +115,12 @@ class Async(Method):
         with _on(g.dstream):
             self.dr = KVState(g.drafter, len(prompts))
             g.prefill(self.dr, prompts)
-        self.prepared, self.hit = None, [False] * len(prompts)  # next block's logits per row, which rows hit
+        # the next block's logits per row, and which rows hit (host list; device mask for the CUDA path)
+        self.prepared, self.hit, self.hit_dev = None, [False] * len(prompts), None
 
     def propose(self, r):
         g, ds = self.g, self.g.dstream
-        g.lend(ds, r.pending, r.next_pos, self.prepared)
+        g.lend(ds, r.pending, r.next_pos, self.prepared, self.hit_dev)
         with _on(ds):
             miss = [i for i, h in enumerate(self.hit) if not h]
             if miss:
@@ -144,8 +145,7 @@ class Async(Method):
             q_logits = g.draft_pass(self.dr, r.pending, r.next_pos)
             if self.prepared is None or len(miss) == len(self.hit):
                 return q_logits
-            hit = torch.tensor(self.hit, device=g.device)
-            return torch.where(hit[:, None, None], self.prepared, q_logits)
+            return torch.where(self.hit_dev[:, None, None], self.prepared, q_logits)
         idx = torch.tensor(miss, dtype=torch.long, device=g.device)
         part = g.draft_pass(self.dr.subset(idx), r.pending[idx], r.next_pos[idx])
         q_logits = self.prepared.clone()
@@ -189,7 +189,7 @@ class Async(Method):
         g.lend(ds, r.accepted)
         with _on(ds):
             self.dr.keep_first(self.glue_start, r.accepted + 1, most)  # the glue commits pending + accepted drafts
-        self.hit = [h[2] >= 0 for h in host]
+        self.hit, self.hit_dev = [h[2] >= 0 for h in host], r.hit_idx >= 0
         r.stat["hit"] = list(self.hit)
         n = len(host)
         self.prepared = self.tray_logits[torch.arange(n, device=g.device), r.hit_idx.clamp(min=0)] if any(self.hit) else None
@@ -199,7 +199,7 @@ class Async(Method):
         g.lend(ds, keep)
         with _on(ds):
             self.dr.select(keep)
-        self.hit = [self.hit[i] for i in keep_list]
+        self.hit, self.hit_dev = [self.hit[i] for i in keep_list], self.hit_dev[keep]
         if self.prepared is not None:
             self.prepared = self.prepared[keep]
 

@@ -73,8 +73,16 @@ def sample_verify(p_logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
     # p == q at that slot leaves no residual mass; rejection then has probability 0, but guard it.
     dist = torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny),
                        p.gather(1, at).squeeze(1))
-    next_token = torch.multinomial(dist, 1, generator=generator).squeeze(1)
+    next_token = sample(dist, generator)
     return accepted, next_token
+
+
+def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of p (..., V), without a host sync (torch.multinomial checks its input on
+    the host, which stalls the GPU pipeline every round). The exponential race: with E_i ~ Exp(1)
+    independent, argmax_i p_i / E_i is i with probability p_i / sum(p)."""
+    e = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)
+    return (p.float() / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
 def draft_from(q_logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None):
@@ -82,5 +90,4 @@ def draft_from(q_logits: torch.Tensor, s: Sampling, generator: torch.Generator |
     if s.greedy:
         return q_logits.argmax(-1), None
     q = probs(q_logits, s)
-    flat = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator)
-    return flat.reshape(q.shape[:-1]), q
+    return sample(q, generator), q

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Iterator
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 
 
 class CorruptFile(ConfigError):
