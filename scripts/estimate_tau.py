@@ -15,7 +15,7 @@ from pathlib import Path
 from d3d.config import compose, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, load_drafter
-from d3d.train import cut_responses, load_examples, split_examples
+from d3d.training import cut_responses, load_examples, split_examples
 
 
 def main() -> None:

@@ -24,12 +24,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, config_dir, differing_keys, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, config_dir, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.target import process_device
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.report import read_rows, summary_markdown, write_report
@@ -137,20 +138,14 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
     run_file = out_dir / "run.json"
     if not run_file.is_file() or not previous:
         return
-    old = json.loads(run_file.read_text()).get("resume_key")
-    if old is None:  # folders from before resume keys existed resume as they did
-        return
-    differ = differing_keys(old, key)  # methods only one side has are new rows, not a conflict
-    if not differ:
-        return
-    raise ConfigError(f"{out_dir} holds rows made with other settings ({', '.join(differ)} differ), and resuming "
-                      f"would mix them. Fix: pass a new eval.out_dir, or delete that folder to start over.")
+    # methods only one side has are new rows, not a conflict (differing_keys compares shared keys)
+    refuse_mixed_run(out_dir, json.loads(run_file.read_text()).get("resume_key"), key, "holds rows made",
+                     "pass a new eval.out_dir, or delete that folder to start over.")
 
 
 def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     path = resolve_model_path(cfg.target, cache)
-    device = str(state.device) if state.device.type == "cuda" else cfg.target.device  # one GPU per process
-    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, device)
+    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, process_device(state, cfg.target.device))
     drafter = None
     if any(dc.method != "ar" for dc in methods.values()):
         if cfg.drafter.get("checkpoint"):

@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from d3d.utils.io import read_jsonl, unique, write_json
+from d3d.utils.plotting import pyplot, save_figure
 
 
 def read_rows(folder: str | Path) -> list[dict]:
@@ -176,18 +177,9 @@ def summary_markdown(summary: dict) -> str:
 # ---------------------------------------------------------------------------- plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: files only
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None = None) -> list[Path]:
     """PNG files: speedup and τ per benchmark, τ histogram, budget study, load test (when present)."""
-    plt = _pyplot()
+    plt = pyplot()
     out_dir = Path(out_dir)
     paths = []
     benches = list(summary["benchmarks"])
@@ -205,7 +197,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
             ax.set_title(title)
         axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
         axes[1].legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "speedup_tau.png"))
+        paths.append(save_figure(fig, out_dir / "speedup_tau.png"))
     hist = {m: h for m, h in summary.get("tau_histogram", {}).items() if m != "ar"}
     if hist:
         fig, ax = plt.subplots(figsize=(6, 3.8))
@@ -216,7 +208,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
         ax.set_xlabel("tokens accepted in a round (τ)")
         ax.set_ylabel("fraction of rounds")
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "tau_histogram.png"))
+        paths.append(save_figure(fig, out_dir / "tau_histogram.png"))
     budgets = _budget_points(summary, methods_info or {})
     if len(budgets) >= 2:
         fig, ax = plt.subplots(figsize=(6, 3.8))
@@ -229,7 +221,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
         ax.set_xlabel("tokens in one packed async pass")
         ax.set_ylabel("speedup over AR", color="C0")
         ax2.set_ylabel("tray hit rate", color="C1")
-        paths.append(_save(fig, out_dir / "budget.png"))
+        paths.append(save_figure(fig, out_dir / "budget.png"))
     if summary.get("load"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         cs = [int(c) for c in summary["load"]]
@@ -243,7 +235,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
         axes[1].legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "load.png"))
+        paths.append(save_figure(fig, out_dir / "load.png"))
     return paths
 
 
@@ -257,15 +249,6 @@ def _budget_points(summary: dict, methods_info: dict) -> list[tuple[int, float, 
         points.append((int(info["budget"]), summary["mean_over_benchmarks"][name]["speedup_token_weighted"],
                        _mean_or_none(hits) or 0.0, name))
     return sorted(points)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 # ---------------------------------------------------------------------------- folders

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path, to_plain
+from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import ObjectiveConfig, pack
@@ -50,10 +50,8 @@ def evaluate(model, val: list, settings: DrafterSettings) -> dict:
 
 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
-    differ = differing_keys(state.get("resume_key") or {}, key)  # checkpoints from before keys: no check
-    if differ:
-        raise ConfigError(f"{resume_dir} was trained with other settings ({', '.join(differ)} differ); resuming "
-                          f"would mix two runs. Fix: pass a new train.out_dir, or train.resume=false to start over there.")
+    refuse_mixed_run(resume_dir, state.get("resume_key"), key, "was trained",  # checkpoints from before keys: no check
+                     "pass a new train.out_dir, or train.resume=false to start over there.")
 
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:

@@ -30,7 +30,7 @@ from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_flo
 def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
     """(prompt + response) token ids of every response row, cut to max_len, sorted by id."""
     from d3d.config import ConfigError
-    from d3d.generate import read_responses
+    from d3d.data.responses import read_responses
 
     rows = read_responses(responses_dir)
     if not rows:

@@ -163,10 +163,10 @@ def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> list[dict]:
 
 
 def _load_hub(spec: Mapping[str, Any]) -> list[dict]:
-    from d3d.models.target import _hub_reachable
+    from d3d.models.target import hub_reachable
 
     hub = spec["hub"]
-    if not _hub_reachable():
+    if not hub_reachable():
         raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
     import datasets
 

@@ -49,7 +49,7 @@ def _as_dict(cfg: Any) -> dict:
     return dict(cfg)
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     try:
@@ -69,7 +69,7 @@ def _check_hub_id(hub_id: str) -> None:
     cached = try_to_load_from_cache(hub_id, "config.json")
     if isinstance(cached, str):
         return
-    if not _hub_reachable():
+    if not hub_reachable():
         raise ModelUnavailableError(
             f"model {hub_id!r} is a Hugging Face Hub id, it is not in the local HF cache, and the hub "
             f"cannot be reached from this machine (offline). Fix: run on a node with a network, "
@@ -169,6 +169,12 @@ def pick_device(name: str | None = "auto") -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def process_device(state, configured: str | None) -> str:
+    """The device of one process of a (possibly `accelerate launch`ed) job: its own GPU when
+    accelerate gave it one, so N processes use N GPUs; else the configured device."""
+    return str(state.device) if state.device.type == "cuda" else str(configured)
 
 
 def load_tokenizer(path: str):
