@@ -297,3 +297,23 @@ def test_cli_user_error_is_one_line_and_exit_2_traceback_when_verbose(tmp_path):
     assert "Traceback" not in quiet.stderr
     loud = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, timeout=300)
     assert loud.returncode != 0 and "Traceback" in loud.stderr
+
+
+def test_a_new_method_is_placed_by_the_registry_not_by_its_name(tmp_path, monkeypatch):
+    """Eval asks the decoding registry what a method needs (d3d.decoding.methods.METHODS): a method
+    registered under a new name, composed by Hydra under `methods`, is treated by what its class
+    says. A drafter-free method (a lookup decoder, say) borrows sampling but not the block size;
+    a drafting one borrows both and gets the budget grid when it drafts beside verification."""
+    from d3d.decoding.methods import AR, METHODS, Async
+    from d3d.eval import method_configs
+
+    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (AR,), {}))
+    monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
+    cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0",
+                           "+methods.lookup={method: lookup, block_size: 1}",
+                           "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}",
+                           "eval.methods=[ar,lookup,trays]", "eval.async_budgets=[2x1,3x2]"], tmp_path)
+    methods = method_configs(cfg)
+    assert list(methods) == ["ar", "lookup", "trays_c2_f1", "trays_c3_f2"]
+    assert (methods["lookup"].block_size, methods["lookup"].temperature) == (1, 1.0)
+    assert all(methods[n].block_size == 4 and methods[n].temperature == 1.0 for n in ("trays_c2_f1", "trays_c3_f2"))

@@ -24,16 +24,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, config_dir, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
+from d3d.decoding.methods import method_class
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.target import process_device
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
-from d3d.report import read_rows, summary_markdown, write_report
+from d3d.report import BASELINE, read_rows, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
@@ -45,6 +46,9 @@ log = logging.getLogger("d3d.eval")
 # sampling for all methods (AR included), the block size for the speculative ones.
 SHARED_SAMPLING = ("temperature", "top_p", "top_k")
 SHARED_SPECULATIVE = ("block_size",)
+# Pairs whose greedy outputs must agree bit for bit, round by round (`equal_to_sync`): the async
+# loop is the sync loop plus trays, verifying the same shapes. Keyed by decoding-method name.
+BITWISE_REFERENCE = {"async": "sync"}
 
 
 def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
@@ -54,28 +58,29 @@ def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
     check_eval_settings(cfg.eval)
     composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
-    shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if composed.method != "ar" else [])
+    speculative = method_class(composed.method).needs_drafter
+    shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if speculative else [])
     out = {}
     for name in cfg.eval.methods:
-        path = config_dir() / "decode" / f"{name}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml does not exist")
-        own = OmegaConf.load(path)
+        if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
+            raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml is not composed under "
+                              f"`methods` (add it there, and `- decode@methods.{name}: {name}` to conf/eval.yaml)")
+        own = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.methods[name], resolve=True))
         if composed.method == own.method:
             dc = replace(composed)
         else:
-            dc = DecodeConfig.from_cfg(OmegaConf.to_container(own, resolve=False))
-            keys = SHARED_SAMPLING if dc.method == "ar" else shared
-            dc = replace(dc, **{k: getattr(composed, k) for k in keys})
+            keys = shared if method_class(own.method).needs_drafter else SHARED_SAMPLING
+            dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=int(cfg.eval.max_new_tokens))  # replace() re-validates
-        if dc.method == "async" and cfg.eval.get("async_budgets"):
+        # the budget study: a method with drafter work beside verification (async) gets one per C x F
+        if method_class(dc.method).budget(dc) and cfg.eval.get("async_budgets"):
             for C, F in (parse_budget(b) for b in cfg.eval.async_budgets):
                 out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
         else:
             out[name] = dc
-    if "ar" not in out:
-        raise ConfigError("eval.methods must include ar: speedups and equality are measured against it")
-    return {"ar": out.pop("ar"), **out}
+    if BASELINE not in out or method_class(out[BASELINE].method).needs_drafter:
+        raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it")
+    return {BASELINE: out.pop(BASELINE), **out}
 
 
 def check_eval_settings(ev: DictConfig) -> None:
@@ -147,7 +152,7 @@ def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, 
     path = resolve_model_path(cfg.target, cache)
     tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, process_device(state, cfg.target.device))
     drafter = None
-    if any(dc.method != "ar" for dc in methods.values()):
+    if any(method_class(dc.method).needs_drafter for dc in methods.values()):
         if cfg.drafter.get("checkpoint"):
             drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
                                                 dtype=cfg.target.dtype)
@@ -159,7 +164,7 @@ def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, 
     if drafter is not None:
         trained = DrafterSettings.of(drafter).block_size
         for name, dc in methods.items():
-            if dc.method != "ar" and int(dc.block_size) != trained:
+            if method_class(dc.method).needs_drafter and int(dc.block_size) != trained:
                 log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
                             "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
@@ -194,7 +199,7 @@ def compare_with_references(row: dict, gen: SpecGenerator, ar: dict | None, sync
     - `divergence` (greedy rows that differ from AR): the first differing position, the target's
       logit margins there, and whether rounding explains it (numerical) or not (real)."""
     comparable = gen.cfg.sampling.greedy and sync is not None and int(sync.get("concurrency", 1)) == int(row["concurrency"])
-    if gen.cfg.method == "async" and comparable:  # sampled rows draw from per-method streams: no bitwise claim
+    if gen.cfg.method in BITWISE_REFERENCE and comparable:  # sampled rows draw from per-method streams: no bitwise claim
         row["equal_to_sync"] = row["token_ids"] == sync["token_ids"] and row["taus"] == sync["taus"]
     if ar is None or row["equal_to_ar"] or not gen.cfg.sampling.greedy:
         return
@@ -238,9 +243,9 @@ def run_single(cfg, spec, records, gens, tok, done, writer, timeout_s: float) ->
                     compare_with_references(row, gen, ar, sync, [ids])
                     writer.write([row])
                     fail_on_real_divergence(row)
-                if name == "ar":
+                if name == BASELINE:
                     ar = row
-                if gen.cfg.method == "sync" and sync is None:
+                if gen.cfg.method in BITWISE_REFERENCE.values() and sync is None:
                     sync = row
                 history[name].append({"role": "assistant", "content": row["text"]})
 
@@ -262,9 +267,9 @@ def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -
                 compare_with_references(row, gen, ar, sync, prompts)
                 writer.write([row])
                 fail_on_real_divergence(row)
-            if name == "ar":
+            if name == BASELINE:
                 ar = row
-            if gen.cfg.method == "sync" and sync is None:
+            if gen.cfg.method in BITWISE_REFERENCE.values() and sync is None:
                 sync = row
 
 
@@ -290,7 +295,8 @@ def _evaluate(cfg: DictConfig) -> Path:
     check_resumable(out_dir, key, previous)
     tok, target, drafter = load_models(cfg, methods, cache, state)
     eos = eos_ids(tok, target)
-    gens = {name: SpecGenerator(target, tok, None if dc.method == "ar" else drafter, dc, eos, seed=int(cfg.seed))
+    gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
+                                seed=int(cfg.seed))
             for name, dc in methods.items()}
     warm = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
     for gen in gens.values():

@@ -24,12 +24,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from d3d.config import ConfigError
 from d3d.data.benchmarks import Record
 
-MATH_LOADERS = {"gsm8k", "math500", "aime24", "aime25"}
-CODE_LOADERS = {"humaneval", "mbpp"}
 
 # ---------------------------------------------------------------------------- math answers
 
@@ -305,17 +304,37 @@ def mbpp_program(record: Record, text: str) -> str:
 # ---------------------------------------------------------------------------- one entry point
 
 
+# How a code benchmark's tests become a program, by its parser (`spec.loader`): the test format is
+# the parser's. A code benchmark without one (LiveCodeBench: stdin tests) is not checked.
+PROGRAMS: dict[str, Callable[[Record, str], str]] = {"humaneval": humaneval_program, "mbpp": mbpp_program}
+
+UNCHECKED = {"answer": None, "correct": None}
+
+
+def grade_math(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+    answer, ok = math_correct(text, record.reference)
+    return {"answer": answer, "correct": ok}
+
+
+def grade_code(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+    program = PROGRAMS.get(spec["loader"])
+    if program is None:
+        return dict(UNCHECKED)
+    ok, err = run_python(program(record, text), timeout_s)
+    return {"answer": None, "correct": ok, **({} if ok else {"error": err.strip().splitlines()[-1:]})}
+
+
+# Graders by `spec.kind` (conf/benchmark/<name>.yaml): a new benchmark of a known kind is graded with
+# no code change; a new kind is one function here.
+GRADERS: dict[str, Callable[..., dict[str, Any]] | None] = {"math": grade_math, "code": grade_code, "chat": None}
+
+
 def grade(spec: Mapping[str, Any], record: Record, text: str, turn: int = 0,
           timeout_s: float = 10.0) -> dict[str, Any]:
     """{"answer": ..., "correct": True/False/None} for one reply (None: not checkable)."""
-    loader = spec["loader"]
-    if turn > 0 or record.reference is None:
-        return {"answer": None, "correct": None}
-    if loader in MATH_LOADERS:
-        answer, ok = math_correct(text, record.reference)
-        return {"answer": answer, "correct": ok}
-    if loader in CODE_LOADERS:
-        program = humaneval_program(record, text) if loader == "humaneval" else mbpp_program(record, text)
-        ok, err = run_python(program, timeout_s)
-        return {"answer": None, "correct": ok, **({} if ok else {"error": err.strip().splitlines()[-1:]})}
-    return {"answer": None, "correct": None}
+    if spec["kind"] not in GRADERS:
+        raise ConfigError(f"benchmark.specs.{spec['name']}.kind={spec['kind']!r}: use {', '.join(GRADERS)}")
+    grader = GRADERS[spec["kind"]]
+    if grader is None or turn > 0 or record.reference is None:
+        return dict(UNCHECKED)
+    return grader(spec, record, text, timeout_s)

@@ -25,6 +25,10 @@ from pathlib import Path
 from d3d.utils.io import read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
+# The name of the rows every speedup and equality is measured against: d3d.eval requires this
+# method (plain decoding through the same driver) in every run.
+BASELINE = "ar"
+
 
 def read_rows(folder: str | Path) -> list[dict]:
     """Every row of a result folder: rows.jsonl, or one rows.rank<r>.jsonl per process; each key once."""
@@ -76,10 +80,10 @@ def _divergences(row: dict) -> list[dict]:
 def _add_speedups(per: dict, rows_of: dict[str, list[dict]]) -> None:
     """Speedup against AR on the items both decoded: in a killed or growing run one method can be
     an item ahead, and TPOTs over different items are not comparable."""
-    if "ar" not in per:
+    if BASELINE not in per:
         return
     item = lambda r: (r.get("id"), r.get("turn", 0))
-    ar = {item(r): r for r in rows_of["ar"]}
+    ar = {item(r): r for r in rows_of[BASELINE]}
     for name, m in per.items():
         pairs = [(ar[item(r)], r) for r in rows_of[name] if item(r) in ar]
         if not pairs:
@@ -183,7 +187,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
     out_dir = Path(out_dir)
     paths = []
     benches = list(summary["benchmarks"])
-    spec_methods = sorted({m for per in summary["benchmarks"].values() for m in per if m != "ar"})
+    spec_methods = sorted({m for per in summary["benchmarks"].values() for m in per if m != BASELINE})
     if benches and spec_methods:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         width = 0.8 / len(spec_methods)
@@ -198,7 +202,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
         axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
         axes[1].legend(fontsize=8)
         paths.append(save_figure(fig, out_dir / "speedup_tau.png"))
-    hist = {m: h for m, h in summary.get("tau_histogram", {}).items() if m != "ar"}
+    hist = {m: h for m, h in summary.get("tau_histogram", {}).items() if m != BASELINE}
     if hist:
         fig, ax = plt.subplots(figsize=(6, 3.8))
         for method, h in hist.items():
@@ -243,7 +247,7 @@ def _budget_points(summary: dict, methods_info: dict) -> list[tuple[int, float, 
     """(packed tokens, mean speedup, mean hit rate, name) for every async method, by budget."""
     points = []
     for name, info in methods_info.items():
-        if info.get("method") != "async" or name not in summary["mean_over_benchmarks"]:
+        if not info.get("budget") or name not in summary["mean_over_benchmarks"]:  # no drafter work beside verify
             continue
         hits = [per[name]["hit_rate"] for per in summary["benchmarks"].values() if name in per]
         points.append((int(info["budget"]), summary["mean_over_benchmarks"][name]["speedup_token_weighted"],

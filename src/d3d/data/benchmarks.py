@@ -243,9 +243,10 @@ def normalise_text(text: str) -> str:
 
 
 def iter_specs(benchmark_cfg: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
-    """The specs of a composed `benchmark` config, in suite order."""
+    """The specs of a composed `benchmark` config, in suite order. No suite (null) = every spec
+    composed, in the order of the defaults that composed them: a suite file lists its members once."""
     specs = benchmark_cfg["specs"]
-    for name in benchmark_cfg["suite"]:
+    for name in benchmark_cfg.get("suite") or list(specs):
         if name not in specs:
             raise KeyError(f"benchmark {name!r} is in the suite but has no spec; add conf/benchmark/{name}.yaml")
         yield specs[name]
