@@ -1,4 +1,4 @@
-"""Exact greedy τ of a drafter on held-out target responses (the offline estimator, DESIGN §6).
+"""Exact greedy τ of a drafter on held-out target responses (the offline estimator, docs/design.md, Pruning).
 
     python scripts/estimate_tau.py --drafter checkpoints/cpu_default_lam1/final [--max-new-tokens 96] [overrides]
 

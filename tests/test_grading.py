@@ -82,7 +82,7 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
         assert grade(spec, rec, "```python\npass\n```")["correct"] is False
 
 
-# ---------------------------------------------------------------------------- containment (DESIGN §9.10)
+# ---------------------------------------------------------------------------- containment (docs/design.md#contract-10)
 # Harmless payloads only: they aim at a canary in the test's own temp dir, a socket this test
 # opens, a signal handler this test installs, an allocation under a small limit.
 

@@ -20,6 +20,7 @@ from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.generation import generate_batch, generation_kwargs
+from d3d.settings import GenerateSettings, bind_section
 from d3d.models.target import load_model, load_tokenizer, process_device, resolve_model_path
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
@@ -65,23 +66,23 @@ def run_generate(cfg: DictConfig) -> Path:
     time per folder: a second writer would answer every prompt again."""
     from accelerate import PartialState
 
-    with lock_folder(resolve_path(cfg.generate.out_dir), "d3d.generate", PartialState().process_index):
-        return _generate(cfg)
+    gen = bind_section(cfg, "generate", GenerateSettings)  # the typed boundary: unknown keys fail here
+    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", PartialState().process_index):
+        return _generate(cfg, gen)
 
 
-def _generate(cfg: DictConfig) -> Path:
+def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
     from accelerate import PartialState
 
     state = PartialState()
-    gen = cfg.generate
     torch.manual_seed(int(cfg.seed) + state.process_index)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
     prompts = load_prompt_set(cfg.data, cache_dir)
     if gen.limit:
-        prompts = prompts[: int(gen.limit)]
-    settings = {k: (to_plain(gen)[k]) for k in SETTING_KEYS}
+        prompts = prompts[: gen.limit]
+    settings = {k: getattr(gen, k) for k in SETTING_KEYS}
     model_path = resolve_model_path(cfg.target, cache_dir)
     header = {"target": {"name": cfg.target.name, "path": model_path if not Path(model_path).is_dir()
                          else cfg.target.name}, "settings": settings}
@@ -94,14 +95,14 @@ def _generate(cfg: DictConfig) -> Path:
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, cfg.target.dtype, process_device(state, cfg.target.device),
                        cfg.target.attn_implementation)
-    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, bool(gen.enable_thinking), gen.system_prompt) for p in todo}
-    check_context(ids, int(gen.max_new_tokens), int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in todo}
+    check_context(ids, gen.max_new_tokens, int(getattr(model.config, "max_position_embeddings", 1 << 30)))
     if state.is_main_process:
         write_json(out_dir / "meta.json", {**header, "prompt_set": to_plain(cfg.data), "run": run_info(model.device)})
 
     order = sorted(todo, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else todo
     kwargs = generation_kwargs(gen, tokenizer, model)
-    bs = int(gen.batch_size)
+    bs = gen.batch_size
     total_tokens, start = 0, time.perf_counter()
     bar = tqdm(total=len(order), desc=f"generate[{state.process_index}]", unit="prompt",
                disable=not gen.progress or not state.is_local_main_process)

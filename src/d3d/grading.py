@@ -1,4 +1,4 @@
-"""Task-level checks: is an answer right? Used to show losslessness at the task level (DESIGN §7).
+"""Task-level checks: is an answer right? Used to show losslessness at the task level (docs/design.md, Evaluation).
 
 At T = 0 a lossless method returns the AR tokens, so its verdicts must equal AR's; a verdict that
 differs is a bug even if the token comparison were somehow fooled. Cheap checks only:
@@ -103,7 +103,7 @@ def extract_code(text: str) -> str:
     return text
 
 
-# How graded code runs (DESIGN §9.10). Model output is untrusted code, but it is written by a
+# How graded code runs (docs/design.md#contract-10). Model output is untrusted code, but it is written by a
 # language model answering a benchmark, not by an attacker: the aim is that an honest mistake or a
 # careless program (an endless loop, a fork, a huge allocation, `sys.exit(0)` before its tests, a
 # stray `rm`) cannot hurt the host, outlive its time limit, or be graded correct. It is NOT a

@@ -1,4 +1,4 @@
-"""`python -m d3d.prune drafter.checkpoint=<folder>`: acceptance-guided layer pruning (DESIGN §6).
+"""`python -m d3d.prune drafter.checkpoint=<folder>`: acceptance-guided layer pruning (docs/design.md, Pruning).
 
 Greedy, one layer at a time: score every remaining layer by the exact greedy τ of the drafter
 without it (offline estimator on calibration responses; the layer is skipped in place, not copied),

@@ -6,7 +6,7 @@ summary can always be checked against, or rebuilt from, the raw data:
     python -m d3d.report outputs/eval/runs/<run>/<time>            # re-summarise + redraw plots
     python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1
 
-Definitions (DESIGN §7): TPOT = decode seconds / new tokens (prefill timed apart);
+Definitions (docs/design.md, Evaluation): TPOT = decode seconds / new tokens (prefill timed apart);
 speedup = TPOT(ar) / TPOT(method) on the same items; speedup_with_prefill does the same with
 (prefill + decode) seconds, so a drafter's own prompt prefill — which AR does not pay — is counted
 (long prompts, MT-Bench turn 2); τ = tokens / request-rounds. Token-weighted

