@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "d3d"
 
 # The job entry points (`python -m d3d.<name>`). d3d.report is a component with a CLI of its own:
