@@ -10,7 +10,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup demo demo-fast test test-slow test-all clean-outputs
+.PHONY: setup demo demo-fast test test-unit test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed
 
@@ -31,8 +31,15 @@ demo: setup
 demo-fast: setup
 	$(PY) -m d3d.pipeline +experiment=pipeline_fast
 
+# Unit tests first (seconds: configs, masks, objective, grading, the import rule), then the
+# integration tests (recipes end to end on tiny models, CLIs, sweeps, the wheel, the notebook).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q tests --ignore=tests/unit
+
+# The inner loop: the unit tests alone.
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

@@ -19,7 +19,7 @@ import torch
 from d3d.config import compose, resolve_path
 from d3d.models.drafter import DrafterSettings, build_drafter
 from d3d.objective import ObjectiveConfig, d3d_loss, pack
-from d3d.train import load_examples
+from d3d.training import load_examples
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 from d3d.utils.timing import timed

@@ -1,4 +1,4 @@
-"""Exact greedy τ of a drafter on held-out target responses (the offline estimator, DESIGN §6).
+"""Exact greedy τ of a drafter on held-out target responses (the offline estimator, docs/design.md, Pruning).
 
     python scripts/estimate_tau.py --drafter checkpoints/cpu_default_lam1/final [--max-new-tokens 96] [overrides]
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from d3d.config import compose, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, load_drafter
-from d3d.train import cut_responses, load_examples, split_examples
+from d3d.training import cut_responses, load_examples, split_examples
 
 
 def main() -> None:

@@ -26,8 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from d3d.pipeline import stage_overrides
-from d3d.report import _pyplot, _save, read_rows, summarise
+from d3d.config import stage_overrides
+from d3d.report import read_rows, summarise
+from d3d.utils.plotting import pyplot, save_figure
 from d3d.utils.io import read_jsonl
 
 # Sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes.
@@ -215,7 +216,7 @@ def plot(result: dict, path: Path) -> Path | None:
     rows, x, ys = result["rows"], result.get("x"), result.get("plot", [])
     if not rows or not ys:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(ys), figsize=(4.2 * len(ys), 3.6), squeeze=False)
     series = result.get("series")
     groups = sorted({r[series] for r in rows}) if series else [None]
@@ -233,7 +234,7 @@ def plot(result: dict, path: Path) -> Path | None:
         ax.set_xlabel(x)
         if series:
             ax.legend(fontsize=7, title=series)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

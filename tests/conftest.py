@@ -55,7 +55,7 @@ def free_port() -> int:
 
 def torchrun(nproc: int, script, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N` on this machine: N real processes (gloo on CPU). `accelerate
-    launch --cpu --num_processes 2` starts only one here (DESIGN §10)."""
+    launch --cpu --num_processes 2` starts only one here (docs/design.md, Models)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -115,3 +115,27 @@ def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k}")
     return out
+
+
+def refuse_mixed_run(folder, old_key: dict | None, new_key: dict, made: str, fix: str,
+                     also: list[str] | None = None) -> None:
+    """The one resume check of every job: a folder resumes only work made with the same settings,
+    since a run resumed with others would be half one experiment and half another. `old_key` None
+    (a folder from before resume keys existed) resumes as it did; `also` adds differences the
+    keys cannot show. The message names each differing key and the fix."""
+    differ = differing_keys(old_key or {}, new_key) + list(also or [])
+    if differ:
+        raise ConfigError(f"{folder} {made} with other settings ({', '.join(differ)} differ); resuming "
+                          f"would mix two runs. Fix: {fix}")
+
+
+def stage_overrides(config_name: str, overrides: list[str]) -> list[str]:
+    """The overrides that apply to one root config, by top-level key (`prune.num_layers=2` does
+    not go to generate); the pipeline and the sweeps pass one override list to several jobs."""
+    base = compose(config_name)  # the root's own keys (experiment overlays may add other roots' keys)
+    keep = []
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+        if key == "experiment" or key in base or key == "hydra":
+            keep.append(o)
+    return keep

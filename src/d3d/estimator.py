@@ -1,4 +1,4 @@
-"""Offline acceptance estimator (DESIGN §6): exact greedy τ without decoding.
+"""Offline acceptance estimator (docs/design.md, Pruning): exact greedy τ without decoding.
 
 When a response is the target's own greedy output, a greedy speculative round accepts exactly
 the drafts that equal the response. So τ follows from teacher forcing: for every anchor a in the

@@ -24,15 +24,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, config_dir, differing_keys, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
+from d3d.decoding.methods import method_class
 from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.target import process_device
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
-from d3d.report import read_rows, summary_markdown, write_report
+from d3d.settings import EvalSettings, bind_section
+from d3d.report import BASELINE, read_rows, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
@@ -44,53 +47,52 @@ log = logging.getLogger("d3d.eval")
 # sampling for all methods (AR included), the block size for the speculative ones.
 SHARED_SAMPLING = ("temperature", "top_p", "top_k")
 SHARED_SPECULATIVE = ("block_size",)
+# Pairs whose greedy outputs must agree bit for bit, round by round (`equal_to_sync`): the async
+# loop is the sync loop plus trays, verifying the same shapes. Keyed by decoding-method name.
+BITWISE_REFERENCE = {"async": "sync"}
 
 
-def method_configs(cfg: DictConfig) -> dict[str, DecodeConfig]:
+def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:
     """Each method's decode config. The composed `decode` group replaces its own method's file and
     lends the shared keys to the others: `decode.temperature=1` samples every method (AR too) and
     `decode.block_size=4` drafts 4-token blocks in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
-    check_eval_settings(cfg.eval)
+    check_eval_settings(ev)
     composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
-    shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if composed.method != "ar" else [])
+    speculative = method_class(composed.method).needs_drafter
+    shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if speculative else [])
     out = {}
-    for name in cfg.eval.methods:
-        path = config_dir() / "decode" / f"{name}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml does not exist")
-        own = OmegaConf.load(path)
+    for name in ev.methods:
+        if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
+            raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml is not composed under "
+                              f"`methods` (add it there, and `- decode@methods.{name}: {name}` to conf/eval.yaml)")
+        own = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.methods[name], resolve=True))
         if composed.method == own.method:
             dc = replace(composed)
         else:
-            dc = DecodeConfig.from_cfg(OmegaConf.to_container(own, resolve=False))
-            keys = SHARED_SAMPLING if dc.method == "ar" else shared
-            dc = replace(dc, **{k: getattr(composed, k) for k in keys})
-        dc = replace(dc, max_new_tokens=int(cfg.eval.max_new_tokens))  # replace() re-validates
-        if dc.method == "async" and cfg.eval.get("async_budgets"):
-            for C, F in (parse_budget(b) for b in cfg.eval.async_budgets):
+            keys = shared if method_class(own.method).needs_drafter else SHARED_SAMPLING
+            dc = replace(own, **{k: getattr(composed, k) for k in keys})
+        dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
+        # the budget study: a method with drafter work beside verification (async) gets one per C x F
+        if method_class(dc.method).budget(dc) and ev.async_budgets:
+            for C, F in (parse_budget(b) for b in ev.async_budgets):
                 out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
         else:
             out[name] = dc
-    if "ar" not in out:
-        raise ConfigError("eval.methods must include ar: speedups and equality are measured against it")
-    return {"ar": out.pop("ar"), **out}
+    if BASELINE not in out or method_class(out[BASELINE].method).needs_drafter:
+        raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it")
+    return {BASELINE: out.pop(BASELINE), **out}
 
 
-def check_eval_settings(ev: DictConfig) -> None:
-    """eval.* values that cannot work, refused before any model loads (max_new_tokens=0 used to write
-    empty rows and an empty table)."""
-    def whole(key, least, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+def check_eval_settings(ev: EvalSettings) -> None:
+    """eval.* values of the right type that still cannot work, refused before any model loads
+    (max_new_tokens=0 used to write empty rows and an empty table). Types are EvalSettings' job."""
+    for key, least, value in [("max_new_tokens", 1, ev.max_new_tokens), ("warmup", 0, ev.warmup),
+                              *([("n", 1, ev.n)] if ev.n is not None else []),
+                              *(("concurrency", 1, c) for c in ev.concurrency)]:
+        if value < least:
             raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}")
-
-    whole("max_new_tokens", 1, ev.max_new_tokens)
-    whole("warmup", 0, ev.warmup)
-    if ev.n is not None:
-        whole("n", 1, ev.n)
-    for c in ev.concurrency:
-        whole("concurrency", 1, c)
-    if isinstance(ev.exec_timeout_s, bool) or not isinstance(ev.exec_timeout_s, (int, float)) or ev.exec_timeout_s <= 0:
+    if ev.exec_timeout_s <= 0:
         raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0")
 
 
@@ -102,9 +104,9 @@ def parse_budget(text) -> tuple[int, int]:
     return C, F
 
 
-def output_dir(cfg: DictConfig) -> Path:
-    if cfg.eval.out_dir:
-        return resolve_path(cfg.eval.out_dir)
+def output_dir(cfg: DictConfig, ev: EvalSettings) -> Path:
+    if ev.out_dir:
+        return resolve_path(ev.out_dir)
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -113,7 +115,7 @@ def output_dir(cfg: DictConfig) -> Path:
         return resolve_path(cfg.paths.output_dir) / "eval" / cfg.run_name
 
 
-def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
+def resume_key(cfg: DictConfig, ev: EvalSettings, methods: dict[str, DecodeConfig]) -> dict:
     """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
     Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
     drafter = cfg.drafter.get("checkpoint")
@@ -122,8 +124,8 @@ def resume_key(cfg: DictConfig, methods: dict[str, DecodeConfig]) -> dict:
     return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
             "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(resolve_path(drafter))} if drafter else {}),
-            "max_new_tokens": int(cfg.eval.max_new_tokens), "enable_thinking": bool(cfg.eval.enable_thinking),
-            "seed": int(cfg.seed), "exec_timeout_s": float(cfg.eval.exec_timeout_s),
+            "max_new_tokens": ev.max_new_tokens, "enable_thinking": ev.enable_thinking,
+            "seed": int(cfg.seed), "exec_timeout_s": ev.exec_timeout_s,
             # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
             # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
             "benchmarks": {spec["name"]: OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
@@ -137,22 +139,16 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
     run_file = out_dir / "run.json"
     if not run_file.is_file() or not previous:
         return
-    old = json.loads(run_file.read_text()).get("resume_key")
-    if old is None:  # folders from before resume keys existed resume as they did
-        return
-    differ = differing_keys(old, key)  # methods only one side has are new rows, not a conflict
-    if not differ:
-        return
-    raise ConfigError(f"{out_dir} holds rows made with other settings ({', '.join(differ)} differ), and resuming "
-                      f"would mix them. Fix: pass a new eval.out_dir, or delete that folder to start over.")
+    # methods only one side has are new rows, not a conflict (differing_keys compares shared keys)
+    refuse_mixed_run(out_dir, json.loads(run_file.read_text()).get("resume_key"), key, "holds rows made",
+                     "pass a new eval.out_dir, or delete that folder to start over.")
 
 
 def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     path = resolve_model_path(cfg.target, cache)
-    device = str(state.device) if state.device.type == "cuda" else cfg.target.device  # one GPU per process
-    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, device)
+    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, process_device(state, cfg.target.device))
     drafter = None
-    if any(dc.method != "ar" for dc in methods.values()):
+    if any(method_class(dc.method).needs_drafter for dc in methods.values()):
         if cfg.drafter.get("checkpoint"):
             drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
                                                 dtype=cfg.target.dtype)
@@ -164,7 +160,7 @@ def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, 
     if drafter is not None:
         trained = DrafterSettings.of(drafter).block_size
         for name, dc in methods.items():
-            if dc.method != "ar" and int(dc.block_size) != trained:
+            if method_class(dc.method).needs_drafter and int(dc.block_size) != trained:
                 log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
                             "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
@@ -199,7 +195,7 @@ def compare_with_references(row: dict, gen: SpecGenerator, ar: dict | None, sync
     - `divergence` (greedy rows that differ from AR): the first differing position, the target's
       logit margins there, and whether rounding explains it (numerical) or not (real)."""
     comparable = gen.cfg.sampling.greedy and sync is not None and int(sync.get("concurrency", 1)) == int(row["concurrency"])
-    if gen.cfg.method == "async" and comparable:  # sampled rows draw from per-method streams: no bitwise claim
+    if gen.cfg.method in BITWISE_REFERENCE and comparable:  # sampled rows draw from per-method streams: no bitwise claim
         row["equal_to_sync"] = row["token_ids"] == sync["token_ids"] and row["taus"] == sync["taus"]
     if ar is None or row["equal_to_ar"] or not gen.cfg.sampling.greedy:
         return
@@ -223,9 +219,9 @@ def fail_on_real_divergence(row: dict) -> None:
                 f"{d['tolerance']:.3g} in {d['dtype']}). This is not numerics: the decoding loop is not lossless.")
 
 
-def run_single(cfg, spec, records, gens, tok, done, writer, timeout_s: float) -> None:
+def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer) -> None:
     """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method."""
-    for rec in tqdm(records, desc=spec["name"], unit="item", disable=not cfg.eval.progress):
+    for rec in tqdm(records, desc=spec["name"], unit="item", disable=not ev.progress):
         history = {name: [] for name in gens}
         for turn in range(len(rec.turns)):
             ar = sync = None
@@ -234,28 +230,28 @@ def run_single(cfg, spec, records, gens, tok, done, writer, timeout_s: float) ->
                 history[name].append({"role": "user", "content": format_turn(spec, rec, turn)})
                 row = done.get(key)
                 if row is None:
-                    ids = chat_prompt_ids(tok, history[name], bool(cfg.eval.enable_thinking))
+                    ids = chat_prompt_ids(tok, history[name], ev.enable_thinking)
                     seed = item_seed(cfg.seed, spec["name"], rec.id, turn, name)
                     row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
-                    row.update(grade(spec, rec, row["text"], turn, timeout_s))
+                    row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
                     compare_with_references(row, gen, ar, sync, [ids])
                     writer.write([row])
                     fail_on_real_divergence(row)
-                if name == "ar":
+                if name == BASELINE:
                     ar = row
-                if gen.cfg.method == "sync" and sync is None:
+                if gen.cfg.method in BITWISE_REFERENCE.values() and sync is None:
                     sync = row
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
-def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -> None:
+def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, concurrency: int) -> None:
     """Load test: first turns in batches of `concurrency` requests, every method on the same batches."""
     for start in range(0, len(records) - concurrency + 1, concurrency):
         batch = records[start : start + concurrency]
         prompts = [chat_prompt_ids(tok, [{"role": "user", "content": format_turn(spec, r, 0)}],
-                                   bool(cfg.eval.enable_thinking)) for r in batch]
+                                   ev.enable_thinking) for r in batch]
         key_id = f"c{concurrency}/" + ",".join(r.id for r in batch)
         ar = sync = None
         for name, gen in gens.items():
@@ -267,9 +263,9 @@ def run_batched(cfg, spec, records, gens, tok, done, writer, concurrency: int) -
                 compare_with_references(row, gen, ar, sync, prompts)
                 writer.write([row])
                 fail_on_real_divergence(row)
-            if name == "ar":
+            if name == BASELINE:
                 ar = row
-            if gen.cfg.method == "sync" and sync is None:
+            if gen.cfg.method in BITWISE_REFERENCE.values() and sync is None:
                 sync = row
 
 
@@ -277,29 +273,31 @@ def run_eval(cfg: DictConfig) -> Path:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
     from accelerate import PartialState
 
-    with lock_folder(output_dir(cfg), "d3d.eval", PartialState().process_index):
-        return _evaluate(cfg)
+    ev = bind_section(cfg, "eval", EvalSettings)  # the typed boundary: unknown keys fail here
+    with lock_folder(output_dir(cfg, ev), "d3d.eval", PartialState().process_index):
+        return _evaluate(cfg, ev)
 
 
-def _evaluate(cfg: DictConfig) -> Path:
+def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
     from accelerate import PartialState
 
     state = PartialState()  # one process unless started by `accelerate launch`
     torch.manual_seed(int(cfg.seed))
-    out_dir = output_dir(cfg)
+    out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = resolve_path(cfg.paths.cache_dir)
-    methods = method_configs(cfg)
-    key = resume_key(cfg, methods)
+    methods = method_configs(cfg, ev)
+    key = resume_key(cfg, ev, methods)
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
     tok, target, drafter = load_models(cfg, methods, cache, state)
     eos = eos_ids(tok, target)
-    gens = {name: SpecGenerator(target, tok, None if dc.method == "ar" else drafter, dc, eos, seed=int(cfg.seed))
+    gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
+                                seed=int(cfg.seed))
             for name, dc in methods.items()}
     warm = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
     for gen in gens.values():
-        for _ in range(int(cfg.eval.warmup)):
+        for _ in range(ev.warmup):
             gen.generate([warm], max_new_tokens=8)
     if state.is_main_process:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -311,23 +309,21 @@ def _evaluate(cfg: DictConfig) -> Path:
 
     done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
-    timeout_s = float(cfg.eval.exec_timeout_s)
     with JsonlWriter(rows_file) as writer:
         for spec in iter_specs(cfg.benchmark):
             try:
-                records = load_benchmark(spec, cache, n=cfg.eval.n)
+                records = load_benchmark(spec, cache, n=ev.n)
             except BenchmarkUnavailable as err:
                 print(f"[d3d.eval] skipped {spec['name']}: {err}", flush=True)
                 continue
-            for c in cfg.eval.concurrency:
-                c = int(c)
+            for c in ev.concurrency:
                 # Round-robin shards of whole units (items, or batches of c items) across processes.
                 units = [records[i : i + c] for i in range(0, len(records) - c + 1, c)]
                 mine = [r for u in units[state.process_index :: state.num_processes] for r in u]
                 if c == 1:
-                    run_single(cfg, spec, mine, gens, tok, done, writer, timeout_s)
+                    run_single(cfg, ev, spec, mine, gens, tok, done, writer)
                 else:
-                    run_batched(cfg, spec, mine, gens, tok, done, writer, c)
+                    run_batched(cfg, ev, spec, mine, gens, tok, done, writer, c)
             print(f"[d3d.eval] {spec['name']}: {len(records)} items done (process {state.process_index})", flush=True)
     state.wait_for_everyone()
     if not state.is_main_process:

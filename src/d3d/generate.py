@@ -16,10 +16,13 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, hydra_job, resolve_path, to_plain
-from d3d.data.chat import chat_prompt_ids, eos_ids
-from d3d.data.prompts import Prompt, load_prompt_set
-from d3d.models.target import load_model, load_tokenizer, resolve_model_path
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.data.chat import chat_prompt_ids
+from d3d.data.prompts import load_prompt_set
+from d3d.data.responses import rank_file, read_responses
+from d3d.models.generation import generate_batch, generation_kwargs
+from d3d.settings import GenerateSettings, bind_section
+from d3d.models.target import load_model, load_tokenizer, process_device, resolve_model_path
+from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.generate")
@@ -29,14 +32,6 @@ SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", 
 
 class OutputMismatchError(ConfigError):
     """The output folder holds rows made by a different target or with different settings."""
-
-
-def read_responses(out_dir: str | Path) -> list[dict]:
-    """All rows of a responses folder (every rank's file), in file order, each id once."""
-    rows = []
-    for path in sorted(Path(out_dir).glob("responses.rank*.jsonl")):
-        rows += list(read_jsonl(path))
-    return unique(rows, lambda r: r["id"])
 
 
 def check_output_folder(out_dir: Path, header: dict) -> None:
@@ -66,68 +61,28 @@ def check_context(prompt_ids: dict[str, list[int]], max_new_tokens: int, max_con
         )
 
 
-def generation_kwargs(gen: DictConfig, tokenizer, model) -> dict:
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        max_new_tokens=int(gen.max_new_tokens), do_sample=bool(gen.do_sample),
-        eos_token_id=eos_ids(tokenizer, model), pad_token_id=tokenizer.pad_token_id,
-    )
-    if gen.do_sample:
-        config.temperature = float(gen.temperature)
-        config.top_p = float(gen.top_p)
-        config.top_k = int(gen.top_k) if gen.top_k else None
-    return {"generation_config": config}
-
-
-def split_response(new_ids: list[int], stop_ids: list[int], pad_id: int | None) -> tuple[list[int], str]:
-    """Cut a generated row at its first EOS (kept: the drafter learns to end too)."""
-    for i, tok in enumerate(new_ids):
-        if tok in stop_ids:
-            return new_ids[: i + 1], "stop"
-    if pad_id is not None and pad_id not in stop_ids:
-        new_ids = [t for t in new_ids if t != pad_id]
-    return new_ids, "length"
-
-
-@torch.inference_mode()
-def generate_batch(model, tokenizer, batch: list[tuple[Prompt, list[int]]], kwargs: dict) -> list[tuple[list[int], str]]:
-    """Left-padded batched generation; returns (response ids, finish reason) per prompt."""
-    width = max(len(ids) for _, ids in batch)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (_, ids) in enumerate(batch):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
-    out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), **kwargs)
-    stop = kwargs["generation_config"].eos_token_id
-    stop = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
-    return [split_response(out[row, width:].tolist(), stop, pad) for row in range(len(batch))]
-
-
 def run_generate(cfg: DictConfig) -> Path:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
     time per folder: a second writer would answer every prompt again."""
     from accelerate import PartialState
 
-    with lock_folder(resolve_path(cfg.generate.out_dir), "d3d.generate", PartialState().process_index):
-        return _generate(cfg)
+    gen = bind_section(cfg, "generate", GenerateSettings)  # the typed boundary: unknown keys fail here
+    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", PartialState().process_index):
+        return _generate(cfg, gen)
 
 
-def _generate(cfg: DictConfig) -> Path:
+def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
     from accelerate import PartialState
 
     state = PartialState()
-    gen = cfg.generate
     torch.manual_seed(int(cfg.seed) + state.process_index)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
     prompts = load_prompt_set(cfg.data, cache_dir)
     if gen.limit:
-        prompts = prompts[: int(gen.limit)]
-    settings = {k: (to_plain(gen)[k]) for k in SETTING_KEYS}
+        prompts = prompts[: gen.limit]
+    settings = {k: getattr(gen, k) for k in SETTING_KEYS}
     model_path = resolve_model_path(cfg.target, cache_dir)
     header = {"target": {"name": cfg.target.name, "path": model_path if not Path(model_path).is_dir()
                          else cfg.target.name}, "settings": settings}
@@ -138,20 +93,20 @@ def _generate(cfg: DictConfig) -> Path:
     log.info("%d prompts, %d already answered, %d for this process", len(prompts), len(done), len(todo))
 
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path, cfg.target.dtype, str(state.device) if state.device.type == "cuda" else cfg.target.device,
+    model = load_model(model_path, cfg.target.dtype, process_device(state, cfg.target.device),
                        cfg.target.attn_implementation)
-    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, bool(gen.enable_thinking), gen.system_prompt) for p in todo}
-    check_context(ids, int(gen.max_new_tokens), int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in todo}
+    check_context(ids, gen.max_new_tokens, int(getattr(model.config, "max_position_embeddings", 1 << 30)))
     if state.is_main_process:
         write_json(out_dir / "meta.json", {**header, "prompt_set": to_plain(cfg.data), "run": run_info(model.device)})
 
     order = sorted(todo, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else todo
     kwargs = generation_kwargs(gen, tokenizer, model)
-    bs = int(gen.batch_size)
+    bs = gen.batch_size
     total_tokens, start = 0, time.perf_counter()
     bar = tqdm(total=len(order), desc=f"generate[{state.process_index}]", unit="prompt",
                disable=not gen.progress or not state.is_local_main_process)
-    with JsonlWriter(out_dir / f"responses.rank{state.process_index}.jsonl") as writer:
+    with JsonlWriter(rank_file(out_dir, state.process_index)) as writer:
         for b in range(0, len(order), bs):
             batch = [(p, ids[p.id]) for p in order[b : b + bs]]
             results = generate_batch(model, tokenizer, batch, kwargs)

@@ -1,4 +1,4 @@
-"""Task-level checks: is an answer right? Used to show losslessness at the task level (DESIGN §7).
+"""Task-level checks: is an answer right? Used to show losslessness at the task level (docs/design.md, Evaluation).
 
 At T = 0 a lossless method returns the AR tokens, so its verdicts must equal AR's; a verdict that
 differs is a bug even if the token comparison were somehow fooled. Cheap checks only:
@@ -24,12 +24,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from d3d.config import ConfigError
 from d3d.data.benchmarks import Record
 
-MATH_LOADERS = {"gsm8k", "math500", "aime24", "aime25"}
-CODE_LOADERS = {"humaneval", "mbpp"}
 
 # ---------------------------------------------------------------------------- math answers
 
@@ -104,7 +103,7 @@ def extract_code(text: str) -> str:
     return text
 
 
-# How graded code runs (DESIGN §9.10). Model output is untrusted code, but it is written by a
+# How graded code runs (docs/design.md#contract-10). Model output is untrusted code, but it is written by a
 # language model answering a benchmark, not by an attacker: the aim is that an honest mistake or a
 # careless program (an endless loop, a fork, a huge allocation, `sys.exit(0)` before its tests, a
 # stray `rm`) cannot hurt the host, outlive its time limit, or be graded correct. It is NOT a
@@ -305,17 +304,37 @@ def mbpp_program(record: Record, text: str) -> str:
 # ---------------------------------------------------------------------------- one entry point
 
 
+# How a code benchmark's tests become a program, by its parser (`spec.loader`): the test format is
+# the parser's. A code benchmark without one (LiveCodeBench: stdin tests) is not checked.
+PROGRAMS: dict[str, Callable[[Record, str], str]] = {"humaneval": humaneval_program, "mbpp": mbpp_program}
+
+UNCHECKED = {"answer": None, "correct": None}
+
+
+def grade_math(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+    answer, ok = math_correct(text, record.reference)
+    return {"answer": answer, "correct": ok}
+
+
+def grade_code(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+    program = PROGRAMS.get(spec["loader"])
+    if program is None:
+        return dict(UNCHECKED)
+    ok, err = run_python(program(record, text), timeout_s)
+    return {"answer": None, "correct": ok, **({} if ok else {"error": err.strip().splitlines()[-1:]})}
+
+
+# Graders by `spec.kind` (conf/benchmark/<name>.yaml): a new benchmark of a known kind is graded with
+# no code change; a new kind is one function here.
+GRADERS: dict[str, Callable[..., dict[str, Any]] | None] = {"math": grade_math, "code": grade_code, "chat": None}
+
+
 def grade(spec: Mapping[str, Any], record: Record, text: str, turn: int = 0,
           timeout_s: float = 10.0) -> dict[str, Any]:
     """{"answer": ..., "correct": True/False/None} for one reply (None: not checkable)."""
-    loader = spec["loader"]
-    if turn > 0 or record.reference is None:
-        return {"answer": None, "correct": None}
-    if loader in MATH_LOADERS:
-        answer, ok = math_correct(text, record.reference)
-        return {"answer": answer, "correct": ok}
-    if loader in CODE_LOADERS:
-        program = humaneval_program(record, text) if loader == "humaneval" else mbpp_program(record, text)
-        ok, err = run_python(program, timeout_s)
-        return {"answer": None, "correct": ok, **({} if ok else {"error": err.strip().splitlines()[-1:]})}
-    return {"answer": None, "correct": None}
+    if spec["kind"] not in GRADERS:
+        raise ConfigError(f"benchmark.specs.{spec['name']}.kind={spec['kind']!r}: use {', '.join(GRADERS)}")
+    grader = GRADERS[spec["kind"]]
+    if grader is None or turn > 0 or record.reference is None:
+        return dict(UNCHECKED)
+    return grader(spec, record, text, timeout_s)

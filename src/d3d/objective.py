@@ -1,4 +1,4 @@
-"""The D3D training objective (DESIGN §4): blockwise denoising + weighted AR loss, one packed pass.
+"""The D3D training objective (docs/design.md, Training): blockwise denoising + weighted AR loss, one packed pass.
 
 Per sequence the packed input is `[clean sequence | block_1 | ... | block_N]`:
 - the clean sequence runs causally; its outputs on the response give the AR loss (weight λ);
@@ -200,5 +200,5 @@ def d3d_loss(model, batch: PackedBatch, ar_weight: float, vocab_size: int | None
 
 
 def weight_of_draft(k: int, gamma: float) -> float:
-    """w_k = exp(-(k-1)/γ) for the k-th draft (1-based), as DESIGN §4 writes it."""
+    """w_k = exp(-(k-1)/γ) for the k-th draft (1-based), as docs/design.md, Training writes it."""
     return math.exp(-(k - 1) / gamma)

@@ -19,21 +19,10 @@ import argparse
 import time
 from pathlib import Path
 
-from d3d.config import compose, resolve_path
+from d3d.config import compose, resolve_path, stage_overrides
 from d3d.utils.io import write_json
 
 STAGES = ("generate", "train", "prune", "eval")
-
-
-def stage_overrides(stage: str, overrides: list[str]) -> list[str]:
-    """The overrides that apply to this stage's root config (by top-level key)."""
-    base = compose(stage)  # the stage's own keys (experiment overlays may add other stages' keys)
-    keep = []
-    for o in overrides:
-        key = o.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
-        if key == "experiment" or key in base or key == "hydra":
-            keep.append(o)
-    return keep
 
 
 def stage_config(stage: str, overrides: list[str], wiring: dict[str, str]):

@@ -1,4 +1,4 @@
-"""`python -m d3d.prune drafter.checkpoint=<folder>`: acceptance-guided layer pruning (DESIGN §6).
+"""`python -m d3d.prune drafter.checkpoint=<folder>`: acceptance-guided layer pruning (docs/design.md, Pruning).
 
 Greedy, one layer at a time: score every remaining layer by the exact greedy τ of the drafter
 without it (offline estimator on calibration responses; the layer is skipped in place, not copied),
@@ -27,13 +27,14 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import (
     DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers,
     weights_fingerprint,
 )
 from d3d.models.masks import block_layout, clean_layout
+from d3d.models.target import pick_device
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (
     D3DTrainingStep, batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer,
@@ -42,6 +43,7 @@ from d3d.training import (
 from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.plotting import pyplot, save_figure
 from d3d.utils.timing import timed
 
 log = logging.getLogger("d3d.prune")
@@ -217,14 +219,13 @@ def _prune(cfg: DictConfig) -> Path:
     train, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
     calib, holdout = calibration_and_holdout(val, pc, cfg.train.get("val_max_new_tokens"))
 
-    device = str(pc.get("device") or "auto")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    device = str(pick_device(pc.get("device")))
     history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
     key = prune_resume_key(cfg)
-    differ = differing_keys(history[0].get("resume_key") or {}, key) if history else []  # old runs: no key
-    if differ or (history and ("holdout_tau" in history[0]) != bool(holdout)):
-        raise ConfigError(f"{out_dir} was pruned with other settings ({', '.join(differ) or 'prune.holdout_size'} "
-                          f"differ); resuming would mix two runs. Fix: pass a new prune.out_dir, or delete that one.")
+    if history:  # a run from before resume keys has none: resumes as it did
+        refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",
+                         "pass a new prune.out_dir, or delete that one.",
+                         also=["prune.holdout_size"] if ("holdout_tau" in history[0]) != bool(holdout) else [])
     last = None
     if history:
         history, last = resume_point(out_dir, history)
@@ -307,9 +308,7 @@ def steps_markdown(history: list[dict]) -> str:
 def plot_steps(history: list[dict], path: Path) -> Path:
     """τ (before/after recovery; calibration and, if measured, hold-out) and one-block draft latency
     against layers removed."""
-    from d3d.report import _pyplot, _save
-
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     xs = [h["step"] for h in history]
     sets = [("", "calibration", "C0"), *([("holdout_", "hold-out", "C2")] if "holdout_tau" in history[0] else [])]
@@ -324,7 +323,7 @@ def plot_steps(history: list[dict], path: Path) -> Path:
     ax2.plot(xs, [h["draft_latency_ms"] for h in history], "s--", color="C1", label="draft ms")
     ax2.set_ylabel("one-block draft latency (ms)", color="C1")
     ax.legend(fontsize=8, loc="lower left")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 @hydra_job("prune")

@@ -6,7 +6,7 @@ summary can always be checked against, or rebuilt from, the raw data:
     python -m d3d.report outputs/eval/runs/<run>/<time>            # re-summarise + redraw plots
     python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1
 
-Definitions (DESIGN §7): TPOT = decode seconds / new tokens (prefill timed apart);
+Definitions (docs/design.md, Evaluation): TPOT = decode seconds / new tokens (prefill timed apart);
 speedup = TPOT(ar) / TPOT(method) on the same items; speedup_with_prefill does the same with
 (prefill + decode) seconds, so a drafter's own prompt prefill — which AR does not pay — is counted
 (long prompts, MT-Bench turn 2); τ = tokens / request-rounds. Token-weighted
@@ -23,6 +23,11 @@ from collections import Counter
 from pathlib import Path
 
 from d3d.utils.io import read_jsonl, unique, write_json
+from d3d.utils.plotting import pyplot, save_figure
+
+# The name of the rows every speedup and equality is measured against: d3d.eval requires this
+# method (plain decoding through the same driver) in every run.
+BASELINE = "ar"
 
 
 def read_rows(folder: str | Path) -> list[dict]:
@@ -75,10 +80,10 @@ def _divergences(row: dict) -> list[dict]:
 def _add_speedups(per: dict, rows_of: dict[str, list[dict]]) -> None:
     """Speedup against AR on the items both decoded: in a killed or growing run one method can be
     an item ahead, and TPOTs over different items are not comparable."""
-    if "ar" not in per:
+    if BASELINE not in per:
         return
     item = lambda r: (r.get("id"), r.get("turn", 0))
-    ar = {item(r): r for r in rows_of["ar"]}
+    ar = {item(r): r for r in rows_of[BASELINE]}
     for name, m in per.items():
         pairs = [(ar[item(r)], r) for r in rows_of[name] if item(r) in ar]
         if not pairs:
@@ -176,22 +181,13 @@ def summary_markdown(summary: dict) -> str:
 # ---------------------------------------------------------------------------- plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: files only
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None = None) -> list[Path]:
     """PNG files: speedup and τ per benchmark, τ histogram, budget study, load test (when present)."""
-    plt = _pyplot()
+    plt = pyplot()
     out_dir = Path(out_dir)
     paths = []
     benches = list(summary["benchmarks"])
-    spec_methods = sorted({m for per in summary["benchmarks"].values() for m in per if m != "ar"})
+    spec_methods = sorted({m for per in summary["benchmarks"].values() for m in per if m != BASELINE})
     if benches and spec_methods:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         width = 0.8 / len(spec_methods)
@@ -205,8 +201,8 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
             ax.set_title(title)
         axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
         axes[1].legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "speedup_tau.png"))
-    hist = {m: h for m, h in summary.get("tau_histogram", {}).items() if m != "ar"}
+        paths.append(save_figure(fig, out_dir / "speedup_tau.png"))
+    hist = {m: h for m, h in summary.get("tau_histogram", {}).items() if m != BASELINE}
     if hist:
         fig, ax = plt.subplots(figsize=(6, 3.8))
         for method, h in hist.items():
@@ -216,7 +212,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
         ax.set_xlabel("tokens accepted in a round (τ)")
         ax.set_ylabel("fraction of rounds")
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "tau_histogram.png"))
+        paths.append(save_figure(fig, out_dir / "tau_histogram.png"))
     budgets = _budget_points(summary, methods_info or {})
     if len(budgets) >= 2:
         fig, ax = plt.subplots(figsize=(6, 3.8))
@@ -229,7 +225,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
         ax.set_xlabel("tokens in one packed async pass")
         ax.set_ylabel("speedup over AR", color="C0")
         ax2.set_ylabel("tray hit rate", color="C1")
-        paths.append(_save(fig, out_dir / "budget.png"))
+        paths.append(save_figure(fig, out_dir / "budget.png"))
     if summary.get("load"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         cs = [int(c) for c in summary["load"]]
@@ -243,7 +239,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
         axes[1].legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "load.png"))
+        paths.append(save_figure(fig, out_dir / "load.png"))
     return paths
 
 
@@ -251,21 +247,12 @@ def _budget_points(summary: dict, methods_info: dict) -> list[tuple[int, float, 
     """(packed tokens, mean speedup, mean hit rate, name) for every async method, by budget."""
     points = []
     for name, info in methods_info.items():
-        if info.get("method") != "async" or name not in summary["mean_over_benchmarks"]:
+        if not info.get("budget") or name not in summary["mean_over_benchmarks"]:  # no drafter work beside verify
             continue
         hits = [per[name]["hit_rate"] for per in summary["benchmarks"].values() if name in per]
         points.append((int(info["budget"]), summary["mean_over_benchmarks"][name]["speedup_token_weighted"],
                        _mean_or_none(hits) or 0.0, name))
     return sorted(points)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 # ---------------------------------------------------------------------------- folders

@@ -1,4 +1,4 @@
-"""`python -m d3d.train`: train the block-diffusion drafter on the target's responses (DESIGN §4).
+"""`python -m d3d.train`: train the block-diffusion drafter on the target's responses (docs/design.md, Training).
 
 Loop: packed D3D batches (d3d.objective) -> AdamW with warm-up + cosine decay, clipping, gradient
 accumulation -> every `eval_every` steps the exact greedy τ on held-out responses (d3d.estimator)
@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path, to_plain
+from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import ObjectiveConfig, pack
@@ -50,10 +50,8 @@ def evaluate(model, val: list, settings: DrafterSettings) -> dict:
 
 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
-    differ = differing_keys(state.get("resume_key") or {}, key)  # checkpoints from before keys: no check
-    if differ:
-        raise ConfigError(f"{resume_dir} was trained with other settings ({', '.join(differ)} differ); resuming "
-                          f"would mix two runs. Fix: pass a new train.out_dir, or train.resume=false to start over there.")
+    refuse_mixed_run(resume_dir, state.get("resume_key"), key, "was trained",  # checkpoints from before keys: no check
+                     "pass a new train.out_dir, or train.resume=false to start over there.")
 
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:
@@ -132,7 +130,7 @@ class TrainRecipe:
         """This process's micro-batches of one optimizer step. Each slice of the step's global batch
         draws its anchors from a generator seeded by (seed, step, slice), so a resumed run draws what
         the uninterrupted one did, and N processes x 1 micro-batch train on exactly the batches that
-        1 process x N micro-batches does (contract 9)."""
+        1 process x N micro-batches does (contract 9, docs/design.md#contract-9)."""
         tc, cfg, rank, ranks = self.tc, self.cfg, self.accelerator.process_index, self.accelerator.num_processes
         per_step = int(tc.batch_size) * int(tc.grad_accum) * ranks  # the global batch of one optimizer step
         for micro in range(int(tc.grad_accum)):

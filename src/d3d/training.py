@@ -1,10 +1,10 @@
 """What d3d.train and d3d.prune's recovery share: the training step as a module, its optimizer, the
-accelerate/DeepSpeed setup from `train.*`, and the data order that resumes exactly (DESIGN §4).
+accelerate/DeepSpeed setup from `train.*`, and the data order that resumes exactly (docs/design.md, Training).
 
 The step is an `nn.Module` (`D3DTrainingStep`) whose `forward(batch)` returns the loss and metrics:
 `accelerator.prepare` wraps *it*, so DDP's gradient all-reduce, FSDP2's all-gathers, DeepSpeed's
 engine and accelerate's bf16 autocast all run around the whole packed forward and loss. (Calling
-`model.base_model(...)` on a prepared drafter bypasses every one of them; DESIGN §10.)
+`model.base_model(...)` on a prepared drafter bypasses every one of them; docs/design.md, Training.)
 
 No Hydra or DeepSpeed import at module level: scripts/gpu_train_check.py runs this module on
 machines that have neither.
@@ -30,7 +30,7 @@ from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_flo
 def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
     """(prompt + response) token ids of every response row, cut to max_len, sorted by id."""
     from d3d.config import ConfigError
-    from d3d.generate import read_responses
+    from d3d.data.responses import read_responses
 
     rows = read_responses(responses_dir)
     if not rows:

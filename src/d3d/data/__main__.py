@@ -6,10 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
-from d3d.config import config_dir
-from d3d.data.benchmarks import BenchmarkUnavailable, load_records, seeded_subset
+from d3d.config import compose, config_dir
+from d3d.data.benchmarks import BenchmarkUnavailable, iter_specs, load_records, seeded_subset
 from d3d.data.prompts import benchmark_spec
 
 
@@ -18,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default="data/cache", help="local cache root (default: data/cache)")
     args = parser.parse_args(argv)
     names = sorted(p.stem for p in (config_dir() / "benchmark").glob("*.yaml") if p.stem not in ("all", "all_plus"))
-    suite = OmegaConf.load(config_dir() / "benchmark" / "all.yaml")["suite"]
+    suite = [spec["name"] for spec in iter_specs(compose("eval", ["benchmark=all"]).benchmark)]
     print(f"{'benchmark':<15}{'in suite':<10}{'source':<10}{'items':>7}{'subset n':>10}  note")
     for name in names:
         spec = benchmark_spec(name)

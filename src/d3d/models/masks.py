@@ -125,7 +125,7 @@ def mask_mod_for(query: Layout, cache_len: int = 0):
 
 
 def block_mask(query: Layout, cache_len: int = 0, block_size: int = 128):
-    """The d3d mask as a flex_attention `BlockMask`, built on the layout's device (DESIGN §4: flex on
+    """The d3d mask as a flex_attention `BlockMask`, built on the layout's device (docs/design.md, Training: flex on
     CUDA). Tiles that nothing in them may see are skipped, which a dense SDPA mask cannot do."""
     from torch.nn.attention.flex_attention import create_block_mask
 

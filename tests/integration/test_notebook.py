@@ -7,7 +7,7 @@ from nbclient import NotebookClient
 
 from d3d.eval import run_eval
 from tests.conftest import ROOT, compose
-from tests.test_prune import TINY4, prune, root  # noqa: F401  (the module fixture `root` of the prune tests)
+from tests.integration.test_prune import TINY4, prune, root  # noqa: F401  (the module fixture `root` of the prune tests)
 
 
 def test_notebook_executes_on_eval_and_prune_results(root, tmp_path, monkeypatch):  # noqa: F811

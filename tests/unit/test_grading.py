@@ -6,7 +6,7 @@ import pytest
 
 from d3d.data.benchmarks import Record, load_benchmark
 from d3d.data.prompts import benchmark_spec
-from d3d.grading import extract_answer, extract_code, grade, normalise_answer
+from d3d.grading import GRADERS, extract_answer, extract_code, grade, normalise_answer
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -29,7 +29,7 @@ def test_normalised_answers_match(a, b):
 
 def test_different_answers_do_not_match():
     assert normalise_answer("12") != normalise_answer("1.2")
-    spec = {"loader": "gsm8k"}
+    spec = {"name": "gsm8k", "kind": "math", "loader": "gsm8k"}
     rec = Record("gsm8k/0", ["q"], "18")
     assert grade(spec, rec, "... so \\boxed{18}")["correct"] is True
     assert grade(spec, rec, "... so \\boxed{19}")["correct"] is False
@@ -65,7 +65,7 @@ def test_code_that_hangs_times_out(humaneval):
 
 
 def test_mbpp_tests_run():
-    spec = {"loader": "mbpp"}
+    spec = {"name": "mbpp", "kind": "code", "loader": "mbpp"}
     rec = Record("mbpp/1", ["Write add."], {"tests": ["assert add(1, 2) == 3"], "setup": ""})
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a + b\n```")["correct"] is True
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a - b\n```")["correct"] is False
@@ -73,7 +73,7 @@ def test_mbpp_tests_run():
 
 def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
     from d3d.data.benchmarks import load_records
-    from tests.test_benchmarks import with_local
+    from tests.unit.test_benchmarks import with_local
 
     spec = with_local("mbpp", "mbpp.jsonl")
     records, _ = load_records(spec, cache_dir)
@@ -82,7 +82,7 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
         assert grade(spec, rec, "```python\npass\n```")["correct"] is False
 
 
-# ---------------------------------------------------------------------------- containment (DESIGN §9.10)
+# ---------------------------------------------------------------------------- containment (docs/design.md#contract-10)
 # Harmless payloads only: they aim at a canary in the test's own temp dir, a socket this test
 # opens, a signal handler this test installs, an allocation under a small limit.
 
@@ -219,3 +219,21 @@ def test_cannot_signal_the_grader():
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert got == []
+
+
+def test_the_grader_is_chosen_by_the_specs_kind():
+    """`kind` in conf/benchmark/<name>.yaml picks the grader (d3d.grading.GRADERS): the same record and
+    reply are checked as math, left unchecked as chat, and an unknown kind is refused by name."""
+    from d3d.config import ConfigError
+
+    rec = Record("gsm8k/0", ["q"], "18")
+    assert grade({"name": "gsm8k", "kind": "math", "loader": "gsm8k"}, rec, "\\boxed{18}")["correct"] is True
+    assert grade({"name": "gsm8k", "kind": "chat", "loader": "gsm8k"}, rec, "\\boxed{18}")["correct"] is None
+    with pytest.raises(ConfigError, match=r"benchmark.specs.gsm8k.kind='poetry'"):
+        grade({"name": "gsm8k", "kind": "poetry", "loader": "gsm8k"}, rec, "\\boxed{18}")
+    # a new benchmark of a known kind needs no code: every shipped spec's kind has a grader
+    from d3d.config import config_dir
+
+    kinds = {benchmark_spec(p.stem)["kind"] for p in (config_dir() / "benchmark").glob("*.yaml")
+             if p.stem not in ("all", "all_plus")}
+    assert kinds <= set(GRADERS), kinds

@@ -13,7 +13,9 @@ import pytest
 
 from d3d.config import ConfigError
 from d3d.data.prompts import EmptyPromptSetError
-from d3d.generate import OutputMismatchError, read_responses, run_generate, split_response
+from d3d.data.responses import read_responses
+from d3d.generate import OutputMismatchError, run_generate
+from d3d.models.generation import split_response
 from d3d.utils.io import read_jsonl
 from tests.conftest import CACHE_DIR, FIXTURES, ROOT, compose
 

@@ -8,7 +8,7 @@ from d3d.estimator import estimate_acceptance, greedy_rounds
 from d3d.models.drafter import DrafterSettings, hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example
-from tests.test_drafter import tiny_drafter
+from tests.integration.test_drafter import tiny_drafter
 
 
 def test_greedy_rounds_hand_case():

@@ -56,7 +56,7 @@ def test_every_job_refuses_a_folder_in_use_before_writing(held, tmp_path, job, k
 
 def test_readers_count_each_key_once(tmp_path):
     """Folders written by two writers before locks existed: each row counts once."""
-    from d3d.generate import read_responses
+    from d3d.data.responses import read_responses
     from d3d.report import read_rows
 
     resp = {"id": "p1", "prompt_ids": [1], "response_ids": [2]}

@@ -14,6 +14,14 @@ from tests.conftest import compose
 SMOKE = ["+experiment=smoke", "eval.n=2", "eval.max_new_tokens=12", "decode.C=3", "decode.F=2", "decode.block_size=4"]
 
 
+def methods_of(cfg):
+    """Each method's decode config, as d3d.eval builds them from a composed config."""
+    from d3d.eval import method_configs
+    from d3d.settings import EvalSettings, bind_section
+
+    return method_configs(cfg, bind_section(cfg, "eval", EvalSettings))
+
+
 def evaluate(tmp_path, *extra):
     cfg = compose("eval", SMOKE + [f"eval.out_dir={tmp_path}/ev", *extra], tmp_path)
     return run_eval(cfg)
@@ -141,12 +149,11 @@ def test_compare_two_result_folders(tmp_path, monkeypatch, capsys):
 
 def test_unknown_method_and_bad_budget_are_named(tmp_path):
     from d3d.config import ConfigError
-    from d3d.eval import method_configs
 
     with pytest.raises(ConfigError, match="conf/decode/fast.yaml"):
-        method_configs(compose("eval", SMOKE + ["eval.methods=[ar,fast]"], tmp_path))
+        methods_of(compose("eval", SMOKE + ["eval.methods=[ar,fast]"], tmp_path))
     with pytest.raises(ConfigError, match="write CxF"):
-        method_configs(compose("eval", SMOKE + ["eval.async_budgets=[8by2]"], tmp_path))
+        methods_of(compose("eval", SMOKE + ["eval.async_budgets=[8by2]"], tmp_path))
 
 
 @pytest.mark.slow
@@ -193,23 +200,22 @@ def test_hub_only_loaders_end_to_end_on_fixtures(tmp_path, monkeypatch):
 def test_methods_share_sampling_and_block_size(tmp_path):
     """One eval run compares like with like: the composed decode group's sampling reaches every method
     (AR too) and its block size every speculative method, whichever group was composed."""
-    from d3d.eval import method_configs
 
     for group in ["async", "sync"]:
         cfg = compose("eval", ["+experiment=smoke", f"decode={group}", "decode.block_size=4", "decode.temperature=1.0",
                                "decode.top_p=0.9", "decode.top_k=7"], tmp_path)
-        methods = method_configs(cfg)
+        methods = methods_of(cfg)
         assert [m.method for m in methods.values()] == ["ar", "sync", "async"]
         for dc in methods.values():
             assert (dc.temperature, dc.top_p, dc.top_k) == (1.0, 0.9, 7)
         assert methods["ar"].block_size == 1
         assert methods["sync"].block_size == methods["async"].block_size == 4
     # method-specific keys stay with their own method: C and F set on the composed async group only
-    methods = method_configs(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
+    methods = methods_of(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
     assert (methods["async"].C, methods["async"].F) == (3, 1)
     assert (methods["sync"].C, methods["sync"].F) == (1, 0)
     # an AR group lends sampling, not its B = 1
-    methods = method_configs(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
+    methods = methods_of(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
     assert methods["sync"].block_size == 16 and methods["sync"].temperature == 1.0
 
 
@@ -297,3 +303,22 @@ def test_cli_user_error_is_one_line_and_exit_2_traceback_when_verbose(tmp_path):
     assert "Traceback" not in quiet.stderr
     loud = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, timeout=300)
     assert loud.returncode != 0 and "Traceback" in loud.stderr
+
+
+def test_a_new_method_is_placed_by_the_registry_not_by_its_name(tmp_path, monkeypatch):
+    """Eval asks the decoding registry what a method needs (d3d.decoding.methods.METHODS): a method
+    registered under a new name, composed by Hydra under `methods`, is treated by what its class
+    says. A drafter-free method (a lookup decoder, say) borrows sampling but not the block size;
+    a drafting one borrows both and gets the budget grid when it drafts beside verification."""
+    from d3d.decoding.methods import AR, METHODS, Async
+
+    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (AR,), {}))
+    monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
+    cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0",
+                           "+methods.lookup={method: lookup, block_size: 1}",
+                           "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}",
+                           "eval.methods=[ar,lookup,trays]", "eval.async_budgets=[2x1,3x2]"], tmp_path)
+    methods = methods_of(cfg)
+    assert list(methods) == ["ar", "lookup", "trays_c2_f1", "trays_c3_f2"]
+    assert (methods["lookup"].block_size, methods["lookup"].temperature) == (1, 1.0)
+    assert all(methods[n].block_size == 4 and methods[n].temperature == 1.0 for n in ("trays_c2_f1", "trays_c3_f2"))

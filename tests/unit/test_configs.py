@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from d3d.config import config_dir
+from d3d.data.benchmarks import iter_specs
 from tests.conftest import compose
 
 ROOTS = ["generate", "train", "prune", "eval"]
@@ -54,8 +55,9 @@ def test_every_experiment_overlays_every_job(root, experiment, tmp_path):
 
 def test_benchmark_all_is_the_seven_of_the_design():
     cfg = compose("eval", ["benchmark=all"])
-    assert list(cfg.benchmark.suite) == ["gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt_bench"]
-    assert {name: cfg.benchmark.specs[name].n for name in cfg.benchmark.suite} == {
+    suite = [spec.name for spec in iter_specs(cfg.benchmark)]  # all.yaml names its members once, in defaults
+    assert suite == ["gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt_bench"]
+    assert {name: cfg.benchmark.specs[name].n for name in suite} == {
         "gsm8k": 128, "math500": 128, "aime25": 30, "humaneval": 164, "mbpp": 128, "livecodebench": 128, "mt_bench": 80}
 
 
@@ -75,3 +77,44 @@ def test_unknown_key_fails_with_a_clear_message():
 def test_async_budget_name_tracks_keys():
     cfg = compose("eval", ["decode=async", "decode.C=8", "decode.F=1"])
     assert cfg.decode.name == "async_b16_c8_f1"
+
+
+# The typed boundary of each recipe (d3d.settings): its section of every root x experiment binds,
+# and the YAML names exactly the fields (a key in the YAML the code never reads is dead; a field
+# the YAML lacks runs on a default nobody documented).
+TYPED = {"generate": ("generate", "GenerateSettings"), "eval": ("eval", "EvalSettings")}
+
+
+@pytest.mark.parametrize("experiment", [None, *options("experiment")])
+@pytest.mark.parametrize("root", sorted(TYPED))
+def test_every_root_and_experiment_binds_to_its_typed_settings(root, experiment, tmp_path):
+    import dataclasses
+
+    import d3d.settings
+
+    section, schema_name = TYPED[root]
+    schema = getattr(d3d.settings, schema_name)
+    cfg = compose(root, [f"+experiment={experiment}"] if experiment else [], tmp_path)
+    d3d.settings.bind_section(cfg, section, schema)
+    assert set(cfg[section]) == {f.name for f in dataclasses.fields(schema)}
+
+
+def test_an_unread_key_and_a_wrong_type_fail_at_the_boundary(tmp_path):
+    from d3d.config import ConfigError
+    from d3d.settings import EvalSettings, GenerateSettings, bind_section
+
+    with pytest.raises(ConfigError, match=r"eval\.max_new_token: Key 'max_new_token' not in 'EvalSettings'"):
+        bind_section(compose("eval", ["+eval.max_new_token=8"], tmp_path), "eval", EvalSettings)
+    with pytest.raises(ConfigError, match=r"generate\.batch_size: Value 'many'"):
+        bind_section(compose("generate", ["generate.batch_size=many"], tmp_path), "generate", GenerateSettings)
+
+
+def test_every_decode_file_is_a_method_eval_can_name(tmp_path):
+    """eval.methods picks from `methods`, which Hydra composes from conf/decode/ (conf/eval.yaml's
+    defaults): a decode file without its defaults line would be a method no run can name."""
+    from d3d.decoding import DecodeConfig
+
+    cfg = compose("eval", [], tmp_path)
+    assert set(cfg.methods) == set(options("decode"))
+    for name in cfg.methods:
+        DecodeConfig.from_cfg(OmegaConf.to_container(cfg.methods[name], resolve=True))

@@ -1,0 +1,70 @@
+"""Typed settings at the boundary (lingua's dataclass args): a recipe turns its own section of the
+Hydra config into one of these in `run_*`, with a strict merge, so a misspelt or unread key fails
+there with its name instead of being ignored, and nothing below reads the raw config or keeps a
+second default in `.get(key, default)`. The YAML files keep the documented defaults; the fields
+here say which keys exist and their types (tests/test_configs.py binds every root x experiment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from d3d.config import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass
+class GenerateSettings:
+    """`generate.*` (conf/generate.yaml): how the target answers the prompt set."""
+
+    out_dir: str = MISSING  # the responses folder (one target and one set of settings per folder)
+    batch_size: int = 16  # prompts per batched generate call (left padding)
+    max_new_tokens: int = 256
+    do_sample: bool = False  # greedy: the offline acceptance estimator needs greedy responses
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    enable_thinking: bool = False  # passed to chat templates that know it (Qwen3)
+    system_prompt: Optional[str] = None  # None = the template's own default
+    limit: Optional[int] = None  # answer only the first N prompts of the set
+    sort_by_length: bool = True  # less padding, same outputs
+    progress: bool = True
+
+
+@dataclass
+class EvalSettings:
+    """`eval.*` (conf/eval.yaml): which methods run, on how much, and how it is measured."""
+
+    methods: list[str] = field(default_factory=lambda: ["ar", "sync", "async"])  # names under `methods`
+    n: Optional[int] = None  # cap items per benchmark (a nested prefix of the seeded subset)
+    max_new_tokens: int = 256
+    warmup: int = 1
+    async_budgets: Optional[list[str]] = None  # budget study: [CxF, ...]
+    concurrency: list[int] = field(default_factory=lambda: [1])  # load test: batches of c requests
+    exec_timeout_s: float = 10.0  # HumanEval/MBPP checks, per program
+    progress: bool = True
+    enable_thinking: bool = False
+    out_dir: Optional[str] = None  # None = this run's folder under outputs/eval/
+
+
+def bind(schema: type[T], node: Any, where: str) -> T:
+    """`node` (a section of the composed config) as a `schema` object: unknown keys and values of
+    the wrong type fail here, named by their dotted key (`where.key`)."""
+    try:
+        if OmegaConf.is_config(node):  # interpolations reach outside the section: resolve them first
+            node = OmegaConf.to_container(node, resolve=True)
+        typed = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(typed)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or ""
+        msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+        raise ConfigError(f"{where}.{key}: {msg}" if key else f"{where}: {msg}") from None
+
+
+def bind_section(cfg: DictConfig, name: str, schema: type[T]) -> T:
+    return bind(schema, cfg[name], name)
