@@ -16,7 +16,7 @@ what finished (a failing stage is recorded and the next one runs):
                 and the joint law of two sampled tokens through ar / sync / async (3,000 requests
                 in one batch), total-variation distance against the exact law
 4. async_sync   async == sync in bf16, tokens and τ bit for bit (overlap on a side stream on CUDA)
-5. gpu_tests    pytest -m gpu tests/test_gpu.py: flex BlockMask == dense mask, every method ragged at
+5. gpu_tests    pytest -m gpu tests/integration/test_gpu.py: flex BlockMask == dense mask, every method ragged at
                 T = 0 and 1 on CUDA (the other gpu tests repeat stages 2-4)                 [GPU only]
 6. train        scripts/gpu_train_check.py: bf16 steps of a tiny Qwen3 through the training step
 7. readiness    scripts/gpu_readiness.py at Qwen3-8B target / Qwen3-1.7B drafter shapes with random
@@ -215,7 +215,7 @@ def stage_gpu_tests(device: str) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # only the file that collects without Hydra, and only what the other stages do not already run
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           "tests/test_gpu.py", "-k", "flex or ragged"],
+                           "tests/integration/test_gpu.py", "-k", "flex or ragged"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     return {"ok": proc.returncode == 0, "returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
 

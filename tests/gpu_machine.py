@@ -2,7 +2,7 @@
 accelerate and pytest but no Hydra, OmegaConf, datasets or DeepSpeed: importing any of those fails.
 
     python tests/gpu_machine.py scripts/gpu_check.py --device cpu --toy
-    python tests/gpu_machine.py -m pytest --collect-only tests/test_gpu.py
+    python tests/gpu_machine.py -m pytest --collect-only tests/integration/test_gpu.py
 """
 
 import importlib.abc

@@ -91,6 +91,6 @@ def test_the_gpu_tests_collect_without_hydra():
 
     # -p no:hydra_pytest: here Hydra is installed and pytest would load its plugin; there it is not
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
-                           "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/test_gpu.py"], cwd=ROOT,
+                           "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/integration/test_gpu.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "5 tests collected" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

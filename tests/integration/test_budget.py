@@ -9,7 +9,7 @@ import torch
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.budget import choose, hit_rates, round_outcomes
 from d3d.models.drafter import DrafterSettings
-from tests.test_decoding import PROMPTS, models  # noqa: F401  (the fixture)
+from tests.integration.test_decoding import PROMPTS, models  # noqa: F401  (the fixture)
 
 
 @pytest.mark.parametrize("C,F", [(3, 1), (4, 2), (6, 3), (3, "all")])

@@ -1,6 +1,6 @@
 """CUDA-only checks of the decoding engine (marked `gpu`, skipped without a GPU; scripts/gpu_check.py
 runs them on a lent machine). The CPU suite covers the same properties with the meta-device trap
-(tests/test_decoding.py) and the CPU mode of the GPU check (tests/test_gpu_readiness.py)."""
+(tests/integration/test_decoding.py) and the CPU mode of the GPU check (tests/integration/test_gpu_readiness.py)."""
 
 from __future__ import annotations
 
