@@ -75,13 +75,57 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
         # the budget study: a method with drafter work beside verification (async) gets one per C x F
         if method_class(dc.method).budget(dc) and ev.async_budgets:
-            for C, F in (parse_budget(b) for b in ev.async_budgets):
+            for b in ev.async_budgets:
+                if str(b).lower() == AUTO:  # resolved once the models are loaded (resolve_auto_budget)
+                    out[f"{name}_{AUTO}"] = dc
+                    continue
+                C, F = parse_budget(b)
                 out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
         else:
             out[name] = dc
     if BASELINE not in out or method_class(out[BASELINE].method).needs_drafter:
         raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it")
     return {BASELINE: out.pop(BASELINE), **out}
+
+
+AUTO = "auto"
+
+
+def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: DictConfig, ev: EvalSettings,
+                        target, tok, drafter, cache: Path, processes: int) -> dict | None:
+    """Give every `<method>_auto` the budget d3d.decoding.budget chooses on this device: exact
+    hit rates per (C, F) from the target's greedy responses to the last `eval.auto_budget_prompts`
+    prompts of `data` (its prompts are outside every eval subset), measured pass costs, projected
+    speedup. A resumed run reuses the choice in its run.json, so its rows never mix two budgets."""
+    names = [n for n in methods if n.endswith(f"_{AUTO}")]
+    if not names:
+        return None
+    run_file = out_dir / "run.json"
+    earlier = json.loads(run_file.read_text()).get("auto_budget") if run_file.is_file() else None
+    if earlier is None:
+        if processes > 1:
+            raise ConfigError("eval.async_budgets=[auto] chooses from timings, which differ per process: run the "
+                              "choice in one process (python -m d3d.eval), then launch with the C x F it printed")
+        from d3d.data.prompts import load_prompt_set
+        from d3d.decoding.budget import GRID, choose, hit_rates, pass_costs, round_outcomes
+
+        s = DrafterSettings.of(drafter)
+        prompts = load_prompt_set(cfg.data, cache)[-ev.auto_budget_prompts:]
+        ar = SpecGenerator(target, tok, None, DecodeConfig(method="ar", max_new_tokens=min(ev.max_new_tokens, 128)),
+                           eos_ids(tok, target))
+        pairs = [(ids + ar.generate([ids]).token_ids[0], len(ids)) for ids in
+                 (chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts)]
+        block = methods[names[0]].block_size
+        outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, ids, n, block, s.mask_token_id, s.vocab_size)]
+        tau = sum(k + 1 for k, _, _ in outcomes) / max(len(outcomes), 1)
+        costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], block, GRID)
+        pick = choose(costs, hit_rates(outcomes, block, GRID), tau, overlap=target.device.type == "cuda")
+        earlier = {**pick.as_dict(), "tau": tau, "rounds": len(outcomes), "costs": costs}
+        log.info("eval.async_budgets=auto chose C=%d F=%d (projected %.3fx, sync %.3fx)", pick.C, pick.F,
+                 pick.projected_speedup, pick.sync_speedup)
+    for name in names:
+        methods[name] = replace(methods[name], C=int(earlier["C"]), F=int(earlier["F"]))
+    return earlier
 
 
 def check_eval_settings(ev: EvalSettings) -> None:
@@ -291,6 +335,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
     tok, target, drafter = load_models(cfg, methods, cache, state)
+    auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
                                 seed=int(cfg.seed))
@@ -305,7 +350,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
             "methods": {name: {**asdict(dc), "budget": dc.budget} for name, dc in methods.items()},
-            "resume_key": key})
+            "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")

@@ -44,7 +44,8 @@ class EvalSettings:
     n: Optional[int] = None  # cap items per benchmark (a nested prefix of the seeded subset)
     max_new_tokens: int = 256
     warmup: int = 1
-    async_budgets: Optional[list[str]] = None  # budget study: [CxF, ...]
+    async_budgets: Optional[list[str]] = None  # budget study: [CxF, ...]; `auto` = chosen on this device
+    auto_budget_prompts: int = 4  # `auto`: target greedy responses to the data set's last prompts, for hit rates
     concurrency: list[int] = field(default_factory=lambda: [1])  # load test: batches of c requests
     exec_timeout_s: float = 10.0  # HumanEval/MBPP checks, per program
     progress: bool = True

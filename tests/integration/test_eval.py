@@ -322,3 +322,30 @@ def test_a_new_method_is_placed_by_the_registry_not_by_its_name(tmp_path, monkey
     assert list(methods) == ["ar", "lookup", "trays_c2_f1", "trays_c3_f2"]
     assert (methods["lookup"].block_size, methods["lookup"].temperature) == (1, 1.0)
     assert all(methods[n].block_size == 4 and methods[n].temperature == 1.0 for n in ("trays_c2_f1", "trays_c3_f2"))
+
+
+def test_auto_budget_is_chosen_on_this_device_and_kept_on_resume(tmp_path, monkeypatch):
+    """eval.async_budgets=[auto, 2x1]: the auto method gets the budget d3d.decoding.budget picks
+    (recorded in run.json with its table), sits beside the grid it is compared with, and a resumed
+    run keeps the recorded choice instead of re-timing (its rows must not mix two budgets)."""
+    import d3d.decoding.budget as budget
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = evaluate(tmp_path, "eval.n=1", "eval.auto_budget_prompts=2", "eval.async_budgets=[auto,2x1]")
+    run = json.loads((out / "run.json").read_text())
+    choice = run["auto_budget"]
+    assert len(choice["table"]) == len(budget.GRID) and choice["rounds"] > 0
+    best = max(choice["table"], key=lambda r: r["projected_speedup"])
+    assert (run["methods"]["async_auto"]["C"], run["methods"]["async_auto"]["F"]) == (best["C"], best["F"]) == \
+        (choice["C"], choice["F"])
+    rows = list(read_jsonl(out / "rows.jsonl"))
+    assert {r["method"] for r in rows} == {"ar", "sync", "async_auto", "async_c2_f1"}
+    assert all(r["equal_to_ar"] for r in rows)
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a resumed run re-timed the budget")
+
+    monkeypatch.setattr(budget, "choose", must_not_run)
+    out = evaluate(tmp_path, "eval.n=2", "eval.auto_budget_prompts=2", "eval.async_budgets=[auto,2x1]")
+    again = json.loads((out / "run.json").read_text())
+    assert again["auto_budget"]["C"] == choice["C"] and again["methods"]["async_auto"]["C"] == choice["C"]
