@@ -173,3 +173,20 @@ def test_a_drafter_checkpoint_is_checked_against_the_target_it_meets(tmp_path):
                           f"drafter.checkpoint={folder}"], tmp_path)
     with pytest.raises(TokenizerMismatchError, match="does not match"):
         load_models(ev, {"sync": DecodeConfig(method="sync")}, cfg.paths.cache_dir, PartialState())
+
+
+def test_a_truncated_weight_file_is_named(tmp_path):
+    """A damaged checkpoint (a copy cut short) fails with one line naming the file and the fix,
+    not a deserializer traceback."""
+    from d3d.errors import UserError
+    from d3d.models.drafter import build_drafter, load_drafter, save_drafter
+    from tests.conftest import compose
+
+    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    save_drafter(model, tok, tmp_path / "d")
+    weights = next((tmp_path / "d").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(UserError, match=f"cannot load the weights in {weights}.*damaged or truncated") as err:
+        load_drafter(tmp_path / "d")
+    assert "\n" not in str(err.value)

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from d3d.errors import UserError
 from d3d.fetch import PackageSpec, package_file
 
 
@@ -194,7 +195,29 @@ def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto
     dev = pick_device(device)
     if dev.type != "cuda" and attn_implementation in ("flash_attention_2", "flex_attention"):
         attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(dtype, dev), attn_implementation=attn_implementation
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(dtype, dev), attn_implementation=attn_implementation
+        )
+    except Exception as err:  # noqa: BLE001  (turned into a one-line error only when a weight file is damaged)
+        bad = damaged_weights(Path(str(path))) if Path(str(path)).is_dir() else None
+        if bad is None:
+            raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"cannot load the weights in {bad} ({reason}). Fix: the file is damaged or truncated; "
+                        f"copy or re-save that checkpoint (for a drafter: rerun the job that wrote it).") from err
     return model.to(dev).eval()
+
+
+def damaged_weights(folder: Path) -> Path | None:
+    """The first safetensors file in `folder` that cannot be read whole, if any."""
+    from safetensors import safe_open
+
+    for f in sorted(p for p in folder.iterdir() if p.suffix == ".safetensors"):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    fh.get_tensor(key)
+        except Exception:  # noqa: BLE001  (any failure names this file)
+            return f
+    return None
