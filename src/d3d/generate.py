@@ -89,29 +89,39 @@ def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
     check_output_folder(out_dir, header)
 
     done = {row["id"] for row in read_responses(out_dir)}
-    todo = [p for p in prompts if p.id not in done][state.process_index :: state.num_processes]
-    log.info("%d prompts, %d already answered, %d for this process", len(prompts), len(done), len(todo))
-
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, cfg.target.dtype, process_device(state, cfg.target.device),
                        cfg.target.attn_implementation)
-    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in todo}
-    check_context(ids, gen.max_new_tokens, int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+    ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in prompts}
+    check_context({p.id: ids[p.id] for p in prompts if p.id not in done}, gen.max_new_tokens,
+                  int(getattr(model.config, "max_position_embeddings", 1 << 30)))
     if state.is_main_process:
         write_json(out_dir / "meta.json", {**header, "prompt_set": to_plain(cfg.data), "run": run_info(model.device)})
 
-    order = sorted(todo, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else todo
-    kwargs = generation_kwargs(gen, tokenizer, model)
+    # Batches are cut from the whole prompt set, done or not, and process r takes batches r, r+n, ...:
+    # a batch's members and (when sampling) its random stream are the same in a resumed run as in an
+    # uninterrupted one, so the rows are too. Finished batches are skipped.
+    order = sorted(prompts, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else prompts
     bs = gen.batch_size
+    batches = [(k, order[b : b + bs]) for k, b in enumerate(range(0, len(order), bs))]
+    mine = [(k, batch) for k, batch in batches[state.process_index :: state.num_processes]
+            if any(p.id not in done for p in batch)]
+    todo = sum(sum(p.id not in done for p in batch) for _, batch in mine)
+    log.info("%d prompts, %d already answered, %d for this process", len(prompts), len(done), todo)
+    kwargs = generation_kwargs(gen, tokenizer, model)
     total_tokens, start = 0, time.perf_counter()
-    bar = tqdm(total=len(order), desc=f"generate[{state.process_index}]", unit="prompt",
+    bar = tqdm(total=todo, desc=f"generate[{state.process_index}]", unit="prompt",
                disable=not gen.progress or not state.is_local_main_process)
     with JsonlWriter(rank_file(out_dir, state.process_index)) as writer:
-        for b in range(0, len(order), bs):
-            batch = [(p, ids[p.id]) for p in order[b : b + bs]]
+        for k, members in mine:
+            if gen.do_sample:  # one stream per batch, whatever ran before it in this process
+                torch.manual_seed(int(cfg.seed) * 1_000_003 + k)
+            batch = [(p, ids[p.id]) for p in members]
             results = generate_batch(model, tokenizer, batch, kwargs)
             rows = []
             for (prompt, prompt_ids), (resp_ids, reason) in zip(batch, results):
+                if prompt.id in done:  # a batch a kill cut short: its written rows stay as they are
+                    continue
                 rows.append({
                     "id": prompt.id, "messages": prompt.messages,
                     "response": tokenizer.decode(resp_ids, skip_special_tokens=True),
@@ -120,18 +130,18 @@ def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
                 })
                 total_tokens += len(resp_ids)
             writer.write(rows)
-            bar.update(len(batch))
+            bar.update(len(rows))
             bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}")
     bar.close()
     elapsed = time.perf_counter() - start
     state.wait_for_everyone()
     rows = read_responses(out_dir)
     if state.is_main_process:
-        stats = {"rows": len(rows), "new_rows": len(order), "new_tokens": total_tokens,
+        stats = {"rows": len(rows), "new_rows": todo, "new_tokens": total_tokens,
                  "seconds": round(elapsed, 2), "tokens_per_s": round(total_tokens / max(elapsed, 1e-9), 2),
                  "batch_size": bs, "processes": state.num_processes}
         write_json(out_dir / "last_run.json", stats)
-        print(f"[d3d.generate] {out_dir}: {len(rows)} rows ({len(order)} new, {total_tokens} tokens, "
+        print(f"[d3d.generate] {out_dir}: {len(rows)} rows ({todo} new, {total_tokens} tokens, "
               f"{stats['tokens_per_s']} tok/s)")
     return out_dir
 
