@@ -37,7 +37,7 @@ from d3d.grading import grade
 from d3d.settings import EvalSettings, bind_section
 from d3d.report import BASELINE, read_rows, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
-from d3d.utils.io import JsonlWriter, lock_folder, write_json
+from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -263,18 +263,40 @@ def fail_on_real_divergence(row: dict) -> None:
                 f"{d['tolerance']:.3g} in {d['dtype']}). This is not numerics: the decoding loop is not lossless.")
 
 
-def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer) -> None:
-    """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method."""
+def over_context(gen: SpecGenerator, prompts: list[list[int]], max_new: int) -> str | None:
+    """Why these prompts cannot be decoded by `gen` (prompt + new tokens + a block past the
+    target's context), or None. Checked per request so one long prompt skips itself, not the run."""
+    limit = getattr(gen.target.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts)
+    if limit and longest + max_new + gen.B > limit:
+        return (f"prompt of {longest} tokens + max_new_tokens {max_new} + block {gen.B} exceeds the target's "
+                f"context of {limit} tokens")
+    return None
+
+
+def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped) -> None:
+    """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method.
+    A prompt longer than the context is recorded in skipped.jsonl (with its reason) and that
+    method's conversation ends there; the run goes on."""
     for rec in tqdm(records, desc=spec["name"], unit="item", disable=not ev.progress):
         history = {name: [] for name in gens}
+        ended: set[str] = set()
         for turn in range(len(rec.turns)):
             ar = sync = None
             for name, gen in gens.items():
+                if name in ended:
+                    continue
                 key = (spec["name"], rec.id, turn, name, 1)
                 history[name].append({"role": "user", "content": format_turn(spec, rec, turn)})
                 row = done.get(key)
                 if row is None:
                     ids = chat_prompt_ids(tok, history[name], ev.enable_thinking)
+                    reason = over_context(gen, [ids], ev.max_new_tokens)
+                    if reason:
+                        skipped.write([{"benchmark": spec["name"], "id": rec.id, "turn": turn, "method": name,
+                                        "concurrency": 1, "reason": reason}])
+                        ended.add(name)
+                        continue
                     seed = item_seed(cfg.seed, spec["name"], rec.id, turn, name)
                     row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
@@ -290,7 +312,7 @@ def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer) ->
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
-def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, concurrency: int) -> None:
+def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped, concurrency: int) -> None:
     """Load test: first turns in batches of `concurrency` requests, every method on the same batches."""
     for start in range(0, len(records) - concurrency + 1, concurrency):
         batch = records[start : start + concurrency]
@@ -301,6 +323,11 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, c
         for name, gen in gens.items():
             row = done.get((spec["name"], key_id, 0, name, concurrency))
             if row is None:
+                reason = over_context(gen, prompts, ev.max_new_tokens)
+                if reason:
+                    skipped.write([{"benchmark": spec["name"], "id": key_id, "turn": 0, "method": name,
+                                    "concurrency": concurrency, "reason": reason}])
+                    continue
                 seed = item_seed(cfg.seed, spec["name"], key_id, 0, name)
                 row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
@@ -354,7 +381,8 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
 
     done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
-    with JsonlWriter(rows_file) as writer:
+    skipped_file = out_dir / ("skipped.jsonl" if state.num_processes == 1 else f"skipped.rank{state.process_index}.jsonl")
+    with JsonlWriter(rows_file) as writer, JsonlWriter(skipped_file) as skipped:
         for spec in iter_specs(cfg.benchmark):
             try:
                 records = load_benchmark(spec, cache, n=ev.n)
@@ -366,15 +394,20 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                 units = [records[i : i + c] for i in range(0, len(records) - c + 1, c)]
                 mine = [r for u in units[state.process_index :: state.num_processes] for r in u]
                 if c == 1:
-                    run_single(cfg, ev, spec, mine, gens, tok, done, writer)
+                    run_single(cfg, ev, spec, mine, gens, tok, done, writer, skipped)
                 else:
-                    run_batched(cfg, ev, spec, mine, gens, tok, done, writer, c)
+                    run_batched(cfg, ev, spec, mine, gens, tok, done, writer, skipped, c)
             print(f"[d3d.eval] {spec['name']}: {len(records)} items done (process {state.process_index})", flush=True)
     state.wait_for_everyone()
     if not state.is_main_process:
         return out_dir
     summary = write_report(out_dir, {"config": to_plain(cfg)})
     print(summary_markdown(summary))
+    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)),
+                   lambda r: (r["benchmark"], r["id"], r["turn"], r["method"], r["concurrency"]))
+    if skips:
+        print(f"[d3d.eval] {len(skips)} requests skipped, their prompts too long for the context "
+              f"(listed with the reason in {out_dir}/skipped*.jsonl)", flush=True)
     print(f"[d3d.eval] results: {out_dir} (summary.md, summary.json, {', '.join(summary['plots'])})", flush=True)
     return out_dir
 

@@ -349,3 +349,27 @@ def test_auto_budget_is_chosen_on_this_device_and_kept_on_resume(tmp_path, monke
     out = evaluate(tmp_path, "eval.n=2", "eval.auto_budget_prompts=2", "eval.async_budgets=[auto,2x1]")
     again = json.loads((out / "run.json").read_text())
     assert again["auto_budget"]["C"] == choice["C"] and again["methods"]["async_auto"]["C"] == choice["C"]
+
+
+def test_an_over_long_prompt_is_skipped_with_its_reason_not_the_run(tmp_path, monkeypatch):
+    """One prompt past the context used to abort the whole eval, on every rerun. Now it is listed
+    in skipped.jsonl with the reason, and the other items are decoded and summarised."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from d3d.data.benchmarks import load_benchmark
+    from d3d.data.chat import chat_prompt_ids
+    from d3d.models import load_tokenizer, resolve_model_path
+
+    cfg = compose("eval", SMOKE + ["eval.n=4"], tmp_path)
+    tok = load_tokenizer(resolve_model_path(cfg.target, cfg.paths.cache_dir))
+    from d3d.data.benchmarks import first_turn_messages, iter_specs
+
+    spec = next(iter(iter_specs(cfg.benchmark)))
+    lengths = sorted(len(chat_prompt_ids(tok, first_turn_messages(spec, r))) for r in load_benchmark(spec, cfg.paths.cache_dir, n=4))
+    assert lengths[0] < lengths[-1]
+    limit = lengths[-1] + 12 + 1  # the longest fits AR's 1-token step but not a 4-token block
+    out = evaluate(tmp_path, "eval.n=4", f"target.tiny.max_position_embeddings={limit}")
+    skipped = list(read_jsonl(out / "skipped.jsonl"))
+    assert skipped and {s["method"] for s in skipped} <= {"sync", "async"}
+    assert all("exceeds the target's context" in s["reason"] for s in skipped)
+    rows = list(read_jsonl(out / "rows.jsonl"))
+    assert len([r for r in rows if r["method"] == "ar"]) == 4 and (out / "summary.json").is_file()
