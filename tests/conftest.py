@@ -60,3 +60,21 @@ def torchrun(nproc: int, script, *args, timeout: int = 600) -> subprocess.Comple
            "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL at one point of a job (the crash-safety tests of train and prune)."""
+
+
+def kill_on(n: int, real, when=lambda *a, **k: True):
+    """`real`, except that its n-th call (counting the calls where `when` holds) raises Killed."""
+    calls = []
+
+    def fn(*args, **kw):
+        if when(*args, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                raise Killed
+        return real(*args, **kw)
+
+    return fn

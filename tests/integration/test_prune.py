@@ -14,7 +14,7 @@ from d3d.config import ConfigError, resolve_path
 from d3d.prune import run_prune
 from d3d.train import load_examples, split_examples
 from d3d.utils.io import read_jsonl
-from tests.conftest import compose
+from tests.conftest import Killed, compose, kill_on
 
 TINY4 = ["+experiment=smoke", "target.tiny.num_hidden_layers=4", "target.name=tiny4", "data.limit=10",
          "generate.max_new_tokens=24", "train.val_size=3"]
@@ -76,9 +76,6 @@ def test_resume_refuses_other_settings(root):
     rows, _, _ = prune(root, "guarded", "prune.num_layers=2", "prune.min_retention=0.5")  # go further: fine
     assert [r["step"] for r in rows] == [0, 1, 2]
 
-
-class Killed(Exception):
-    pass
 
 
 def test_killed_scoring_resumes_from_its_last_scored_layer(root, monkeypatch):
@@ -154,17 +151,6 @@ def test_a_kill_anywhere_in_a_step_resumes_to_the_same_rows_and_weights(root, mo
     from d3d.utils.io import JsonlWriter
 
     full, _, _ = prune(root, "full")
-    calls = []
-
-    def kill_on(n, real, when=lambda *a, **k: True):
-        def fn(*args, **kw):
-            if when(*args, **kw):
-                calls.append(1)
-                if len(calls) == n:
-                    raise Killed
-            return real(*args, **kw)
-        return fn
-
     with monkeypatch.context() as m:
         if window == "writing":
             m.setattr(d3d.prune, "mark_complete", kill_on(2, ck.mark_complete))

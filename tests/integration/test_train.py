@@ -11,7 +11,7 @@ import pytest
 from d3d.generate import run_generate
 from d3d.train import batch_at, run_train
 from d3d.utils.io import read_jsonl
-from tests.conftest import CACHE_DIR, ROOT, compose, torchrun
+from tests.conftest import CACHE_DIR, ROOT, Killed, compose, kill_on, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +138,6 @@ def test_contract9_two_processes_equal_one_process_on_the_global_batch(root, tmp
     torch.testing.assert_close(final.state_dict()["model.norm.weight"], w0["model.norm.weight"])
 
 
-class Killed(Exception):
-    """Stands in for SIGKILL at one point of a checkpoint save."""
-
 
 @pytest.mark.parametrize("window", ["writing", "complete", "between_renames"])
 def test_a_kill_anywhere_in_a_save_resumes_like_an_uninterrupted_run(root, monkeypatch, window):
@@ -151,16 +148,6 @@ def test_a_kill_anywhere_in_a_save_resumes_like_an_uninterrupted_run(root, monke
 
     full, _ = train(root, "full")
     name = f"killed_{window}"
-    calls = []
-
-    def kill_on(n, real):
-        def fn(*args, **kw):
-            calls.append(1)
-            if len(calls) == n:
-                raise Killed
-            return real(*args, **kw)
-        return fn
-
     with monkeypatch.context() as m:
         if window == "writing":  # the state is written, its COMPLETE marker is not
             m.setattr(d3d.train, "mark_complete", kill_on(2, ck.mark_complete))
