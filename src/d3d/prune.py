@@ -19,6 +19,8 @@ after recovery, and the retention — the stopping rule — is measured on them.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import shutil
 from pathlib import Path
@@ -108,11 +110,15 @@ def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed:
     step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, int(tc.loss_chunk_rows))
     optimizer = make_optimizer(model, tc)
     model.train()
+    device = next(model.parameters()).device
+    # On a GPU, recovery trains as d3d.train does there: bf16 matmuls under autocast, fp32 weights.
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         batch = pack(batch_at(train, step, 0, int(tc.batch_size), int(tc.batch_size), seed), objective,
                      s.mask_token_id, pad_id, gen)
-        optimizer_step(step_module, optimizer, [batch], tc.clip)
+        with precision:
+            optimizer_step(step_module, optimizer, [batch], tc.clip)
     model.eval()
 
 
@@ -125,18 +131,23 @@ def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int 
 
     from d3d.models.drafter import hidden_states
 
+    from d3d.models.target import torch_dtype
+
     device = next(model.parameters()).device
+    deployed = torch_dtype("auto", device)  # time the drafter as it will decode (bf16 on a GPU)
+    if deployed != next(model.parameters()).dtype:
+        model = copy.deepcopy(model).to(deployed)
     ids = torch.randint(10, s.vocab_size - 1, (1, prefix), device=device)
     block = torch.full((1, blocks * s.block_size), s.mask_token_id, device=device)
-    anchors = torch.full((1, blocks), prefix)
+    layout = block_layout(torch.full((1, blocks), prefix, device=device), s.block_size)
 
     def cached_prefix():
         cache = DynamicCache(config=model.config)
-        hidden_states(model, ids, clean_layout(prefix), cache=cache)
+        hidden_states(model, ids, clean_layout(prefix, device=device), cache=cache, plain=True)
         return cache
 
     def block_pass(cache):
-        hidden_states(model, block, block_layout(anchors, s.block_size), cache=cache, cache_len=prefix)
+        hidden_states(model, block, layout, cache=cache, cache_len=prefix, plain=False)
 
     return timed(block_pass, device, repeats, setup=cached_prefix)
 

@@ -168,3 +168,24 @@ def test_a_kill_anywhere_in_a_step_resumes_to_the_same_rows_and_weights(root, mo
     assert [r["removed"] for r in rows] == [r["removed"] for r in full]
     last = json.loads((out / "last" / "config.json").read_text())
     assert last["num_hidden_layers"] == rows[-1]["layers"] == 2
+
+
+def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
+    """prune's draft latencies time the drafter in the dtype it will decode in (bf16 on a GPU, or on
+    a CPU with native bf16), not in the fp32 it is pruned and recovered in; the model is untouched."""
+    import torch
+
+    from d3d.models.drafter import DrafterSettings, build_drafter
+    from d3d.prune import draft_latency_ms
+
+    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    model, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    seen = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    monkeypatch.setenv("D3D_CPU_BF16", "1")  # as on an AMX / AVX512-BF16 CPU
+    assert draft_latency_ms(model, DrafterSettings.of(model), prefix=16, repeats=1) > 0
+    assert set(seen) == {torch.bfloat16} and next(model.parameters()).dtype == torch.float32
+    seen.clear()
+    monkeypatch.setenv("D3D_CPU_BF16", "0")
+    draft_latency_ms(model, DrafterSettings.of(model), prefix=16, repeats=1)
+    assert set(seen) == {torch.float32}
