@@ -87,17 +87,31 @@ def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
     return sims
 
 
+def _by_acceptance(model, calib, s, progress, record):
+    return score_by_acceptance(model, calib, s, progress, record)
+
+
+def _by_similarity(model, calib, s, progress, record):
+    return score_by_similarity(model, calib, s)
+
+
+def _last_layer(model, calib, s, progress, record):
+    return [float(i) for i in range(len(decoder_layers(model)))]  # the highest score is the last layer
+
+
+# prune.method -> a scorer: one score per current layer, the highest is removed. A new pruning
+# criterion is one function and one line here (docs/design.md, "Five changes a researcher makes").
+SCORERS = {"acceptance": _by_acceptance, "similarity": _by_similarity, "last": _last_layer}
+UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
+
+
 def choose_layer(method: str, model, calib, s: DrafterSettings, progress: bool = True,
                  record: Path | None = None) -> tuple[int, list[float] | None]:
-    if method == "acceptance":
-        scores = score_by_acceptance(model, calib, s, progress, record)
-        return max(range(len(scores)), key=lambda i: scores[i]), scores
-    if method == "similarity":
-        scores = score_by_similarity(model, calib, s)
-        return max(range(len(scores)), key=lambda i: scores[i]), scores
-    if method == "last":
-        return len(decoder_layers(model)) - 1, None
-    raise ConfigError(f"prune.method={method!r}: use acceptance, last or similarity")
+    if method not in SCORERS:
+        raise ConfigError(f"prune.method={method!r}: use {', '.join(sorted(SCORERS))}")
+    scores = SCORERS[method](model, calib, s, progress, record)
+    layer = max(range(len(scores)), key=lambda i: scores[i])
+    return layer, None if method in UNRECORDED else scores
 
 
 def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:

@@ -189,3 +189,16 @@ def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
     monkeypatch.setenv("D3D_CPU_BF16", "0")
     draft_latency_ms(model, DrafterSettings.of(model), prefix=16, repeats=1)
     assert set(seen) == {torch.float32}
+
+
+def test_a_new_pruning_criterion_is_one_registry_entry(tmp_path, monkeypatch):
+    """choose_layer dispatches on prune.method through SCORERS: a criterion registered there is
+    used with no other change, and an unknown name is refused naming the ones there are."""
+    import d3d.prune as p
+    from d3d.config import ConfigError
+
+    monkeypatch.setitem(p.SCORERS, "first", lambda model, calib, s, progress, record: [1.0] + [0.0] * 9)
+    layer, scores = p.choose_layer("first", None, [], None)
+    assert layer == 0 and scores[0] == 1.0
+    with pytest.raises(ConfigError, match="prune.method='nope': use acceptance, first, last, similarity"):
+        p.choose_layer("nope", None, [], None)
