@@ -190,3 +190,19 @@ def test_a_truncated_weight_file_is_named(tmp_path):
     with pytest.raises(UserError, match=f"cannot load the weights in {weights}.*damaged or truncated") as err:
         load_drafter(tmp_path / "d")
     assert "\n" not in str(err.value)
+
+
+def test_drafter_inits_come_from_one_registry(tmp_path):
+    """drafter.init picks a builder from INITS: `random` gives the target's architecture with fresh
+    weights (other than the target's), and an unknown name is refused naming the ones there are."""
+    from d3d.models.drafter import INITS
+
+    copy_model, _, _ = tiny_drafter(tmp_path, init="target")
+    rand_model, _, cfg = tiny_drafter(tmp_path, init="random")
+    assert set(INITS) == {"target", "target_layers", "pretrained", "random"}
+    assert type(rand_model) is type(copy_model) and DrafterSettings.of(rand_model).init == "random"
+    a, b = copy_model.model.layers[0].mlp.up_proj.weight, rand_model.model.layers[0].mlp.up_proj.weight
+    assert a.shape == b.shape and (a - b).abs().max() > 0.01  # same noise added to both: the bases differ
+    cfg.drafter.init = "nope"
+    with pytest.raises(ValueError, match="drafter.init='nope': use target, target_layers, pretrained, random"):
+        build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")

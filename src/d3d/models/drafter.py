@@ -156,6 +156,29 @@ def _add_mask_token(model, tokenizer, name: str, vocab_size: int) -> int:
     return mask_id
 
 
+def _from_target(target_path, drafter_cfg, cache_dir, device, dtype):
+    return load_model(target_path, dtype, device), load_tokenizer(target_path)
+
+
+def _from_pretrained(target_path, drafter_cfg, cache_dir, device, dtype):
+    path = resolve_model_path(drafter_cfg["model"], cache_dir)
+    return load_model(path, dtype, device), load_tokenizer(path)
+
+
+def _random(target_path, drafter_cfg, cache_dir, device, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = copy.deepcopy(AutoConfig.from_pretrained(target_path))
+    torch.manual_seed(int(drafter_cfg.get("seed", 1)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype, device)).to(device)
+    return model, load_tokenizer(target_path)
+
+
+# drafter.init -> (model, tokenizer) before the d3d additions; `target_layers` keeps a subset of the
+# target's layers afterwards (drafter.layers). A new initialisation is one function and one line.
+INITS = {"target": _from_target, "target_layers": _from_target, "pretrained": _from_pretrained, "random": _random}
+
+
 def build_drafter(drafter_cfg, target_cfg, cache_dir: str | Path, device: str = "cpu", dtype: str | None = "auto"):
     """A drafter (model, tokenizer) as conf/drafter/*.yaml describes, ready to train."""
     cache_dir = Path(cache_dir)
@@ -164,21 +187,9 @@ def build_drafter(drafter_cfg, target_cfg, cache_dir: str | Path, device: str = 
     target_path = resolve_model_path(target_cfg, cache_dir)
     target_tok = load_tokenizer(target_path)
     init = drafter_cfg["init"]
-    if init in ("target", "target_layers"):
-        model = load_model(target_path, dtype, device)
-        tok = load_tokenizer(target_path)
-    elif init == "pretrained":
-        path = resolve_model_path(drafter_cfg["model"], cache_dir)
-        model, tok = load_model(path, dtype, device), load_tokenizer(path)
-    elif init == "random":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = copy.deepcopy(AutoConfig.from_pretrained(target_path))
-        torch.manual_seed(int(drafter_cfg.get("seed", 1)))
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype, device)).to(device)
-        tok = load_tokenizer(target_path)
-    else:
-        raise ValueError(f"drafter.init={init!r}: use target, target_layers, pretrained or random")
+    if init not in INITS:
+        raise ValueError(f"drafter.init={init!r}: use {', '.join(INITS)}")
+    model, tok = INITS[init](target_path, drafter_cfg, cache_dir, device, dtype)
     vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width the target shares
     check_same_tokenizer(tok, target_tok, DrafterSettings())  # before the mask token is added
     settings = DrafterSettings(
