@@ -40,8 +40,9 @@ class ObjectiveConfig:
 
     @classmethod
     def from_cfg(cls, train_cfg, block_size: int) -> "ObjectiveConfig":
-        keys = {f for f in cls.__dataclass_fields__ if f != "block_size"}
-        return cls(block_size=block_size, **{k: train_cfg[k] for k in keys if k in train_cfg})
+        """From `train.*` (d3d.settings.TrainSettings, or the raw section in scripts)."""
+        keys = [f for f in cls.__dataclass_fields__ if f != "block_size"]
+        return cls(block_size=block_size, **{k: getattr(train_cfg, k) for k in keys})
 
 
 @dataclass

@@ -37,6 +37,7 @@ from d3d.models.drafter import (
 )
 from d3d.models.masks import block_layout, clean_layout
 from d3d.models.target import pick_device
+from d3d.settings import PruneSettings, TrainSettings, bind_section
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (
     D3DTrainingStep, batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer,
@@ -100,7 +101,7 @@ def _last_layer(model, calib, s, progress, record):
 
 
 # prune.method -> a scorer: one score per current layer, the highest is removed. A new pruning
-# criterion is one function and one line here (docs/design.md, "Five changes a researcher makes").
+# criterion is one function and one line here (docs/design.md, "Changes a researcher makes").
 SCORERS = {"acceptance": _by_acceptance, "similarity": _by_similarity, "last": _last_layer}
 UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
 
@@ -114,14 +115,13 @@ def choose_layer(method: str, model, calib, s: DrafterSettings, progress: bool =
     return layer, None if method in UNRECORDED else scores
 
 
-def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:
+def recover(model, train, tc: TrainSettings, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:
     """A short continuation of the training objective (same loss, constant LR)."""
     if steps <= 0:
         return
-    tc = cfg.train
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
-    step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, int(tc.loss_chunk_rows))
+    step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows)
     optimizer = make_optimizer(model, tc)
     model.train()
     device = next(model.parameters()).device
@@ -129,7 +129,7 @@ def recover(model, train, cfg: DictConfig, s: DrafterSettings, steps: int, seed:
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        batch = pack(batch_at(train, step, 0, int(tc.batch_size), int(tc.batch_size), seed), objective,
+        batch = pack(batch_at(train, step, 0, tc.batch_size, tc.batch_size, seed), objective,
                      s.mask_token_id, pad_id, gen)
         with precision:
             optimizer_step(step_module, optimizer, [batch], tc.clip)
@@ -166,16 +166,16 @@ def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int 
     return timed(block_pass, device, repeats, setup=cached_prefix)
 
 
-def latencies(model, s: DrafterSettings, pc: DictConfig) -> dict:
-    packed = int(pc.packed_blocks)
+def latencies(model, s: DrafterSettings, pc: PruneSettings) -> dict:
+    packed = pc.packed_blocks
     return {"draft_latency_ms": draft_latency_ms(model, s),
             f"packed_{packed * s.block_size}tok_latency_ms": draft_latency_ms(model, s, blocks=packed)}
 
 
-def calibration_and_holdout(val: list, pc: DictConfig, val_max_new_tokens: int | None) -> tuple[list, list]:
+def calibration_and_holdout(val: list, pc: PruneSettings, val_max_new_tokens: int | None) -> tuple[list, list]:
     """The first calib_size held-out responses choose the layer; the next holdout_size (none by
     default) measure the retention without the choice's upward bias."""
-    n_calib, n_hold = int(pc.calib_size), int(pc.get("holdout_size") or 0)
+    n_calib, n_hold = pc.calib_size, pc.holdout_size
     if n_calib + n_hold > len(val):
         raise ConfigError(f"prune.calib_size={n_calib} + prune.holdout_size={n_hold} responses asked, but the "
                           f"held-out split has {len(val)} (train.val_size): lower them, or regenerate with more "
@@ -236,15 +236,16 @@ def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path |
 
 
 def _prune(cfg: DictConfig) -> Path:
-    pc = cfg.prune
+    pc = bind_section(cfg, "prune", PruneSettings)  # the typed boundary: unknown keys fail
+    tc = bind_section(cfg, "train", TrainSettings)
     torch.manual_seed(int(cfg.seed))
     out_dir = resolve_path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    examples = load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len))
-    train, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
-    calib, holdout = calibration_and_holdout(val, pc, cfg.train.get("val_max_new_tokens"))
+    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
+    train, val = split_examples(examples, tc.val_size, int(cfg.seed))
+    calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
-    device = str(pick_device(pc.get("device")))
+    device = str(pick_device(pc.device))
     history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
     key = prune_resume_key(cfg)
     if history:  # a run from before resume keys has none: resumes as it did
@@ -264,7 +265,7 @@ def _prune(cfg: DictConfig) -> Path:
                                    dtype="float32")
     model.eval()
     s = DrafterSettings.of(model)
-    if cfg.train.freeze_embeddings:
+    if tc.freeze_embeddings:
         freeze_embeddings_except_mask(model, s.mask_token_id)
     writer = JsonlWriter(out_dir / "steps.jsonl")
     scores_file = out_dir / "scores.jsonl"  # acceptance scores as they are made (mid-step resume)
@@ -279,20 +280,20 @@ def _prune(cfg: DictConfig) -> Path:
         save_drafter(model, tok, out_dir / "final")
     tau_full = history[0]["tau"]
     step = history[-1]["step"]
-    while step < int(pc.num_layers) and history[-1]["retention"] >= float(pc.min_retention):
+    while step < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
         step += 1
-        layer, scores = choose_layer(pc.method, model, calib, s, bool(pc.get("progress", True)), scores_file)
+        layer, scores = choose_layer(pc.method, model, calib, s, pc.progress, scores_file)
         original = DrafterSettings.of(model).kept_layers[layer]
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
         s = DrafterSettings.of(model)
         before = measure(model, calib, holdout, s, "_before_recovery")
-        recover(model, train, cfg, s, int(pc.recovery_steps), int(cfg.seed) + step, tok.pad_token_id)
+        recover(model, train, tc, s, pc.recovery_steps, int(cfg.seed) + step, tok.pad_token_id)
         after = measure(model, calib, holdout, s)
         row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc)}
         save_drafter(model, tok, out_dir / f"step_{step}")
-        if row["retention"] >= float(pc.min_retention):
+        if row["retention"] >= pc.min_retention:
             save_drafter(model, tok, out_dir / "final")
         shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
         save_drafter(model, tok, out_dir / "last.partial")
@@ -303,7 +304,7 @@ def _prune(cfg: DictConfig) -> Path:
         held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
         print(f"[d3d.prune] step {step}: removed layer {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
               f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
-        if pc.get("stop_at_step") and step >= int(pc.stop_at_step):
+        if pc.stop_at_step and step >= pc.stop_at_step:
             break
     writer.close()
     write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full,

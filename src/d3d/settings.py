@@ -53,6 +53,61 @@ class EvalSettings:
     out_dir: Optional[str] = None  # None = this run's folder under outputs/eval/
 
 
+@dataclass
+class TrainSettings:
+    """`train.*` (conf/train.yaml, also composed into prune for calibration and recovery)."""
+
+    responses_dir: str = MISSING  # written by d3d.generate
+    out_dir: str = MISSING
+    val_size: int = 12  # held-out responses for the offline τ estimator
+    val_max_new_tokens: Optional[int] = 96  # score τ on the first N response tokens only
+    max_len: int = 384  # prompt + response tokens per sequence
+    anchors_per_seq: int = 16
+    block_aligned: bool = False
+    gamma: float = 7.0
+    uniform_weights: bool = False
+    partial_mask: float = 0.0
+    ar_weight: float = 1.0
+    predict_bonus: bool = True
+    lr: float = 3e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 10
+    max_steps: int = 200
+    max_minutes: Optional[float] = 35.0  # None = no wall-time budget
+    batch_size: int = 2  # sequences per micro-batch
+    grad_accum: int = 1
+    clip: Optional[float] = 1.0
+    freeze_embeddings: bool = True
+    trainable_from_layer: Optional[int] = None
+    gradient_checkpointing: bool = False
+    loss_chunk_rows: int = 4096
+    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
+    eval_every: int = 50  # 0 = never
+    save_every: int = 10
+    log_every: int = 1
+    resume: bool = True
+    progress: bool = True
+    stop_at_step: Optional[int] = None  # debugging: stop (after saving) at this step, as if killed
+
+
+@dataclass
+class PruneSettings:
+    """`prune.*` (conf/prune.yaml): acceptance-guided layer pruning."""
+
+    method: str = "acceptance"  # a key of d3d.prune.SCORERS
+    num_layers: int = 6
+    min_retention: float = 0.99
+    calib_size: int = 12
+    holdout_size: int = 0
+    recovery_steps: int = 20
+    out_dir: str = MISSING
+    device: str = "auto"
+    packed_blocks: int = 24
+    stop_at_step: Optional[int] = None
+    progress: bool = True
+
+
 def bind(schema: type[T], node: Any, where: str) -> T:
     """`node` (a section of the composed config) as a `schema` object: unknown keys and values of
     the wrong type fail here, named by their dotted key (`where.key`)."""

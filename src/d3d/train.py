@@ -33,6 +33,7 @@ from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_
 from d3d.utils.checkpoints import mark_complete, promote, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.settings import TrainSettings, bind_section
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.train")
@@ -79,31 +80,31 @@ class TrainRecipe:
         from accelerate.utils import set_seed
 
         self.cfg = cfg
-        tc = self.tc = cfg.train
+        tc = self.tc = bind_section(cfg, "train", TrainSettings)  # the typed boundary: unknown keys fail
         self.accelerator = accelerator = make_accelerator(tc)
         set_seed(int(cfg.seed))
         self.out_dir = out_dir = resolve_path(tc.out_dir)
-        examples = load_examples(resolve_path(tc.responses_dir), int(tc.max_len))
-        self.train_set, val = split_examples(examples, int(tc.val_size), int(cfg.seed))
-        self.val = cut_responses(val, tc.get("val_max_new_tokens"))
+        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
+        self.train_set, val = split_examples(examples, tc.val_size, int(cfg.seed))
+        self.val = cut_responses(val, tc.val_max_new_tokens)
 
         resume_dir = out_dir / "last"
         if tc.resume and accelerator.is_main_process:
             recover_checkpoint(out_dir)  # finish a save a kill interrupted (else step 0 and no metrics)
         accelerator.wait_for_everyone()
-        resuming = bool(tc.resume) and (resume_dir / "trainer_state.json").is_file()
+        resuming = tc.resume and (resume_dir / "trainer_state.json").is_file()
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),
                                                 device="cpu", dtype="float32")
         self.settings = settings = DrafterSettings.of(drafter)
         if tc.freeze_embeddings:
             freeze_embeddings_except_mask(drafter, settings.mask_token_id)
-        if tc.get("trainable_from_layer"):
-            freeze_lower_layers(drafter, int(tc.trainable_from_layer))
+        if tc.trainable_from_layer:
+            freeze_lower_layers(drafter, tc.trainable_from_layer)
         if tc.gradient_checkpointing:
             enable_activation_checkpointing(drafter)
         self.objective = ObjectiveConfig.from_cfg(tc, settings.block_size)
         step_module = D3DTrainingStep(drafter, settings.vocab_size, self.objective.ar_weight,
-                                      int(tc.loss_chunk_rows))
+                                      tc.loss_chunk_rows)
         optimizer = make_optimizer(step_module, tc)
         scheduler = make_scheduler(optimizer, tc)
         self.step_module, self.optimizer, self.scheduler = accelerator.prepare(step_module, optimizer, scheduler)
@@ -132,11 +133,11 @@ class TrainRecipe:
         the uninterrupted one did, and N processes x 1 micro-batch train on exactly the batches that
         1 process x N micro-batches does (contract 9, docs/design.md#contract-9)."""
         tc, cfg, rank, ranks = self.tc, self.cfg, self.accelerator.process_index, self.accelerator.num_processes
-        per_step = int(tc.batch_size) * int(tc.grad_accum) * ranks  # the global batch of one optimizer step
-        for micro in range(int(tc.grad_accum)):
+        per_step = tc.batch_size * tc.grad_accum * ranks  # the global batch of one optimizer step
+        for micro in range(tc.grad_accum):
             piece = micro * ranks + rank  # batch_at's slice index within the step
             gen = torch.Generator().manual_seed((int(cfg.seed) * 1_000_003 + step) * 4_099 + piece)
-            yield pack(batch_at(self.train_set, step, micro, per_step, int(tc.batch_size), int(cfg.seed), rank, ranks),
+            yield pack(batch_at(self.train_set, step, micro, per_step, tc.batch_size, int(cfg.seed), rank, ranks),
                        self.objective, self.settings.mask_token_id, self.tokenizer.pad_token_id, gen)
 
     def train(self) -> Path:
@@ -144,8 +145,8 @@ class TrainRecipe:
         model, optimizer, scheduler, settings, val = self.step_module, self.optimizer, self.scheduler, self.settings, self.val
         metrics = JsonlWriter(out_dir / "metrics.jsonl") if accelerator.is_main_process else None
         wandb_run = start_wandb(cfg, accelerator)
-        max_steps, step = int(tc.max_steps), int(self.state["step"])
-        budget_s = float(tc.max_minutes) * 60 if tc.max_minutes else None
+        max_steps, step = tc.max_steps, int(self.state["step"])
+        budget_s = tc.max_minutes * 60 if tc.max_minutes else None
         bar = tqdm(total=max_steps, initial=step, desc="train", disable=not tc.progress or not accelerator.is_main_process)
 
         def log_row(row: dict) -> None:
@@ -172,15 +173,15 @@ class TrainRecipe:
                    **{k: round(v, 6) for k, v in m.items()}}
             bar.set_postfix(loss=f"{m['loss']:.3f}")
             out_of_time = budget_s is not None and time.perf_counter() - start > budget_s
-            if tc.eval_every and (step % int(tc.eval_every) == 0 or step == max_steps or out_of_time):
+            if tc.eval_every and (step % tc.eval_every == 0 or step == max_steps or out_of_time):
                 row.update(evaluate(self.drafter(), val, settings))
                 model.train()
-            if step % int(tc.log_every) == 0 or "val_tau" in row or step == max_steps:
+            if step % tc.log_every == 0 or "val_tau" in row or step == max_steps:
                 log_row(row)
             self.state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": self.key}
-            if step % int(tc.save_every) == 0 or step == max_steps or out_of_time:
+            if step % tc.save_every == 0 or step == max_steps or out_of_time:
                 save_checkpoint(accelerator, model, self.tokenizer, out_dir, self.state)
-            if out_of_time or (tc.get("stop_at_step") and step >= int(tc.stop_at_step)):
+            if out_of_time or (tc.stop_at_step and step >= tc.stop_at_step):
                 break
         bar.close()
 

@@ -82,7 +82,8 @@ def test_async_budget_name_tracks_keys():
 # The typed boundary of each recipe (d3d.settings): its section of every root x experiment binds,
 # and the YAML names exactly the fields (a key in the YAML the code never reads is dead; a field
 # the YAML lacks runs on a default nobody documented).
-TYPED = {"generate": ("generate", "GenerateSettings"), "eval": ("eval", "EvalSettings")}
+TYPED = {"generate": [("generate", "GenerateSettings")], "eval": [("eval", "EvalSettings")],
+         "train": [("train", "TrainSettings")], "prune": [("prune", "PruneSettings"), ("train", "TrainSettings")]}
 
 
 @pytest.mark.parametrize("experiment", [None, *options("experiment")])
@@ -92,11 +93,11 @@ def test_every_root_and_experiment_binds_to_its_typed_settings(root, experiment,
 
     import d3d.settings
 
-    section, schema_name = TYPED[root]
-    schema = getattr(d3d.settings, schema_name)
     cfg = compose(root, [f"+experiment={experiment}"] if experiment else [], tmp_path)
-    d3d.settings.bind_section(cfg, section, schema)
-    assert set(cfg[section]) == {f.name for f in dataclasses.fields(schema)}
+    for section, schema_name in TYPED[root]:
+        schema = getattr(d3d.settings, schema_name)
+        d3d.settings.bind_section(cfg, section, schema)
+        assert set(cfg[section]) == {f.name for f in dataclasses.fields(schema)}, section
 
 
 def test_an_unread_key_and_a_wrong_type_fail_at_the_boundary(tmp_path):
