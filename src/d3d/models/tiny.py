@@ -6,11 +6,12 @@ experiment run the real pipeline on it. Weights are seeded, so the same config g
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from d3d.utils.io import published
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -65,10 +66,8 @@ def build_tiny_model(spec: Mapping[str, Any], out_dir: str | Path) -> Path:
         config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(int(spec.get("seed", 0)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    with published(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
     return out_dir

@@ -3,9 +3,11 @@ One writer per output folder (`lock_folder`); readers drop duplicate keys anyway
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -137,3 +139,18 @@ def write_json(path: str | Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
     tmp.replace(path)
+
+
+@contextlib.contextmanager
+def published(dest: str | Path) -> Iterator[Path]:
+    """`with published(dest) as tmp:` write a file or folder at `tmp` (dest's `.partial` sibling);
+    it is renamed to `dest` only when the block ends without an error, so a killed job never leaves
+    a half-written file or folder at `dest` (the one write-then-rename of the cache writers)."""
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".partial")
+    if tmp.is_dir():
+        shutil.rmtree(tmp)
+    elif tmp.exists():
+        tmp.unlink()
+    yield tmp
+    tmp.rename(dest)
