@@ -32,7 +32,6 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
-from d3d.utils.timing import timed
 
 
 def hf_call(target, tok, eos, **kw):
@@ -57,29 +56,14 @@ def our_call(gen: SpecGenerator):
     return run
 
 
-@torch.inference_mode()
 def pass_cost(model, prompt: list[int], widths: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median ms of one cached forward of `width` new tokens after `prompt` (the verify pass at
-    B = width; for the drafter, its draft pass): on a CPU the price of a wider block decides the
-    break-even τ (a sync round costs draft(B) + verify(B) and yields τ tokens, AR yields 1)."""
-    from d3d.decoding.kv import KVState
-    from d3d.models.masks import clean_layout
+    """Median ms of one cached forward of `width` new tokens after `prompt`, lm_head excluded (the
+    verify pass at B = width; for the drafter, its draft pass): on a CPU the price of a wider block
+    decides the break-even τ (a sync round costs draft(B) + verify(B) and yields τ tokens, AR yields 1)."""
+    from d3d.decoding.budget import clean_pass_ms
 
-    state = KVState(model, 1)
-    n = len(prompt)
-    dev = model.device
-    state.forward(torch.tensor([prompt], device=dev), clean_layout(n, device=dev), causal=True)
-    out = {}
-    for w in widths:
-        # token values do not change the cost
-        ids, layout = torch.tensor([prompt[-1:] * w], device=dev), clean_layout(w, start=n, device=dev)
-
-        def one():
-            state.forward(ids, layout, causal=True)
-            state.crop(n)  # back to the prompt
-
-        out[w] = timed(one, model.device, repeats)
-    return out
+    ids = torch.tensor([prompt], device=model.device)
+    return {w: clean_pass_ms(model, ids, w, repeats, logits=False) for w in widths}
 
 
 def main(argv: list[str] | None = None) -> dict:

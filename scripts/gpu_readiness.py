@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from d3d.utils.timing import timed
 
 # Published Qwen3 shapes (config.json of each hub repo); "toy" runs in seconds on a CPU.
 SHAPES = {
@@ -68,44 +67,20 @@ def as_drafter(model, block_size: int):
     return model
 
 
-@torch.inference_mode()
 def verify_latency(target, prefix: int, block: int, device, repeats: int) -> float:
-    from transformers import DynamicCache
+    """One target pass over `block` tokens after a cached random prefix, logits included."""
+    from d3d.decoding.budget import clean_pass_ms
 
-    from d3d.models.drafter import cache_kwarg
-
-    ids = torch.randint(0, target.config.vocab_size - 2, (1, prefix + block), device=device)
-    cache = DynamicCache(config=target.config)
-    target(ids[:, :prefix], use_cache=True, **cache_kwarg(target, cache))
-
-    def one():
-        target(ids[:, prefix:], use_cache=True, **cache_kwarg(target, cache))
-        cache.crop(-block)  # back to the prefix
-
-    return timed(one, device, repeats)
+    ids = torch.randint(0, target.config.vocab_size - 2, (1, prefix), device=device)
+    return clean_pass_ms(target, ids, block, repeats)
 
 
-@torch.inference_mode()
 def draft_latency(drafter, prefix: int, blocks: int, device, repeats: int) -> float:
-    """One drafter pass of `blocks` mask blocks after a cached prefix (1 = a sync draft)."""
-    from transformers import DynamicCache
+    """One drafter pass of `blocks` mask blocks after a cached random prefix (1 = a sync draft)."""
+    from d3d.decoding.budget import block_pass_ms
 
-    from d3d.models.drafter import DrafterSettings, hidden_states
-    from d3d.models.masks import block_layout, clean_layout
-
-    s = DrafterSettings.of(drafter)
-    ids = torch.randint(0, s.vocab_size - 2, (1, prefix), device=device)
-    cache = DynamicCache(config=drafter.config)
-    hidden_states(drafter, ids, clean_layout(prefix, device=device), cache=cache)
-    block = torch.full((1, blocks * s.block_size), s.mask_token_id, device=device)
-    layout = block_layout(torch.full((1, blocks), prefix, device=device), s.block_size)
-
-    def one():
-        h = hidden_states(drafter, block, layout, cache=cache, cache_len=prefix, plain=False)  # no sync to decide
-        drafter.lm_head(h)  # the loop reads logits at every block slot
-        cache.crop(-block.shape[1])  # back to the prefix
-
-    return timed(one, device, repeats)
+    ids = torch.randint(0, drafter.config.d3d["vocab_size"] - 2, (1, prefix), device=device)
+    return block_pass_ms(drafter, ids, blocks, repeats)
 
 
 def loop_rounds(target, drafter, cfg, prefix: int, new_tokens: int, device) -> dict:

@@ -35,7 +35,6 @@ from d3d.models.drafter import (
     DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers,
     weights_fingerprint,
 )
-from d3d.models.masks import block_layout, clean_layout
 from d3d.models.target import pick_device
 from d3d.settings import PruneSettings, TrainSettings, bind_section
 from d3d.objective import ObjectiveConfig, pack
@@ -47,7 +46,6 @@ from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
-from d3d.utils.timing import timed
 
 log = logging.getLogger("d3d.prune")
 
@@ -136,34 +134,18 @@ def recover(model, train, tc: TrainSettings, s: DrafterSettings, steps: int, see
     model.eval()
 
 
-@torch.no_grad()
 def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int = 5, blocks: int = 1) -> float:
-    """Median time of a pass of `blocks` blocks after a cached prefix: 1 block is a synchronous
-    draft; (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block).
-    Each repeat gets a fresh cache of the prefix (built outside the timed region)."""
-    from transformers import DynamicCache
-
-    from d3d.models.drafter import hidden_states
-
+    """Median time of a pass of `blocks` blocks after a cached prefix of random tokens (lm_head
+    excluded), in the dtype the drafter will decode in (bf16 on a GPU): d3d.decoding.budget's timer."""
+    from d3d.decoding.budget import block_pass_ms
     from d3d.models.target import torch_dtype
 
     device = next(model.parameters()).device
-    deployed = torch_dtype("auto", device)  # time the drafter as it will decode (bf16 on a GPU)
+    deployed = torch_dtype("auto", device)
     if deployed != next(model.parameters()).dtype:
         model = copy.deepcopy(model).to(deployed)
     ids = torch.randint(10, s.vocab_size - 1, (1, prefix), device=device)
-    block = torch.full((1, blocks * s.block_size), s.mask_token_id, device=device)
-    layout = block_layout(torch.full((1, blocks), prefix, device=device), s.block_size)
-
-    def cached_prefix():
-        cache = DynamicCache(config=model.config)
-        hidden_states(model, ids, clean_layout(prefix, device=device), cache=cache, plain=True)
-        return cache
-
-    def block_pass(cache):
-        hidden_states(model, block, layout, cache=cache, cache_len=prefix, plain=False)
-
-    return timed(block_pass, device, repeats, setup=cached_prefix)
+    return block_pass_ms(model, ids, blocks, repeats, logits=False)
 
 
 def latencies(model, s: DrafterSettings, pc: PruneSettings) -> dict:

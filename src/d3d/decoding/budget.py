@@ -83,41 +83,54 @@ def hit_rates(outcomes: list[tuple[int, int, bool]], block_size: int, grid=GRID)
     return {(C, F): sum(hit(*o, C, F) for o in outcomes) / n for C, F in grid}
 
 
-@torch.inference_mode()
-def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, repeats: int = 5) -> dict:
-    """Median ms of each pass after a cached prefix, on the models' device."""
+def _after_prefix_ms(model, prefix: torch.Tensor, x: torch.Tensor, layout, plain: bool, repeats: int,
+                     logits: bool) -> float:
+    """Median ms of one pass of `x` after a cached `prefix` (1, n). Each repeat gets a fresh cache
+    of the prefix, built outside the timed region."""
     from transformers import DynamicCache
 
-    dev = next(target.parameters()).device
-    B, mask_id = block_size, int(drafter.config.d3d["mask_token_id"])
-    ids = torch.tensor([prefix], dtype=torch.long, device=dev)
-    n = ids.shape[1]
+    n = prefix.shape[1]
 
-    def cached(model):
+    def cached_prefix():
         cache = DynamicCache(config=model.config)
-        hidden_states(model, ids, clean_layout(n, device=dev), cache=cache, plain=True)
+        hidden_states(model, prefix, clean_layout(n, device=prefix.device), cache=cache, plain=True)
         return cache
 
-    def target_pass(width):
-        cache, x = cached(target), ids[:, -1:].expand(1, width)
+    def one(cache):
+        h = hidden_states(model, x, layout, cache=cache, cache_len=n, plain=plain)
+        if logits:  # the decoding loop reads logits at every position of the pass
+            logits_at(model, h)
 
-        def one():
-            hidden_states(target, x, clean_layout(width, start=n, device=dev), cache=cache, cache_len=n, plain=True)
-            cache.crop(-width)
-        return timed(one, dev, repeats)
+    return timed(one, prefix.device, repeats, setup=cached_prefix)
 
-    def drafter_pass(blocks):
-        cache = cached(drafter)
-        x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
-        layout = block_layout(torch.full((1, blocks), n, device=dev), B)
 
-        def one():
-            logits_at(drafter, hidden_states(drafter, x, layout, cache=cache, cache_len=n, plain=False))
-            cache.crop(-blocks * B)
-        return timed(one, dev, repeats)
+@torch.inference_mode()
+def clean_pass_ms(model, prefix: torch.Tensor, width: int, repeats: int = 5, logits: bool = True) -> float:
+    """One pass of `width` clean tokens after the prefix: a target step (1) or a verify pass (B).
+    Token values do not change the cost; the prefix's last token is repeated."""
+    n = prefix.shape[1]
+    x = prefix[:, -1:].expand(1, width)
+    return _after_prefix_ms(model, prefix, x, clean_layout(width, start=n, device=prefix.device), True, repeats, logits)
 
-    return {"step_ms": target_pass(1), "verify_ms": target_pass(B), "draft_ms": drafter_pass(1),
-            "packed_ms": {f"{C}x{F}": drafter_pass(min(C - 1, B - 1) * F + 2) for C, F in grid}}
+
+@torch.inference_mode()
+def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, logits: bool = True) -> float:
+    """One drafter pass of `blocks` mask blocks after the prefix: 1 block is a synchronous draft;
+    (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block)."""
+    B, mask_id = int(drafter.config.d3d["block_size"]), int(drafter.config.d3d["mask_token_id"])
+    n, dev = prefix.shape[1], prefix.device
+    x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
+    layout = block_layout(torch.full((1, blocks), n, device=dev), B)
+    return _after_prefix_ms(drafter, prefix, x, layout, False, repeats, logits)
+
+
+def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, repeats: int = 5) -> dict:
+    """Median ms of each pass the loops run, after a cached prefix, on the models' device."""
+    ids = torch.tensor([prefix], dtype=torch.long, device=next(target.parameters()).device)
+    return {"step_ms": clean_pass_ms(target, ids, 1, repeats), "verify_ms": clean_pass_ms(target, ids, block_size, repeats),
+            "draft_ms": block_pass_ms(drafter, ids, 1, repeats),
+            "packed_ms": {f"{C}x{F}": block_pass_ms(drafter, ids, min(C - 1, block_size - 1) * F + 2, repeats)
+                          for C, F in grid}}
 
 
 @dataclass
