@@ -31,7 +31,7 @@ from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.methods import method_class
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.target import process_device
+from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.settings import EvalSettings, bind_section
@@ -342,17 +342,13 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
 
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
-    from accelerate import PartialState
-
     ev = bind_section(cfg, "eval", EvalSettings)  # the typed boundary: unknown keys fail here
-    with lock_folder(output_dir(cfg, ev), "d3d.eval", PartialState().process_index):
+    with lock_folder(output_dir(cfg, ev), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, ev)
 
 
 def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
-    from accelerate import PartialState
-
-    state = PartialState()  # one process unless started by `accelerate launch`
+    state = process_state()  # one process unless started by `accelerate launch` or torchrun
     torch.manual_seed(int(cfg.seed))
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)

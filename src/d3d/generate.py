@@ -21,7 +21,7 @@ from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.generation import generate_batch, generation_kwargs
 from d3d.settings import GenerateSettings, bind_section
-from d3d.models.target import load_model, load_tokenizer, process_device, resolve_model_path
+from d3d.models.target import load_model, load_tokenizer, process_device, process_state, resolve_model_path
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
@@ -64,17 +64,13 @@ def check_context(prompt_ids: dict[str, list[int]], max_new_tokens: int, max_con
 def run_generate(cfg: DictConfig) -> Path:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
     time per folder: a second writer would answer every prompt again."""
-    from accelerate import PartialState
-
     gen = bind_section(cfg, "generate", GenerateSettings)  # the typed boundary: unknown keys fail here
-    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", PartialState().process_index):
+    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", process_state().process_index):
         return _generate(cfg, gen)
 
 
 def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = process_state()
     torch.manual_seed(int(cfg.seed) + state.process_index)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)

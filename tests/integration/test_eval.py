@@ -162,7 +162,7 @@ def test_accelerate_two_processes_split_and_merge(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import CACHE_DIR, ROOT
+    from tests.conftest import CACHE_DIR, ROOT, free_port
 
     # torchrun starts two real processes (gloo); `accelerate launch --cpu --num_processes 2` starts one here.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -169,6 +169,15 @@ def pick_device(name: str | None = "auto") -> torch.device:
     return torch.device(name)
 
 
+def process_state():
+    """accelerate's view of this process among the job's (`accelerate launch` or torchrun). On a
+    machine without CUDA accelerate sees torchrun's ranks only when told to use the CPU: without
+    `cpu=True` every rank reports itself as the only process and does all the work."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def process_device(state, configured: str | None) -> str:
     """The device of one process of a (possibly `accelerate launch`ed) job: its own GPU when
     accelerate gave it one, so N processes use N GPUs; else the configured device."""
