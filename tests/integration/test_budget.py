@@ -4,7 +4,6 @@ what the round-time model says on a hand case."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.budget import choose, hit_rates, round_outcomes

@@ -99,8 +99,6 @@ def _lax(real, p_logits, drafts):
     if n == 0:
         return accepted, token
     rejected = accepted < n
-    at = accepted.clamp(max=n - 1)
-    wrong = drafts.gather(1, at[:, None]).squeeze(1)
     more = torch.where(rejected, accepted + 1, accepted)
     nxt = p_logits.argmax(-1).gather(1, more[:, None]).squeeze(1)
     return more, torch.where(rejected, nxt, token)

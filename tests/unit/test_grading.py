@@ -89,7 +89,6 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
 import os
 import signal
 import socket
-import sys
 import time
 import uuid
 
