@@ -20,8 +20,7 @@ import torch
 from d3d.config import compose, resolve_path
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
-from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.budget import GRID, choose, hit_rates, pass_costs, round_outcomes
+from d3d.decoding.budget import calibrate, greedy_pairs
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, load_drafter
 from d3d.utils.runinfo import run_info
@@ -35,13 +34,8 @@ def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
         examples = load_examples(resolve_path(args.responses), int(args.max_len))[-args.n:]
         return [(ex.ids, ex.prompt_len) for ex in examples]
     prompts = load_prompt_set(cfg.data, resolve_path(cfg.paths.cache_dir))[-args.n:]
-    gen = SpecGenerator(target, tok, None, DecodeConfig(method="ar", max_new_tokens=args.max_new_tokens),
+    return greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages) for p in prompts], args.max_new_tokens,
                         eos_ids(tok, target))
-    out = []
-    for p in prompts:
-        ids = chat_prompt_ids(tok, p.messages)
-        out.append((ids + gen.generate([ids]).token_ids[0], len(ids)))
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -64,15 +58,12 @@ def main(argv: list[str] | None = None) -> dict:
     drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
     s = DrafterSettings.of(drafter)
     pairs = calibration(args, cfg, target, tok)
-    outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, ids, n, s.block_size, s.mask_token_id, s.vocab_size)]
-    tau = sum(k + 1 for k, _, _ in outcomes) / max(len(outcomes), 1)
-    hits = hit_rates(outcomes, s.block_size, GRID)
-    costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], s.block_size, GRID, args.repeats)
     overlap = target.device.type == "cuda" if args.overlap == "auto" else args.overlap == "stream"
-    best = choose(costs, hits, tau, overlap)
+    best, basis = calibrate(target, drafter, pairs, s.block_size, overlap, repeats=args.repeats)
+    tau, costs, rounds = basis["tau"], basis["costs"], basis["rounds"]
 
     print(f"{cfg.target.name} target, drafter {args.drafter} (B = {s.block_size}), {target.device} {target.dtype}; "
-          f"{len(pairs)} calibration responses, {len(outcomes)} rounds, τ {tau:.3f}; packed pass "
+          f"{len(pairs)} calibration responses, {rounds} rounds, τ {tau:.3f}; packed pass "
           f"{'overlapped' if overlap else 'serial'}")
     print(f"costs ms: step {costs['step_ms']:.1f}, verify {costs['verify_ms']:.1f}, draft {costs['draft_ms']:.1f}; "
           f"sync projected {best.sync_speedup:.3f}×\n")
@@ -82,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {r['C']} | {r['F']} | {s.block_size * (min(r['C'] - 1, s.block_size - 1) * r['F'] + 2)} | "
               f"{r['packed_ms']:.1f} | {r['hit_rate']:.3f} | {r['round_ms']:.1f} | {r['projected_speedup']:.3f}×{mark} |")
     result = {"target": str(cfg.target.name), "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
-              "rounds": len(outcomes), "responses": len(pairs), "overlap": overlap, "costs": costs,
+              "rounds": rounds, "responses": len(pairs), "overlap": overlap, "costs": costs,
               "choice": best.as_dict(), "dtype": str(target.dtype), "run": run_info(target.device)}
     out = Path(args.out or f"outputs/bench/budget_{cfg.target.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -107,20 +107,14 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
             raise ConfigError("eval.async_budgets=[auto] chooses from timings, which differ per process: run the "
                               "choice in one process (python -m d3d.eval), then launch with the C x F it printed")
         from d3d.data.prompts import load_prompt_set
-        from d3d.decoding.budget import GRID, choose, hit_rates, pass_costs, round_outcomes
+        from d3d.decoding.budget import calibrate, greedy_pairs
 
-        s = DrafterSettings.of(drafter)
         prompts = load_prompt_set(cfg.data, cache)[-ev.auto_budget_prompts:]
-        ar = SpecGenerator(target, tok, None, DecodeConfig(method="ar", max_new_tokens=min(ev.max_new_tokens, 128)),
-                           eos_ids(tok, target))
-        pairs = [(ids + ar.generate([ids]).token_ids[0], len(ids)) for ids in
-                 (chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts)]
-        block = methods[names[0]].block_size
-        outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, ids, n, block, s.mask_token_id, s.vocab_size)]
-        tau = sum(k + 1 for k, _, _ in outcomes) / max(len(outcomes), 1)
-        costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], block, GRID)
-        pick = choose(costs, hit_rates(outcomes, block, GRID), tau, overlap=target.device.type == "cuda")
-        earlier = {**pick.as_dict(), "tau": tau, "rounds": len(outcomes), "costs": costs}
+        pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
+                             min(ev.max_new_tokens, 128), eos_ids(tok, target))
+        pick, basis = calibrate(target, drafter, pairs, methods[names[0]].block_size,
+                                overlap=target.device.type == "cuda")
+        earlier = {**pick.as_dict(), **basis}
         log.info("eval.async_budgets=auto chose C=%d F=%d (projected %.3fx, sync %.3fx)", pick.C, pick.F,
                  pick.projected_speedup, pick.sync_speedup)
     for name in names:

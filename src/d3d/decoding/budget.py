@@ -157,3 +157,24 @@ def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap:
                       "projected_speedup": tau * step / (both + (1 - h) * draft)})
     best = max(table, key=lambda r: r["projected_speedup"])
     return BudgetChoice(best["C"], best["F"], best["projected_speedup"], sync, table)
+
+
+def greedy_pairs(target, tok, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int]) -> list[tuple[list[int], int]]:
+    """(prompt + the target's greedy response, prompt length) per prompt: calibration text for
+    the offline hit rates (they are exact on the target's own greedy output)."""
+    from d3d.decoding.engine import DecodeConfig, SpecGenerator
+
+    ar = SpecGenerator(target, tok, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens), eos)
+    return [(ids + ar.generate([ids]).token_ids[0], len(ids)) for ids in prompt_ids]
+
+
+def calibrate(target, drafter, pairs: list[tuple[list[int], int]], block_size: int, overlap: bool, grid=GRID,
+              repeats: int = 5) -> tuple[BudgetChoice, dict]:
+    """Steps 1-3 of the module docstring on calibration pairs: the choice, and what it rests on
+    (τ, rounds, pass costs)."""
+    mask_id, vocab = int(drafter.config.d3d["mask_token_id"]), int(drafter.config.d3d["vocab_size"])
+    outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, ids, n, block_size, mask_id, vocab)]
+    tau = sum(k + 1 for k, _, _ in outcomes) / max(len(outcomes), 1)
+    costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], block_size, grid, repeats)
+    return choose(costs, hit_rates(outcomes, block_size, grid), tau, overlap), \
+        {"tau": tau, "rounds": len(outcomes), "costs": costs}
