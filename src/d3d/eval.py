@@ -257,17 +257,6 @@ def fail_on_real_divergence(row: dict) -> None:
                 f"{d['tolerance']:.3g} in {d['dtype']}). This is not numerics: the decoding loop is not lossless.")
 
 
-def over_context(gen: SpecGenerator, prompts: list[list[int]], max_new: int) -> str | None:
-    """Why these prompts cannot be decoded by `gen` (prompt + new tokens + a block past the
-    target's context), or None. Checked per request so one long prompt skips itself, not the run."""
-    limit = getattr(gen.target.config, "max_position_embeddings", None)
-    longest = max(len(p) for p in prompts)
-    if limit and longest + max_new + gen.B > limit:
-        return (f"prompt of {longest} tokens + max_new_tokens {max_new} + block {gen.B} exceeds the target's "
-                f"context of {limit} tokens")
-    return None
-
-
 def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped) -> None:
     """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method.
     A prompt longer than the context is recorded in skipped.jsonl (with its reason) and that
@@ -285,7 +274,7 @@ def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, sk
                 row = done.get(key)
                 if row is None:
                     ids = chat_prompt_ids(tok, history[name], ev.enable_thinking)
-                    reason = over_context(gen, [ids], ev.max_new_tokens)
+                    reason = gen.context_problem([ids], ev.max_new_tokens)
                     if reason:
                         skipped.write([{"benchmark": spec["name"], "id": rec.id, "turn": turn, "method": name,
                                         "concurrency": 1, "reason": reason}])
@@ -317,7 +306,7 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
         for name, gen in gens.items():
             row = done.get((spec["name"], key_id, 0, name, concurrency))
             if row is None:
-                reason = over_context(gen, prompts, ev.max_new_tokens)
+                reason = gen.context_problem(prompts, ev.max_new_tokens)
                 if reason:
                     skipped.write([{"benchmark": spec["name"], "id": key_id, "turn": 0, "method": name,
                                     "concurrency": concurrency, "reason": reason}])

@@ -307,6 +307,16 @@ class SpecGenerator:
         dr.crop(len(dr) - B)  # the block's slots are never reused
         return logits_at(self.drafter, h[:, k:], s.vocab_size).float()  # (b, B, V)
 
+    def context_problem(self, prompts: list[list[int]], max_new_tokens: int) -> str | None:
+        """Why these prompts cannot be decoded (prompt + new tokens + a block past the target's
+        context), or None. The loop refuses such a call; d3d.eval asks first and skips the request."""
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts)
+        if limit and longest + max_new_tokens + self.B > limit:
+            return (f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {self.B} exceeds the "
+                    f"target's context of {limit} tokens")
+        return None
+
     # ------------------------------------------------------------------ the loop
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None,
@@ -338,10 +348,9 @@ class SpecGenerator:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         max_new = int(max_new_tokens or cfg.max_new_tokens)
-        limit = getattr(self.target.config, "max_position_embeddings", None)
-        if limit and max(len(p) for p in prompts) + max_new + B > limit:
-            raise ValueError(f"prompt + max_new_tokens ({max(len(p) for p in prompts)} + {max_new}) exceeds the "
-                             f"target's context of {limit} tokens. Fix: shorten the prompt or lower max_new_tokens.")
+        problem = self.context_problem(prompts, max_new)
+        if problem:
+            raise ValueError(f"{problem}. Fix: shorten the prompt or lower max_new_tokens.")
         b = len(prompts)
         clock = _Clock(dev)
         step = self.method(self)
