@@ -57,7 +57,7 @@ def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_
     seq = torch.tensor(ids, dtype=torch.long, device=dev)
     cache = DynamicCache(config=model.config)
     # The committed text, causal, in the drafter's cache (an anchor a only sees positions < a).
-    hidden_states(model, seq[None, : L - 1], clean_layout(L - 1, device=dev), cache=cache)
+    hidden_states(model, seq[None, : L - 1], clean_layout(L - 1, device=dev), cache=cache, plain=True)
     anchors = torch.arange(prompt_len - 1, L - 1, device=dev)
     out = []
     for start in range(0, len(anchors), chunk):
@@ -65,7 +65,7 @@ def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_
         blocks = torch.full((len(anc), B), mask_id, dtype=torch.long, device=dev)
         blocks[:, 0] = seq[anc]
         layout = block_layout(anc[None], B)  # built on the device, like the mask
-        h = hidden_states(model, blocks.reshape(1, -1), layout, cache=cache, cache_len=L - 1)
+        h = hidden_states(model, blocks.reshape(1, -1), layout, cache=cache, cache_len=L - 1, plain=False)
         drafts = logits_at(model, h.reshape(len(anc), B, -1)[:, : B - 1], vocab_size).argmax(-1)
         pos = anc[:, None] + 1 + torch.arange(B - 1, device=dev)
         truth = torch.where(pos < L, seq[pos.clamp(max=L - 1)], torch.full_like(pos, -1))

@@ -43,14 +43,14 @@ def round_outcomes(model, ids: list[int], prompt_len: int, block_size: int, mask
     B, L = block_size, len(ids)
     seq = torch.tensor(ids, dtype=torch.long, device=dev)
     cache = DynamicCache(config=model.config)
-    hidden_states(model, seq[None, : L - 1], clean_layout(L - 1, device=dev), cache=cache)
+    hidden_states(model, seq[None, : L - 1], clean_layout(L - 1, device=dev), cache=cache, plain=True)
     out, a = [], prompt_len - 1
     while a < L - 1:
         blocks = torch.full((1, B), mask_id, dtype=torch.long, device=dev)
         blocks[0, 0] = seq[a]
         # cached keys are positions 0..L-2; the block at anchor a sees those < a (the mask's rule)
         h = hidden_states(model, blocks, block_layout(torch.full((1, 1), a, device=dev), B), cache=cache,
-                          cache_len=L - 1)
+                          cache_len=L - 1, plain=False)
         cache.crop(-B)
         logits = logits_at(model, h[0], vocab_size)  # (B, V): slot i predicts the token at a+i+1
         drafts = logits[: B - 1].argmax(-1).tolist()
