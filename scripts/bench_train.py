@@ -2,7 +2,7 @@
 
     python scripts/bench_train.py [--batch-size 4 --anchors 32 --max-len 512 --repeats 3] [hydra overrides]
 
-The D3D step is the real one (d3d.objective: clean sequence + N noisy blocks, logits only at loss
+The D3D step is the real one (d3d.training.D3DTrainingStep: clean sequence + N noisy blocks, logits only at loss
 rows); the baseline is `model(input_ids, labels=...)` of the same backbone on the same clean
 sequences (full logits, causal mask). Prints medians, tokens/s and the ratio; writes
 outputs/bench/train.json. Needs target responses (python -m d3d.generate) for real sequences.
@@ -18,8 +18,8 @@ import torch
 
 from d3d.config import compose, resolve_path
 from d3d.models.drafter import DrafterSettings, build_drafter
-from d3d.objective import ObjectiveConfig, d3d_loss, pack
-from d3d.training import load_examples
+from d3d.objective import ObjectiveConfig, pack
+from d3d.training import D3DTrainingStep, load_examples
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 from d3d.utils.timing import timed
@@ -43,8 +43,10 @@ def main() -> None:
     ocfg = ObjectiveConfig(block_size=s.block_size, anchors_per_seq=args.anchors)
     batch = pack(examples, ocfg, s.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
 
+    step = D3DTrainingStep(model, s.vocab_size, 1.0)  # the module d3d.train runs
+
     def d3d_step():
-        loss, _ = d3d_loss(model, batch, 1.0, s.vocab_size)
+        loss, _ = step(batch)
         loss.backward()
         model.zero_grad(set_to_none=True)
 
