@@ -46,17 +46,20 @@ sys.path.insert(0, str(ROOT / "src"))  # d3d from this checkout, installed or no
 from d3d.decoding import DecodeConfig, SpecGenerator  # noqa: E402
 from d3d.decoding.divergence import classify  # noqa: E402
 from d3d.decoding.verify import Sampling, probs, sample_verify  # noqa: E402
-from d3d.models.drafter import DrafterSettings  # noqa: E402
 
 
-class NoText:
-    """Random token ids have no text: the loop only needs decode() and an EOS id."""
+def _script(name: str):
+    """A sibling script as a module (scripts/ is not a package)."""
+    import importlib.util
 
-    eos_token_id = -1
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    @staticmethod
-    def decode(ids, skip_special_tokens=True):
-        return ""
+
+readiness = _script("gpu_readiness")  # its random-model helpers and NoText serve the checks too
+NoText = readiness.NoText
 
 
 def tiny_pair(device: str, dtype: torch.dtype, block_size: int = 4, seed: int = 0, vocab: int = 256):
@@ -77,9 +80,7 @@ def tiny_pair(device: str, dtype: torch.dtype, block_size: int = 4, seed: int = 
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    DrafterSettings(block_size=block_size, mask_token_id=vocab - 1, vocab_size=vocab,
-                    kept_layers=list(range(cfg.num_hidden_layers)), init="target", target="tiny").attach(drafter)
-    return target, drafter
+    return target, readiness.as_drafter(drafter, block_size)
 
 
 def random_prompts(n: int, vocab: int, seed: int, lengths=(9, 3, 14)) -> list[list[int]]:
@@ -235,11 +236,6 @@ def stage_train(device: str, out_dir: Path, toy: bool) -> dict:
 
 
 def stage_readiness(device: str, out_dir: Path, toy: bool) -> dict:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_readiness", ROOT / "scripts" / "gpu_readiness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out = str(out_dir / "gpu_readiness.json")
     if toy:
         argv = ["--target", "toy", "--drafter", "toy", "--device", device, "--dtype", "float32", "--prefix", "32",
@@ -248,7 +244,7 @@ def stage_readiness(device: str, out_dir: Path, toy: bool) -> dict:
     else:
         argv = ["--target", "qwen3_8b", "--drafter", "qwen3_1p7b", "--device", device, "--dtype", "bfloat16",
                 "--prefix", "2048", "--out", out]
-    res = module.main(argv)
+    res = readiness.main(argv)
     return {"ok": True, "result": res}
 
 

@@ -56,6 +56,16 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     return model.eval()
 
 
+class NoText:
+    """Random token ids have no text: the loop only needs decode() and an EOS id."""
+
+    eos_token_id = -1
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return ""
+
+
 def as_drafter(model, block_size: int):
     """Give a random model d3d drafter settings (mask token = the last id)."""
     from d3d.models.drafter import DrafterSettings
@@ -87,13 +97,6 @@ def loop_rounds(target, drafter, cfg, prefix: int, new_tokens: int, device) -> d
     """Run one of the real loops on a random prompt: medians per round of the host wall time and
     of each pass's device time (CUDA events; wall time on CPU), and their difference."""
     from d3d.decoding import SpecGenerator
-
-    class NoText:  # random ids have no text; the loop only needs decode() and an EOS id
-        eos_token_id = -1
-
-        @staticmethod
-        def decode(ids, skip_special_tokens=True):
-            return ""
 
     gen = SpecGenerator(target, NoText(), None if cfg.method == "ar" else drafter, cfg, eos_token_ids=[])
     prompt = torch.randint(0, target.config.vocab_size - 2, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
