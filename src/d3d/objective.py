@@ -11,7 +11,7 @@ Only rows that carry a loss go through the LM head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -28,21 +28,26 @@ class Example:
 
 
 @dataclass
-class ObjectiveConfig:
-    block_size: int = 16
-    anchors_per_seq: int = 32
-    block_aligned: bool = False
-    gamma: float = 7.0
+class ObjectiveKnobs:
+    """The objective's settings as `train.*` names them (d3d.settings.TrainSettings extends this)."""
+
+    anchors_per_seq: int = 32  # noisy blocks per sequence
+    block_aligned: bool = False  # anchors at multiples of B in the response; else random
+    gamma: float = 7.0  # slot weights exp(-(k-1)/gamma)
     uniform_weights: bool = False
-    partial_mask: float = 0.0
-    ar_weight: float = 1.0
+    partial_mask: float = 0.0  # probability that a block slot shows its clean token
+    ar_weight: float = 1.0  # λ of the auxiliary AR loss
     predict_bonus: bool = True  # train slot B-1 on x_{a+B} (the all-accepted tray's anchor guess)
+
+
+@dataclass
+class ObjectiveConfig(ObjectiveKnobs):
+    block_size: int = 16
 
     @classmethod
     def from_cfg(cls, train_cfg, block_size: int) -> "ObjectiveConfig":
         """From `train.*` (d3d.settings.TrainSettings, or the raw section in scripts)."""
-        keys = [f for f in cls.__dataclass_fields__ if f != "block_size"]
-        return cls(block_size=block_size, **{k: getattr(train_cfg, k) for k in keys})
+        return cls(block_size=block_size, **{f.name: getattr(train_cfg, f.name) for f in fields(ObjectiveKnobs)})
 
 
 @dataclass

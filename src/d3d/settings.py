@@ -14,6 +14,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from d3d.config import ConfigError
+from d3d.objective import ObjectiveKnobs
 
 T = TypeVar("T")
 
@@ -54,21 +55,15 @@ class EvalSettings:
 
 
 @dataclass
-class TrainSettings:
-    """`train.*` (conf/train.yaml, also composed into prune for calibration and recovery)."""
+class TrainSettings(ObjectiveKnobs):
+    """`train.*` (conf/train.yaml, also composed into prune for calibration and recovery); the
+    objective's own keys come from d3d.objective.ObjectiveKnobs."""
 
     responses_dir: str = MISSING  # written by d3d.generate
     out_dir: str = MISSING
     val_size: int = 12  # held-out responses for the offline τ estimator
     val_max_new_tokens: Optional[int] = 96  # score τ on the first N response tokens only
     max_len: int = 384  # prompt + response tokens per sequence
-    anchors_per_seq: int = 16
-    block_aligned: bool = False
-    gamma: float = 7.0
-    uniform_weights: bool = False
-    partial_mask: float = 0.0
-    ar_weight: float = 1.0
-    predict_bonus: bool = True
     lr: float = 3e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
