@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.errors import ConfigError
-from d3d.decoding.kv import KVState
+from d3d.decoding.kv import KVState, StaticKVState
 from d3d.decoding.verify import Sampling, greedy_verify, sample_verify
 from d3d.models.drafter import DrafterSettings, logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
@@ -71,6 +71,7 @@ class DecodeConfig:
     max_new_tokens: int = 256
     overlap: str = "auto"  # auto | stream | thread | none (see SpecGenerator.overlap_mode)
     cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
+    backend: str = "eager"  # eager (dynamic KV cache) | static (preallocated) | compiled (static + torch.compile)
     stop_strings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -82,7 +83,7 @@ class DecodeConfig:
         from d3d.decoding.methods import METHODS  # the registry names the methods there are
 
         choices = {"method": tuple(METHODS), "coverage": ("first", "confident"),
-                   "overlap": ("auto", "stream", "thread", "none")}
+                   "overlap": ("auto", "stream", "thread", "none"), "backend": ("eager", "static", "compiled")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
@@ -222,6 +223,9 @@ class SpecGenerator:
         self.overlap = self.overlap_mode(self.cfg, self.device)
         self.dstream = torch.cuda.Stream(self.device) if self.overlap == "stream" else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
+        self.static = self.cfg.backend != "eager"
+        self.states: dict[tuple[int, int], StaticKVState] = {}  # static buffers, reused across calls
+        self.room = 0  # slots a call needs beyond its widest pass (set per call)
 
     @staticmethod
     def overlap_mode(cfg: DecodeConfig, device: torch.device) -> str:
@@ -268,6 +272,21 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ passes shared by the methods
 
+    def new_state(self, model, batch: int, widest: int) -> KVState:
+        """An empty KV state for `model`: HF's dynamic cache (backend=eager), or static buffers
+        big enough for this call (`room` + the widest pass), reused across calls. Their capacity is
+        a power of two, so calls of similar lengths share one compiled shape."""
+        if not self.static:
+            return KVState(model, batch)
+        need = self.room + widest
+        capacity = max(256, 1 << (need - 1).bit_length())
+        state = self.states.get((id(model), batch))
+        if state is None or state.batch != batch or state.capacity < need:
+            state = StaticKVState(model, batch, capacity, compiled=self.cfg.backend == "compiled")
+            self.states[(id(model), batch)] = state
+        state.reset()
+        return state
+
     def prefill(self, state: KVState, prompts: list[list[int]]) -> None:
         """Every prompt token but the last (the first pending token), left-padded. Built on the
         host from Python lists and moved in one transfer per tensor."""
@@ -280,7 +299,7 @@ class SpecGenerator:
         block = [[PAD] * (width - n) + [CLEAN] * n for n in lens]
         dev = self.device
         ids, pos, block = (torch.tensor(x, dtype=torch.long, device=dev) for x in (ids, pos, block))
-        state.forward(ids, Layout(pos, block, pos + 1), causal=True)
+        state.forward(ids, Layout(pos, block, pos + 1), causal=True, once=True)
 
     def verify_pass(self, tgt: KVState, pending: torch.Tensor, drafts: torch.Tensor, next_pos: torch.Tensor):
         """Target logits at [pending, drafts] (b, B, V); their slots stay in the cache for now."""
@@ -296,6 +315,9 @@ class SpecGenerator:
         b, B, s, dev = len(pending), self.B, self.settings, self.device
         if unc is None:
             unc, unc_n = torch.zeros(b, 0, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
+        real = unc.shape[1]
+        if self.static and real:  # one width for every round (the most a round commits), so one compiled shape
+            unc = torch.cat([unc, torch.zeros(b, B - real, dtype=torch.long, device=dev)], dim=1)
         k = unc.shape[1]
         span = torch.arange(k, device=dev)
         pos = (next_pos - unc_n)[:, None] + span
@@ -304,7 +326,7 @@ class SpecGenerator:
         blocks[:, 0] = pending
         layout = concat(Layout(pos, block, pos + 1), block_layout(next_pos[:, None], B))
         h = dr.forward(torch.cat([unc, blocks], dim=1), layout)
-        dr.crop(len(dr) - B)  # the block's slots are never reused
+        dr.crop(len(dr) - B - (k - real))  # the block's slots (and static padding) are never reused
         return logits_at(self.drafter, h[:, k:], s.vocab_size).float()  # (b, B, V)
 
     def context_problem(self, prompts: list[list[int]], max_new_tokens: int) -> str | None:
@@ -354,9 +376,10 @@ class SpecGenerator:
         b = len(prompts)
         clock = _Clock(dev)
         step = self.method(self)
+        self.room = max(len(p) for p in prompts) + max_new + B  # slots committed at most, before a pass
         _sync(dev)
         t0 = time.perf_counter()
-        tgt = KVState(self.target, b)
+        tgt = self.new_state(self.target, b, B)
         self.prefill(tgt, prompts)
         step.begin(prompts)
         _sync(dev)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from d3d.models.drafter import hidden_states
-from d3d.models.masks import CLEAN, Layout
+from d3d.errors import ConfigError
+from d3d.models.drafter import attention_mask_for, cache_kwarg, hidden_states
+from d3d.models.masks import CLEAN, Layout, build_mask
 
 
 class KVState:
@@ -34,9 +35,10 @@ class KVState:
     def __len__(self) -> int:
         return self.pos.shape[1]
 
-    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False) -> torch.Tensor:
         """Hidden states of the new tokens; their slots are appended (visible iff clean).
-        `causal=True` promises the caller's tokens are clean and run on from the cache's positions."""
+        `causal=True` promises the caller's tokens are clean and run on from the cache's positions;
+        `once=True` says this pass's shape will not recur (prefill): a static state runs it uncompiled."""
         h = hidden_states(self.model, input_ids, layout, cache=self.cache, cache_valid=self.valid,
                           cache_pos=self.pos, plain=causal and self.gapless)
         self.pos = torch.cat([self.pos, layout.pos], dim=1)
@@ -79,3 +81,133 @@ class KVState:
         else:
             self.cache.batch_select_indices(rows)
         self.pos, self.valid = self.pos[rows], self.valid[rows]
+
+
+class StaticKVState(KVState):
+    """The same slots in buffers allocated once (decode.backend=static|compiled).
+
+    A pass always has the same shapes (its q new tokens against all `capacity` slots), so it can
+    be compiled once per shape: on CPU inductor removes the Python and dispatch overhead of a
+    step; on CUDA `mode="reduce-overhead"` replays it as a CUDA graph. HF's StaticCache writes the
+    new keys at slot `cumulative_length` (a device tensor per layer, advanced in place), so the
+    slot a pass writes is never a host number the graph would specialise on. Slots past the length
+    hold stale keys: the mask hides them (`live`), so cropping is only moving the length back.
+
+    Bookkeeping that HF keeps per layer (`cumulative_length`) is mirrored on the host by `length`
+    (the driver knows every pass's width), so `len()` never asks the device."""
+
+    def __init__(self, model, batch: int, capacity: int, compiled: bool):
+        from transformers import StaticCache
+
+        self.model, self.compiled, self.capacity = model, compiled, capacity
+        self.device = next(model.parameters()).device
+        self.gapless = False  # the static pass always takes the mask (its keys are all `capacity` slots)
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ConfigError(f"decode.backend=static|compiled: {type(model).__name__} has sliding-window layers, "
+                              "whose static cache keeps only a window of slots; use decode.backend=eager")
+        cfg = model.config.get_text_config(decoder=True)
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        for layer in self.cache.layers:  # allocate now (eagerly), so the compiled pass never allocates
+            # HF makes the length counter on the default device and moves it here; make it here
+            layer.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
+            empty = torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=self.device)
+            layer.lazy_initialization(empty, empty)
+        self.slot_pos = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
+        self.slot_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        for t in (self.slot_pos, self.slot_valid):
+            torch._dynamo.mark_static_address(t)  # mutated in place by the pass: CUDA graphs need fixed addresses
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.slot_pos[:, : self.length]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.slot_valid[:, : self.length]
+
+    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False) -> torch.Tensor:
+        q = input_ids.shape[1]
+        if self.length + q > self.capacity:
+            raise RuntimeError(f"static KV cache full: {self.length} + {q} slots > capacity {self.capacity} "
+                               "(the driver sizes it per call; this is a bug)")
+        run = static_pass if once or not self.compiled else compiled_static_pass(self.device)
+        h = run(self.model, self.cache, input_ids, layout.pos, layout.block, layout.limit, self.slot_pos, self.slot_valid)
+        self.length += q
+        return h.clone() if run is not static_pass and self.device.type == "cuda" else h  # a CUDA graph reuses its output buffer
+
+    def crop(self, length: int) -> None:
+        if length < self.length:  # the stale slots stay in the buffers, hidden by the mask (`live`)
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(length)
+            self.length = length
+
+    def keep_first(self, start: int, counts: torch.Tensor, most: int) -> None:
+        span = torch.arange(self.capacity, device=self.device) - start
+        self.slot_valid &= (span[None, :] < 0) | (span[None, :] < counts[:, None])
+        self.crop(start + most)
+
+    def subset(self, rows: torch.Tensor) -> "KVState":
+        raise NotImplementedError("a static state drafts every row (a pass over all rows is one compiled shape)")
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep some rows: new buffers of the smaller batch (a new shape, so the compiled passes
+        specialise on it once; rows leave a batch at most b-1 times per call)."""
+        new = StaticKVState(self.model, len(rows), self.capacity, self.compiled)
+        for old, layer in zip(self.cache.layers, new.cache.layers):
+            layer.keys.copy_(old.keys[rows])
+            layer.values.copy_(old.values[rows])
+        new.slot_pos.copy_(self.slot_pos[rows])
+        new.slot_valid.copy_(self.slot_valid[rows])
+        for layer in new.cache.layers:
+            layer.cumulative_length.fill_(self.length)
+        self.cache, self.slot_pos, self.slot_valid = new.cache, new.slot_pos, new.slot_valid
+
+    @property
+    def batch(self) -> int:
+        return self.slot_pos.shape[0]
+
+    def reset(self) -> None:
+        """Empty, for the next call (the buffers and their compiled passes are reused)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(0)
+        self.length = 0
+
+
+def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid) -> torch.Tensor:
+    """One pass over a static cache: the d3d mask of the new tokens against every slot, the new
+    slots written at the cache's length, the model run. Static shapes only, no host sync."""
+    q, n = input_ids.shape[1], slot_pos.shape[1]
+    length = cache.layers[0].cumulative_length  # a device tensor: where the new keys go
+    slots = torch.arange(q, device=input_ids.device) + length
+    live = slot_valid & (torch.arange(n, device=input_ids.device) < length)
+    layout = Layout(pos, block, limit)
+    both = build_mask(layout, cache_valid=live, cache_pos=slot_pos)  # (b, 1, q, n + q): slots, then the new tokens
+    mask = both[..., :n].index_copy(-1, slots, both[..., n:])  # the new tokens' columns are their slots
+    slot_pos.index_copy_(1, slots, pos)
+    slot_valid.index_copy_(1, slots, block == CLEAN)
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask_for(model, mask), position_ids=pos,
+                           use_cache=True, **cache_kwarg(model, cache))
+    return out.last_hidden_state
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_static_pass(device: torch.device):
+    """`static_pass` under torch.compile, made once per process: each model and each shape (q, batch,
+    capacity) is a graph of its own. On CUDA `reduce-overhead` records CUDA graphs."""
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    if mode not in _COMPILED:
+        import torch._dynamo
+
+        # every (model, pass width, batch, capacity) is a graph: the default limit of 8 is too few
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        _COMPILED[mode] = torch.compile(static_pass, mode=mode, dynamic=False)
+    return _COMPILED[mode]

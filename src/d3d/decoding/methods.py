@@ -75,7 +75,7 @@ class Sync(Method):
 
     def begin(self, prompts):
         g, b = self.g, len(prompts)
-        self.dr = KVState(g.drafter, b)
+        self.dr = g.new_state(g.drafter, b, 2 * g.B)  # a draft pass: <= B new tokens + the block
         g.prefill(self.dr, prompts)
         # tokens the target committed that the drafter has not seen: pending + accepted drafts
         self.unc = torch.zeros(b, 0, dtype=torch.long, device=g.device)
@@ -113,7 +113,7 @@ class Async(Method):
     def begin(self, prompts):
         g = self.g
         with _on(g.dstream):
-            self.dr = KVState(g.drafter, len(prompts))
+            self.dr = g.new_state(g.drafter, len(prompts), self.budget(self.cfg))  # the packed pass: glue + trays
             g.prefill(self.dr, prompts)
         # the next block's logits per row, and which rows hit (host list; device mask for the CUDA path)
         self.prepared, self.hit, self.hit_dev = None, [False] * len(prompts), None
@@ -139,9 +139,10 @@ class Async(Method):
         rest. The glue already committed every accepted token, so a draft pass here only runs a block
         and leaves the cache as it was. On CPU only the missed rows are drafted (a pass costs what its
         rows cost; their KV rows are copied out for it); on CUDA a pass over all rows costs about
-        what a pass over a few costs (the weights are read once), so all rows are drafted."""
+        what a pass over a few costs (the weights are read once), so all rows are drafted; so does a
+        static backend (a pass over all rows is its one compiled shape)."""
         g = self.g
-        if self.prepared is None or len(miss) == len(self.hit) or g.device.type == "cuda":
+        if self.prepared is None or len(miss) == len(self.hit) or g.device.type == "cuda" or g.static:
             q_logits = g.draft_pass(self.dr, r.pending, r.next_pos)
             if self.prepared is None or len(miss) == len(self.hit):
                 return q_logits

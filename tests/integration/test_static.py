@@ -1,0 +1,113 @@
+"""decode.backend=static|compiled: preallocated KV buffers and compiled passes give the eager loop's
+tokens (greedy: `generate`'s), on every method, batched and ragged, and reuse their graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.kv import StaticKVState
+from tests.integration.test_decoding import PROMPTS, models, reference  # noqa: F401 (a fixture)
+
+CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 6, 3, 2), ("async", 4, 4, 1)]
+
+
+def prompts_for(tok, batch: int) -> list[list[int]]:
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
+    if batch > 1:
+        prompts[1] = prompts[1][:2]  # ragged: rows of different lengths, finishing at different rounds
+    return prompts
+
+
+def generator(models, method, B, C, F, backend, seed=0, n=30, **kw) -> SpecGenerator:
+    target, drafter, tok = models
+    cfg = DecodeConfig(method=method, block_size=B, C=C, F=F, max_new_tokens=n, backend=backend, **kw)
+    return SpecGenerator(target, tok, None if method == "ar" else drafter, cfg, seed=seed)
+
+
+@pytest.mark.parametrize("method,B,C,F", CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_backend_greedy_equals_generate(models, method, B, C, F, batch):
+    """The static state's mask (stale slots hidden, new slots at the cache's length), its crops and
+    its row selection, checked against transformers' own greedy decoding."""
+    target, _, tok = models
+    prompts = prompts_for(tok, batch)
+    gen = generator(models, method, B, C, F, "static")
+    res = gen.generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), (method, row)
+    assert isinstance(next(iter(gen.states.values())), StaticKVState)
+    # The same buffers again, with prompts of one length: the ragged call's short row left slots whose
+    # positions lag their index (it was left-padded), stale but marked visible: the mask hides them.
+    even = [tok(PROMPTS[2] + PROMPTS[3])["input_ids"]] * batch
+    again = gen.generate(even)
+    assert again.token_ids == [reference(target, tok, even[0], 30, tok.eos_token_id)] * batch
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["sync", "async"])
+def test_static_backend_equals_eager_and_is_device_clean(models, method, temperature):
+    """Same rounds and τ as the eager loop (sampled too: same seed, same draws), with the default
+    device set to `meta`, so a tensor made without naming the model's device fails (the GPU trap)."""
+    _, _, tok = models
+    prompts = prompts_for(tok, 3)
+    eager = generator(models, method, 4, 3, 2, "eager", temperature=temperature, seed=3).generate(prompts)
+    torch.set_default_device("meta")
+    try:
+        static = generator(models, method, 4, 3, 2, "static", temperature=temperature, seed=3).generate(prompts)
+    finally:
+        torch.set_default_device(None)
+    assert static.token_ids == eager.token_ids and static.taus() == eager.taus()
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_backend_equals_eager_and_reuses_its_graphs(models):
+    """torch.compile over the static passes (inductor on CPU; CUDA graphs on a GPU): the eager
+    loop's tokens with a ragged batch whose rows retire (new batch sizes), and later calls with
+    prompts of other lengths compile nothing (their buffers have the first call's capacity)."""
+    _, _, tok = models
+    prompts = prompts_for(tok, 3)
+    eager = generator(models, "sync", 4, 1, 0, "eager").generate(prompts)
+    gen = generator(models, "sync", 4, 1, 0, "compiled")
+    first = gen.generate(prompts)
+    assert first.token_ids == eager.token_ids and first.taus() == eager.taus()
+    eager_gen = generator(models, "sync", 4, 1, 0, "eager")
+    for i, text in enumerate(PROMPTS[1:]):  # batch 1, prompts of other lengths, within the same capacity
+        ids = [tok(text)["input_ids"]]
+        before = graphs_compiled()
+        assert gen.generate(ids).token_ids == eager_gen.generate(ids).token_ids
+        if i:  # the first batch-1 call may compile its shapes; later ones find them
+            assert graphs_compiled() == before, "a call of shapes already compiled compiled again"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,B,C,F", CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_backend_greedy_equals_generate(models, method, B, C, F, batch):
+    target, _, tok = models
+    prompts = prompts_for(tok, batch)
+    res = generator(models, method, B, C, F, "compiled").generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), (method, row)
+
+
+def test_static_capacity_is_a_power_of_two_that_fits_the_call(models):
+    """Buffers are sized per call (longest prompt + max_new_tokens + block + the widest pass),
+    rounded up to a power of two so calls of similar lengths share compiled shapes; a longer call
+    gets bigger buffers instead of overflowing."""
+    target, _, tok = models
+    gen = generator(models, "sync", 4, 1, 0, "static", n=8)
+    gen.generate([tok(PROMPTS[0])["input_ids"]])
+    small = gen.states[(id(target), 1)]
+    assert small.capacity == 256
+    long_prompt = tok(PROMPTS[0])["input_ids"] * 40
+    res = gen.generate([long_prompt], max_new_tokens=8)
+    big = gen.states[(id(target), 1)]
+    assert big.capacity >= len(long_prompt) + 8 + 4 + 8 and big.capacity & (big.capacity - 1) == 0
+    assert len(res.token_ids[0]) == 8
