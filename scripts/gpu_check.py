@@ -22,6 +22,10 @@ what finished (a failing stage is recorded and the next one runs):
 7. readiness    scripts/gpu_readiness.py at Qwen3-8B target / Qwen3-1.7B drafter shapes with random
                 weights: verify latency against B, packed-pass latency against budget, the loop's
                 per-round wall time next to its CUDA-event times, overlap, projected speedups
+8. compiled     decode.backend=compiled (static KV buffers, torch.compile; CUDA graphs on CUDA):
+                greedy tokens against the eager loop's on the tiny pair (fp32), then the AR and sync
+                loops' per-round wall time, eager against compiled, at Qwen3-8B / 1.7B shapes (bf16,
+                compile time reported apart). Last, because compiling an 8B model takes minutes
 Exit status 0 when every stage passed.
 """
 
@@ -248,6 +252,44 @@ def stage_readiness(device: str, out_dir: Path, toy: bool) -> dict:
     return {"ok": True, "result": res}
 
 
+def stage_compiled(device: str, toy: bool) -> dict:
+    """The compiled backend gives the eager loop's greedy tokens, and what it saves per round."""
+    target, drafter = tiny_pair(device, torch.float32, block_size=6)
+    out = {"cases": 0, "equal": 0, "numerical": 0, "real": 0, "details": []}
+    cases = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("async", 4, 3, 2)]
+    for method, B, C, F in cases[:1] if toy else cases:
+        for batch in (1,) if toy else (1, 3):
+            prompts = random_prompts(batch, 256, seed=20 + batch)
+            make = lambda backend: SpecGenerator(  # noqa: E731
+                target, NoText(), None if method == "ar" else drafter,
+                DecodeConfig(method=method, block_size=B, C=C, F=F, max_new_tokens=24, backend=backend), eos_token_ids=[])
+            eager, compiled = make("eager").generate(prompts), make("compiled").generate(prompts)
+            for p, ref, got in zip(prompts, eager.token_ids, compiled.token_ids):
+                d = classify(target, p, ref, got)
+                out["cases"] += 1
+                out["equal"] += d is None
+                if d is not None:
+                    out[d["kind"]] += 1
+                    out["details"].append({"method": method, "batch": batch, **d})
+    del target, drafter
+    # per-round wall time at the real shapes (or toy ones): eager, then compiled after its warm-up
+    shapes = ("toy", "toy", torch.float32, 32, 8) if toy else ("qwen3_8b", "qwen3_1p7b", torch.bfloat16, 512, 32)
+    name_t, name_d, dtype, prefix, tokens = shapes
+    big_t = readiness.random_model(name_t, torch.device(device), dtype, seed=0)
+    big_d = readiness.as_drafter(readiness.random_model(name_d, torch.device(device), dtype, seed=1), 16)
+    out["timing"] = {"target": name_t, "drafter": name_d, "dtype": str(dtype), "prefix": prefix}
+    for method in ("ar",) if toy else ("ar", "sync"):
+        for backend in ("eager", "compiled"):
+            t0 = time.perf_counter()
+            lp = readiness.loop_rounds(big_t, big_d, DecodeConfig(method=method, block_size=16, backend=backend),
+                                       prefix, tokens, torch.device(device))
+            lp["seconds_with_warmup"] = round(time.perf_counter() - t0, 1)
+            out["timing"][f"{method}_{backend}"] = lp
+            print(f"[gpu_check] compiled: {method} {backend} round {lp['round_wall_ms']:.2f} ms", flush=True)
+    out["ok"] = out["real"] == 0
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -274,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu_tests": lambda: stage_gpu_tests(dev),
         "train": lambda: stage_train(dev, out_dir, args.toy),
         "readiness": lambda: stage_readiness(dev, out_dir, args.toy),
+        "compiled": lambda: stage_compiled(dev, args.toy),
     }
     for name, run in stages.items():
         if args.stages and name not in args.stages:

@@ -73,8 +73,10 @@ def test_gpu_check_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = saved = json.loads((tmp_path / "gpu_check.json").read_text())
     stages = saved["stages"]
-    assert list(stages) == ["greedy", "sampling", "async_sync", "gpu_tests", "train", "readiness"]
+    assert list(stages) == ["greedy", "sampling", "async_sync", "gpu_tests", "train", "readiness", "compiled"]
     assert stages["greedy"]["cases"] == 20 and stages["greedy"]["real"] == 0
+    assert stages["compiled"]["equal"] == stages["compiled"]["cases"] > 0
+    assert {"ar_eager", "ar_compiled"} <= set(stages["compiled"]["timing"])
     assert stages["async_sync"]["equal_tau"] == stages["async_sync"]["runs"] > 0
     assert all(v < 0.06 for v in stages["sampling"]["joint_tv"].values())
     failed = {k: v.get("error") or v.get("tail") for k, v in stages.items() if not v["ok"]}
