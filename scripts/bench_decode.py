@@ -7,6 +7,8 @@ same prompts, one process, greedy, batch 1.
     # the cpu_qwen pair: 1.5B target, the 0.5B model as the assisted-generation assistant
     python scripts/bench_decode.py --drafter <trained 0.5B drafter> --assistant qwen25_coder_05b \
         --block-sizes 4 8 16 target=qwen25_coder_15b
+    # our loops eager and compiled (static KV buffers + torch.compile), side by side
+    python scripts/bench_decode.py --drafter checkpoints/cpu_default_lam1/final --backends eager compiled
 
 Per method and prompt: wall time of the whole call (prefill included, as generate reports it
 that way too), new tokens, τ and hit rate for our loops, and whether the tokens equal generate's.
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="target config (conf/target/<name>) for hf_assisted; default: a copy of the target")
     ap.add_argument("--budgets", nargs="*", default=["4x1", "8x2", "12x2"], help="async C x F pairs")
     ap.add_argument("--overlap", default="auto", help="async overlap: auto (stream on GPU, serial on CPU), thread, none")
+    ap.add_argument("--backends", nargs="+", default=["eager"], choices=["eager", "static", "compiled"],
+                    help="our loops once per decode.backend (rows of the others are tagged [backend])")
     ap.add_argument("--no-hf-baselines", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="run only these method names (prefix match); d3d_ar always runs as the baseline")
     ap.add_argument("--out", default=None)
@@ -119,20 +123,27 @@ def main(argv: list[str] | None = None) -> dict:
             assistant, a_name = load_model(path, cfg.target.dtype, "auto"), "copy"
         methods[f"hf_assisted({a_name})"] = hf_call(target, tok, eos, assistant_model=assistant)
         methods["hf_prompt_lookup"] = hf_call(target, tok, eos, prompt_lookup_num_tokens=10)
-    methods["d3d_ar"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar"), eos))
-    for B in args.block_sizes:
-        methods[f"d3d_sync_b{B}"] = our_call(
-            SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=B), eos))
-    for budget in args.budgets:
-        C, F = (int(x) for x in budget.split("x"))
-        dc = DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F, overlap=args.overlap)
-        methods[f"d3d_async_c{C}_f{F}({dc.budget}tok)"] = our_call(SpecGenerator(target, tok, drafter, dc, eos))
+    for backend in args.backends:  # eager first: d3d_ar (eager) is the reference for the others
+        tag = "" if backend == "eager" else f"[{backend}]"
+        methods[f"d3d_ar{tag}"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar", backend=backend), eos))
+        for B in args.block_sizes:
+            methods[f"d3d_sync_b{B}{tag}"] = our_call(
+                SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=B, backend=backend), eos))
+        for budget in args.budgets:
+            C, F = (int(x) for x in budget.split("x"))
+            dc = DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F, overlap=args.overlap,
+                              backend=backend)
+            methods[f"d3d_async_c{C}_f{F}({dc.budget}tok){tag}"] = our_call(SpecGenerator(target, tok, drafter, dc, eos))
 
     if args.only:  # d3d_ar always stays: ratios and the equality check need a baseline
         methods = {k: v for k, v in methods.items() if k == "d3d_ar" or any(k.startswith(p) for p in args.only)}
-    rows, reference = [], {}
+    rows, reference, warmup_s = [], {}, {}
     for name, run in methods.items():
-        run(warm, 16)  # warm-up
+        # warm-up, outside the timing; a static backend decodes as many tokens as the timed calls, so
+        # its buffers' capacity and its compiled shapes are theirs (compile time is reported apart)
+        start = time.perf_counter()
+        run(warm, args.max_new_tokens if "[" in name else 16)
+        warmup_s[name] = time.perf_counter() - start
         for i, ids in enumerate(prompts):
             start = time.perf_counter()
             new, extra = run(ids, args.max_new_tokens)
@@ -149,21 +160,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     base = "hf_generate" if "hf_generate" in methods else "d3d_ar"
     base_tps = med(base, "tokens_per_s")
-    table = [f"| method | tokens/s (median) | × {base} | τ | hit rate | equal to {base} | round ms (draft / verify / tray wait) |",
-             "|---|---|---|---|---|---|---|"]
+    table = [f"| method | tokens/s (median) | × {base} | τ | hit rate | equal to {base} | round ms (draft / verify / tray wait) "
+             "| warm-up s (compile) |", "|---|---|---|---|---|---|---|---|"]
     summary = []
     for name in methods:
         tps = med(name, "tokens_per_s")
         eq = [r["equal_to_reference"] for r in rows if r["method"] == name]
         entry = {"method": name, "tokens_per_s": tps, "ratio": tps / base_tps, "tau": med(name, "tau"),
-                 "hit_rate": med(name, "hit_rate"), "equal_rate": sum(eq) / len(eq)}
+                 "hit_rate": med(name, "hit_rate"), "equal_rate": sum(eq) / len(eq), "warmup_s": warmup_s[name]}
         summary.append(entry)
         fmt = lambda v: "—" if v is None else f"{v:.2f}"
         split = "—" if med(name, "round_ms") is None else (
             f"{med(name, 'round_ms'):.0f} ({med(name, 'draft_ms'):.0f} / {med(name, 'verify_ms'):.0f} / "
             f"{med(name, 'tray_wait_ms'):.0f})")
         table.append(f"| {name} | {tps:.1f} | {entry['ratio']:.2f} | {fmt(entry['tau'])} | {fmt(entry['hit_rate'])} "
-                     f"| {entry['equal_rate']:.2f} | {split} |")
+                     f"| {entry['equal_rate']:.2f} | {split} | {warmup_s[name]:.1f} |")
     text = "\n".join(table) + "\n\nOne cached forward pass through the decoder layers, lm_head excluded (after the warm-up prompt, medians):\n\n" + "\n".join(cost_lines)
     print(text)
     out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")

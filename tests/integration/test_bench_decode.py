@@ -34,12 +34,13 @@ def test_bench_decode_smoke(tmp_path, monkeypatch):
 
 
 def test_only_keeps_the_ar_baseline(tmp_path, monkeypatch):
-    """`--only d3d_async` used to lose every measurement at the end (no baseline to divide by)."""
+    """`--only d3d_async` used to lose every measurement at the end (no baseline to divide by);
+    a second backend adds tagged rows of the same methods, equal to the eager reference."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg, drafter = smoke_drafter(tmp_path)
     res = load_script("bench_decode").main([
         "--drafter", str(drafter), "--n-prompts", "1", "--max-new-tokens", "8", "--block-sizes", "4",
-        "--budgets", "3x1", "--only", "d3d_async", "--out", str(tmp_path / "b.json"), "+experiment=smoke",
-        f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
-    assert [s["method"] for s in res["summary"]] == ["d3d_ar", "d3d_async_c3_f1(16tok)"]
-    assert res["summary"][1]["equal_rate"] == 1.0 and res["summary"][0]["ratio"] == 1.0
+        "--budgets", "3x1", "--only", "d3d_async", "--backends", "eager", "static", "--out", str(tmp_path / "b.json"),
+        "+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+    assert [s["method"] for s in res["summary"]] == ["d3d_ar", "d3d_async_c3_f1(16tok)", "d3d_async_c3_f1(16tok)[static]"]
+    assert all(s["equal_rate"] == 1.0 for s in res["summary"]) and res["summary"][0]["ratio"] == 1.0
