@@ -45,7 +45,9 @@ log = logging.getLogger("d3d.eval")
 
 # Settings every method of one run shares, so that speedups and equality compare like with like:
 # sampling for all methods (AR included), the block size for the speculative ones.
-SHARED_SAMPLING = ("temperature", "top_p", "top_k")
+# Every method takes the run's sampling and backend: the AR baseline decodes as the others do
+# (compiled against compiled), so a speedup is never the backend's.
+SHARED_BY_ALL = ("temperature", "top_p", "top_k", "backend")
 SHARED_SPECULATIVE = ("block_size",)
 # Pairs whose greedy outputs must agree bit for bit, round by round (`equal_to_sync`): the async
 # loop is the sync loop plus trays, verifying the same shapes. Keyed by decoding-method name.
@@ -54,13 +56,14 @@ BITWISE_REFERENCE = {"async": "sync"}
 
 def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:
     """Each method's decode config. The composed `decode` group replaces its own method's file and
-    lends the shared keys to the others: `decode.temperature=1` samples every method (AR too) and
-    `decode.block_size=4` drafts 4-token blocks in sync and async alike.
+    lends the shared keys to the others: `decode.temperature=1` samples every method (AR too),
+    `decode.backend=compiled` compiles every method, and `decode.block_size=4` drafts 4-token blocks
+    in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
     check_eval_settings(ev)
     composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
     speculative = method_class(composed.method).needs_drafter
-    shared = list(SHARED_SAMPLING) + (list(SHARED_SPECULATIVE) if speculative else [])
+    shared = list(SHARED_BY_ALL) + (list(SHARED_SPECULATIVE) if speculative else [])
     out = {}
     for name in ev.methods:
         if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
@@ -70,7 +73,7 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         if composed.method == own.method:
             dc = replace(composed)
         else:
-            keys = shared if method_class(own.method).needs_drafter else SHARED_SAMPLING
+            keys = shared if method_class(own.method).needs_drafter else SHARED_BY_ALL
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
         # the budget study: a method with drafter work beside verification (async) gets one per C x F
