@@ -272,7 +272,7 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ passes shared by the methods
 
-    def new_state(self, model, batch: int, widest: int) -> KVState:
+    def new_state(self, model, batch: int, widest: int, side_stream: bool = False) -> KVState:
         """An empty KV state for `model`: HF's dynamic cache (backend=eager), or static buffers
         big enough for this call (`room` + the widest pass), reused across calls. Their capacity is
         a power of two, so calls of similar lengths share one compiled shape."""
@@ -282,7 +282,8 @@ class SpecGenerator:
         capacity = max(256, 1 << (need - 1).bit_length())
         state = self.states.get((id(model), batch))
         if state is None or state.batch != batch or state.capacity < need:
-            state = StaticKVState(model, batch, capacity, compiled=self.cfg.backend == "compiled")
+            state = StaticKVState(model, batch, capacity, compiled=self.cfg.backend == "compiled",
+                                  graphs=not (side_stream and self.dstream is not None))
             self.states[(id(model), batch)] = state
         state.reset()
         return state

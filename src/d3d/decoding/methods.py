@@ -113,7 +113,7 @@ class Async(Method):
     def begin(self, prompts):
         g = self.g
         with _on(g.dstream):
-            self.dr = g.new_state(g.drafter, len(prompts), self.budget(self.cfg))  # the packed pass: glue + trays
+            self.dr = g.new_state(g.drafter, len(prompts), self.budget(self.cfg), side_stream=True)  # glue + trays
             g.prefill(self.dr, prompts)
         # the next block's logits per row, and which rows hit (host list; device mask for the CUDA path)
         self.prepared, self.hit, self.hit_dev = None, [False] * len(prompts), None
