@@ -47,12 +47,26 @@ def config_dir() -> Path:
     )
 
 
+def benchmark_names() -> list[str]:
+    """Every benchmark shipped under conf/benchmark/, in file-name order: each file with `specs`
+    (suite files such as all.yaml only compose others). The training prompt sets exclude all of
+    them (`exclude_eval: ${d3d.benchmarks:}` in conf/data/), so a new benchmark file keeps its items
+    out of the training data with no other edit."""
+    names: list[str] = []
+    for path in sorted((config_dir() / "benchmark").glob("*.yaml")):
+        names += list(OmegaConf.load(path).get("specs") or [])
+    return names
+
+
 def _register_resolvers() -> None:
-    # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name.
+    # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name;
+    # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names).
     if not OmegaConf.has_resolver("d3d.slug"):
         OmegaConf.register_new_resolver(
             "d3d.slug", lambda value: str(value).replace("/", "_").replace("=", "-").replace(" ", "")
         )
+    if not OmegaConf.has_resolver("d3d.benchmarks"):
+        OmegaConf.register_new_resolver("d3d.benchmarks", benchmark_names)
 
 
 _register_resolvers()

@@ -119,3 +119,48 @@ def test_every_decode_file_is_a_method_eval_can_name(tmp_path):
     assert set(cfg.methods) == set(options("decode"))
     for name in cfg.methods:
         DecodeConfig.from_cfg(OmegaConf.to_container(cfg.methods[name], resolve=True))
+
+
+# The list every training prompt set typed by hand before it was derived (resume keys written then hold it).
+HAND_TYPED_EXCLUDE_EVAL = ["gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "mt_bench",
+                           "alpaca"]
+
+
+@pytest.mark.parametrize("data", options("data"))
+def test_training_prompts_exclude_every_benchmark_file(data, tmp_path):
+    """exclude_eval is derived from conf/benchmark/: every spec there, suites (all, all_plus) aside."""
+    shipped = {name for option in options("benchmark")
+               for name in OmegaConf.load(config_dir() / "benchmark" / f"{option}.yaml").get("specs") or []}
+    assert shipped == set(HAND_TYPED_EXCLUDE_EVAL)
+    excluded = compose("generate", [f"data={data}"], tmp_path).data.exclude_eval
+    assert list(excluded) == sorted(shipped)
+    # an explicit list still wins
+    assert list(compose("generate", [f"data={data}", "data.exclude_eval=[gsm8k]"], tmp_path).data.exclude_eval) == ["gsm8k"]
+
+
+def test_a_new_benchmark_file_is_excluded_from_training_data(tmp_path, monkeypatch):
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(config_dir(), conf)
+    spec = OmegaConf.load(conf / "benchmark" / "gsm8k.yaml")
+    spec.specs = {"gsm_hard": {**spec.specs.gsm8k, "name": "gsm_hard"}}
+    OmegaConf.save(spec, conf / "benchmark" / "gsm_hard.yaml")
+    monkeypatch.setenv("D3D_CONFIG_DIR", str(conf))
+    assert "gsm_hard" in compose("train", [], tmp_path).data.exclude_eval
+
+
+def test_the_derived_exclusion_keeps_resume_keys_of_the_hand_typed_list(tmp_path):
+    """Its order changes no prompt, so train's resume key compares it sorted: a checkpoint written
+    with the hand-typed list (another order) resumes; one written with another set does not."""
+    import copy
+
+    from d3d.config import differing_keys
+    from d3d.training import comparable_train_key, train_resume_key
+
+    key = train_resume_key(compose("train", [], tmp_path))
+    old = copy.deepcopy(key)
+    old["data"]["exclude_eval"] = HAND_TYPED_EXCLUDE_EVAL
+    assert differing_keys(comparable_train_key(old), key) == []
+    old["data"]["exclude_eval"] = HAND_TYPED_EXCLUDE_EVAL[:-1]
+    assert differing_keys(comparable_train_key(old), key) == ["data.exclude_eval"]
