@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from d3d.models.drafter import hidden_states
+from d3d.models.forward import hidden_states
 from d3d.models.masks import Layout, block_layout, clean_layout, concat, pad_layout
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d3d.models.drafter import packed_attention_mask
+from d3d.models.forward import packed_attention_mask
 from d3d.models.masks import Layout
 from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_floats
 

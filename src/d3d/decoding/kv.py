@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from d3d.models.drafter import hidden_states
+from d3d.models.forward import hidden_states
 from d3d.models.masks import CLEAN, Layout
 
 
