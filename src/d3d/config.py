@@ -47,12 +47,26 @@ def config_dir() -> Path:
     )
 
 
+def benchmark_names() -> list[str]:
+    """Every benchmark shipped under conf/benchmark/, in file-name order: each file with `specs`
+    (suite files such as all.yaml only compose others). The training prompt sets exclude all of
+    them (`exclude_eval: ${d3d.benchmarks:}` in conf/data/), so a new benchmark file keeps its items
+    out of the training data with no other edit."""
+    names: list[str] = []
+    for path in sorted((config_dir() / "benchmark").glob("*.yaml")):
+        names += list(OmegaConf.load(path).get("specs") or [])
+    return names
+
+
 def _register_resolvers() -> None:
-    # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name.
+    # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name;
+    # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names).
     if not OmegaConf.has_resolver("d3d.slug"):
         OmegaConf.register_new_resolver(
             "d3d.slug", lambda value: str(value).replace("/", "_").replace("=", "-").replace(" ", "")
         )
+    if not OmegaConf.has_resolver("d3d.benchmarks"):
+        OmegaConf.register_new_resolver("d3d.benchmarks", benchmark_names)
 
 
 _register_resolvers()
@@ -130,12 +144,22 @@ def refuse_mixed_run(folder, old_key: dict | None, new_key: dict, made: str, fix
 
 
 def stage_overrides(config_name: str, overrides: list[str]) -> list[str]:
-    """The overrides that apply to one root config, by top-level key (`prune.num_layers=2` does
-    not go to generate); the pipeline and the sweeps pass one override list to several jobs."""
-    base = compose(config_name)  # the root's own keys (experiment overlays may add other roots' keys)
+    """The overrides that apply to one root config (`prune.num_layers=2` does not go to generate);
+    the pipeline and the sweeps pass one override list to several jobs. An override goes where its
+    top-level key is one of the root's own and, for a dotted key, where the root has that key:
+    `train.max_steps` goes to d3d.train, not to d3d.prune, which composes only the training step's
+    train.* keys (conf/training/default.yaml)."""
+    base = compose(config_name)  # the root's own sections (experiment overlays may add other roots' keys)
+    experiments = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "experiment"]
+    with_experiment = compose(config_name, experiments) if experiments else base  # an overlay may add keys
+    missing = object()
     keep = []
     for o in overrides:
-        key = o.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
-        if key == "experiment" or key in base or key == "hydra":
+        key = o.lstrip("+~").split("=", 1)[0]
+        top = key.split(".", 1)[0]
+        if top in ("experiment", "hydra"):
+            keep.append(o)
+        elif top in base and (o.startswith(("+", "~")) or "." not in key or OmegaConf.select(
+                with_experiment, key, default=missing, throw_on_resolution_failure=False) is not missing):
             keep.append(o)
     return keep

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.models.drafter import hidden_states, logits_at
+from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
-from d3d.settings import EvalSettings, bind_section
+from d3d.settings import EVERY_METHOD_KEYS, EvalSettings, bind_section, decode_keys
 from d3d.report import BASELINE, read_rows, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
@@ -47,7 +47,7 @@ log = logging.getLogger("d3d.eval")
 # sampling for all methods (AR included), the block size for the speculative ones.
 # Every method takes the run's sampling and backend: the AR baseline decodes as the others do
 # (compiled against compiled), so a speedup is never the backend's.
-SHARED_BY_ALL = ("temperature", "top_p", "top_k", "backend")
+SHARED_BY_ALL = EVERY_METHOD_KEYS
 SHARED_SPECULATIVE = ("block_size",)
 # Pairs whose greedy outputs must agree bit for bit, round by round (`equal_to_sync`): the async
 # loop is the sync loop plus trays, verifying the same shapes. Keyed by decoding-method name.
@@ -61,7 +61,7 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
     check_eval_settings(ev)
-    composed = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.decode, resolve=True))
+    composed = decode_config(cfg.decode, "decode")
     speculative = method_class(composed.method).needs_drafter
     shared = list(SHARED_BY_ALL) + (list(SHARED_SPECULATIVE) if speculative else [])
     out = {}
@@ -69,7 +69,7 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
             raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml is not composed under "
                               f"`methods` (add it there, and `- decode@methods.{name}: {name}` to conf/eval.yaml)")
-        own = DecodeConfig.from_cfg(OmegaConf.to_container(cfg.methods[name], resolve=True))
+        own = decode_config(cfg.methods[name], f"methods.{name}")
         if composed.method == own.method:
             dc = replace(composed)
         else:
@@ -125,6 +125,21 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
     return earlier
 
 
+def read_settings(dc: DecodeConfig) -> dict:
+    """The settings of `dc` its method reads (d3d.settings.decode_keys): sync's record holds no tray budget."""
+    return {k: getattr(dc, k) for k in decode_keys(dc.method)}
+
+
+def decode_config(node, where: str) -> DecodeConfig:
+    """A decode file's section as a DecodeConfig: a key that is none of its fields fails (DecodeConfig
+    would drop it), as unknown keys do at every other section's typed boundary."""
+    plain = OmegaConf.to_container(node, resolve=True)
+    unknown = sorted(set(plain) - {"name"} - set(DecodeConfig.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: not a decode setting (d3d.decoding.DecodeConfig has no such field)")
+    return DecodeConfig.from_cfg(plain)
+
+
 def check_eval_settings(ev: EvalSettings) -> None:
     """eval.* values of the right type that still cannot work, refused before any model loads
     (max_new_tokens=0 used to write empty rows and an empty table). Types are EvalSettings' job."""
@@ -171,7 +186,9 @@ def resume_key(cfg: DictConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
             # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
             "benchmarks": {spec["name"]: OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
                            else dict(spec) for spec in iter_specs(cfg.benchmark)},
-            "methods": {name: {k: v for k, v in asdict(dc).items() if k != "max_new_tokens"} for name, dc in methods.items()}}
+            # each method's keys it reads (a key written when ar and sync held async's tray keys still matches:
+            # keys only one side has are not compared); max_new_tokens is above
+            "methods": {name: read_settings(dc) for name, dc in methods.items()}}
 
 
 def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
@@ -358,7 +375,8 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
-            "methods": {name: {**asdict(dc), "budget": dc.budget} for name, dc in methods.items()},
+            "methods": {name: {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": dc.budget}
+                        for name, dc in methods.items()},
             "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in previous}

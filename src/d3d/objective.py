@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from d3d.models.drafter import hidden_states
 from d3d.models.masks import Layout, block_layout, clean_layout, concat, pad_layout
 
 
@@ -194,15 +193,6 @@ def loss_from_hidden(hidden: torch.Tensor, head, batch: PackedBatch, ar_weight: 
 def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     values = torch.stack([v.float() for v in metrics.values()]).tolist() if metrics else []
     return dict(zip(metrics, values))
-
-
-def d3d_loss(model, batch: PackedBatch, ar_weight: float, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
-    """L = L_denoise + λ·L_AR on a bare drafter (benchmarks, tests). Training goes through
-    d3d.training.D3DTrainingStep, the module a distributed wrapper can prepare. Returns (loss, metrics)."""
-    dev = next(model.parameters()).device
-    h = hidden_states(model, batch.input_ids.to(dev), batch.layout)
-    loss, metrics = loss_from_hidden(h, model.get_output_embeddings(), batch, ar_weight, vocab_size)
-    return loss, metrics_to_floats(metrics)
 
 
 def weight_of_draft(k: int, gamma: float) -> float:

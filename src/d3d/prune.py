@@ -23,6 +23,7 @@ import contextlib
 import copy
 import logging
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,11 +37,11 @@ from d3d.models.drafter import (
     weights_fingerprint,
 )
 from d3d.models.target import pick_device
-from d3d.settings import PruneSettings, TrainSettings, bind_section
+from d3d.settings import PruneSettings, StepSettings, bind_section, bind_step_section
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (
-    D3DTrainingStep, batch_at, cut_responses, freeze_embeddings_except_mask, load_examples, make_optimizer,
-    optimizer_step, split_examples, train_resume_key,
+    RESUMABLE_TRAIN_KEYS, D3DTrainingStep, batch_at, cut_responses, freeze_embeddings_except_mask, load_examples,
+    make_optimizer, optimizer_step, split_examples,
 )
 from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
@@ -113,7 +114,7 @@ def choose_layer(method: str, model, calib, s: DrafterSettings, progress: bool =
     return layer, None if method in UNRECORDED else scores
 
 
-def recover(model, train, tc: TrainSettings, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:
+def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:
     """A short continuation of the training objective (same loss, constant LR)."""
     if steps <= 0:
         return
@@ -185,15 +186,17 @@ def retention(row: dict, first: dict) -> float:
 RESUMABLE_PRUNE_KEYS = {"num_layers", "min_retention", "out_dir", "stop_at_step", "progress", "device", "packed_blocks"}
 
 
-def prune_resume_key(cfg: DictConfig) -> dict:
+def prune_resume_key(cfg: DictConfig, tc: StepSettings) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
-    calibration/hold-out split and the recovery objective."""
+    calibration/hold-out split and the recovery objective: the train.* keys prune reads (`tc`),
+    those a resumed training may change aside, and never d3d.train's own (a key written when prune
+    composed them still matches: keys only one side has are not compared)."""
     checkpoint = cfg.drafter.get("checkpoint")
     if checkpoint:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else to_plain(cfg.drafter))
-    return {"drafter": start, "seed": int(cfg.seed), "train": train_resume_key(cfg)["train"],
+    return {"drafter": start, "seed": int(cfg.seed), "train": {k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS},
             "prune": {k: v for k, v in to_plain(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
 
 
@@ -219,7 +222,7 @@ def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path |
 
 def _prune(cfg: DictConfig) -> Path:
     pc = bind_section(cfg, "prune", PruneSettings)  # the typed boundary: unknown keys fail
-    tc = bind_section(cfg, "train", TrainSettings)
+    tc = bind_step_section(cfg)
     torch.manual_seed(int(cfg.seed))
     out_dir = resolve_path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,7 +232,7 @@ def _prune(cfg: DictConfig) -> Path:
 
     device = str(pick_device(pc.device))
     history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
-    key = prune_resume_key(cfg)
+    key = prune_resume_key(cfg, tc)
     if history:  # a run from before resume keys has none: resumes as it did
         refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",
                          "pass a new prune.out_dir, or delete that one.",

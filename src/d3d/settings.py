@@ -2,12 +2,12 @@
 Hydra config into one of these in `run_*`, with a strict merge, so a misspelt or unread key fails
 there with its name instead of being ignored, and nothing below reads the raw config or keeps a
 second default in `.get(key, default)`. The YAML files keep the documented defaults; the fields
-here say which keys exist and their types (tests/test_configs.py binds every root x experiment).
+here say which keys exist and their types (tests/unit/test_configs.py binds every root x experiment).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, TypeVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -55,28 +55,36 @@ class EvalSettings:
 
 
 @dataclass
-class TrainSettings(ObjectiveKnobs):
-    """`train.*` (conf/train.yaml, also composed into prune for calibration and recovery); the
-    objective's own keys come from d3d.objective.ObjectiveKnobs."""
+class StepSettings(ObjectiveKnobs):
+    """`train.*` keys of the training step and its data (conf/training/default.yaml): d3d.train reads
+    them, and d3d.prune reads them for calibration and recovery. The objective's own keys come from
+    d3d.objective.ObjectiveKnobs."""
 
     responses_dir: str = MISSING  # written by d3d.generate
-    out_dir: str = MISSING
-    val_size: int = 12  # held-out responses for the offline τ estimator
+    val_size: int = 12  # held-out responses for the offline τ estimator (and prune's calibration)
     val_max_new_tokens: Optional[int] = 96  # score τ on the first N response tokens only
     max_len: int = 384  # prompt + response tokens per sequence
     lr: float = 3e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    batch_size: int = 2  # sequences per micro-batch
+    clip: Optional[float] = 1.0
+    freeze_embeddings: bool = True
+    loss_chunk_rows: int = 4096
+
+
+@dataclass
+class TrainSettings(StepSettings):
+    """`train.*` of d3d.train (conf/train.yaml): the step's keys plus the run's own schedule,
+    budget, cadence and distribution, which d3d.prune does not compose."""
+
+    out_dir: str = MISSING
     warmup_steps: int = 10
     max_steps: int = 200
     max_minutes: Optional[float] = 35.0  # None = no wall-time budget
-    batch_size: int = 2  # sequences per micro-batch
     grad_accum: int = 1
-    clip: Optional[float] = 1.0
-    freeze_embeddings: bool = True
     trainable_from_layer: Optional[int] = None
     gradient_checkpointing: bool = False
-    loss_chunk_rows: int = 4096
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16
     eval_every: int = 50  # 0 = never
     save_every: int = 10
@@ -84,6 +92,12 @@ class TrainSettings(ObjectiveKnobs):
     resume: bool = True
     progress: bool = True
     stop_at_step: Optional[int] = None  # debugging: stop (after saving) at this step, as if killed
+
+
+# d3d.train's own train.* keys. An experiment overlays every job alike, so the ones it sets (max_steps,
+# eval_every, ...) land in prune's `train` section too: they are d3d.train's, and prune skips them by
+# name (bind_step_section); any other key prune does not know still fails.
+TRAIN_ONLY_KEYS = frozenset(f.name for f in fields(TrainSettings)) - frozenset(f.name for f in fields(StepSettings))
 
 
 @dataclass
@@ -119,3 +133,33 @@ def bind(schema: type[T], node: Any, where: str) -> T:
 
 def bind_section(cfg: DictConfig, name: str, schema: type[T]) -> T:
     return bind(schema, cfg[name], name)
+
+
+def bind_step_section(cfg: DictConfig) -> StepSettings:
+    """d3d.prune's view of `train.*`: the step's keys, without d3d.train's own that an experiment
+    overlay put there (TRAIN_ONLY_KEYS)."""
+    node = OmegaConf.to_container(cfg["train"], resolve=True)
+    return bind(StepSettings, {k: v for k, v in node.items() if k not in TRAIN_ONLY_KEYS}, "train")
+
+
+# `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig; which
+# of its fields a file holds depends on its method, since DecodeConfig serves every method:
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # every method samples (0 = greedy)
+EVERY_METHOD_KEYS = (*SAMPLING_KEYS, "backend")  # ... and runs its passes on a backend (eager | static | compiled)
+TRAY_KEYS = ("C", "F", "coverage", "overlap", "cpu_threads_drafter")  # drafter work beside verification
+# `name` names the run (run_name: ${decode.name}); `max_new_tokens` comes from eval.max_new_tokens and
+# `stop_strings` is for callers of the engine, so neither is a decode file's key.
+
+
+def decode_keys(method: str) -> tuple[str, ...]:
+    """The DecodeConfig fields `method` reads: the sampling keys and the backend; the block size if it drafts; the
+    tray budget, coverage and overlap if it works beside verification (async). Asked of the method's
+    class in d3d.decoding.methods, never of its name, so a new method needs no line here. A decode
+    file holds exactly these and `name` (tests/unit/test_configs.py); eval's resume key and run.json
+    record only these."""
+    from d3d.decoding import DecodeConfig
+    from d3d.decoding.methods import method_class
+
+    cls = method_class(method)
+    return ("method", *EVERY_METHOD_KEYS, *(("block_size",) if cls.needs_drafter else ()),
+            *(TRAY_KEYS if cls.budget(DecodeConfig(method=method)) else ()))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d3d.models.drafter import packed_attention_mask
+from d3d.models.forward import packed_attention_mask
 from d3d.models.masks import Layout
 from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_floats
 
@@ -95,8 +95,20 @@ def train_resume_key(cfg) -> dict:
 
     plain = to_plain(cfg)
     target = {k: v for k, v in plain["target"].items() if k not in ("device", "dtype", "attn_implementation")}
-    return {"target": target, "drafter": plain["drafter"], "data": plain["data"], "seed": plain["seed"],
-            "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}}
+    return comparable_train_key({"target": target, "drafter": plain["drafter"], "data": plain["data"],
+                                 "seed": plain["seed"],
+                                 "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}})
+
+
+def comparable_train_key(key: dict) -> dict:
+    """`key` with data.exclude_eval sorted. The exclusion is a set (d3d.data.prompts removes the
+    union of the subsets), so its order changes no prompt; sorting both sides lets a key written
+    when the list was typed by hand, in another order, match the list now derived from
+    conf/benchmark/ (`${d3d.benchmarks:}`)."""
+    data = key.get("data")
+    if isinstance(data, dict) and isinstance(data.get("exclude_eval"), list):
+        key = {**key, "data": {**data, "exclude_eval": sorted(data["exclude_eval"])}}
+    return key
 
 
 # ---------------------------------------------------------------------------- the step

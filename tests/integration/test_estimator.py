@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from d3d.estimator import estimate_acceptance, greedy_rounds
-from d3d.models.drafter import DrafterSettings, hidden_states, logits_at
+from d3d.models.drafter import DrafterSettings
+from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example
 from tests.integration.test_drafter import tiny_drafter

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from d3d.eval import run_eval
+from d3d.decoding.methods import method_class
+from d3d.eval import read_settings, run_eval
 from d3d.report import compare_markdown, main as report_main, read_rows, summarise
 from d3d.utils.io import read_jsonl
 from tests.conftest import compose
@@ -208,12 +209,13 @@ def test_methods_share_sampling_and_block_size(tmp_path):
         assert [m.method for m in methods.values()] == ["ar", "sync", "async"]
         for dc in methods.values():
             assert (dc.temperature, dc.top_p, dc.top_k) == (1.0, 0.9, 7)
-        assert methods["ar"].block_size == 1
+        assert method_class("ar").block_size(methods["ar"]) == 1  # the block AR runs, whatever B is lent
         assert methods["sync"].block_size == methods["async"].block_size == 4
     # method-specific keys stay with their own method: C and F set on the composed async group only
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
     assert (methods["async"].C, methods["async"].F) == (3, 1)
-    assert (methods["sync"].C, methods["sync"].F) == (1, 0)
+    # sync reads no tray keys (d3d.settings.decode_keys): no packed budget, and its record holds none
+    assert method_class("sync").budget(methods["sync"]) == 0 and not {"C", "F"} & set(read_settings(methods["sync"]))
     # an AR group lends sampling, not its B = 1
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
     assert methods["sync"].block_size == 16 and methods["sync"].temperature == 1.0
@@ -373,3 +375,17 @@ def test_an_over_long_prompt_is_skipped_with_its_reason_not_the_run(tmp_path, mo
     assert all("exceeds the target's context" in s["reason"] for s in skipped)
     rows = list(read_jsonl(out / "rows.jsonl"))
     assert len([r for r in rows if r["method"] == "ar"]) == 4 and (out / "summary.json").is_file()
+
+
+def test_every_method_decodes_on_the_runs_backend(tmp_path, monkeypatch):
+    """`decode.backend=static` reaches every method, the AR baseline too (a speedup must never be the
+    backend's), is recorded per method in run.json, and the rows still equal AR's (greedy)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for group in ["async", "ar"]:
+        methods = methods_of(compose("eval", ["+experiment=smoke", f"decode={group}", "decode.backend=static"], tmp_path))
+        assert {name: dc.backend for name, dc in methods.items()} == {"ar": "static", "sync": "static", "async": "static"}
+    out = evaluate(tmp_path, "decode.backend=static")
+    rows = list(read_jsonl(out / "rows.jsonl"))
+    assert rows and all(r["equal_to_ar"] for r in rows)
+    recorded = json.loads((out / "run.json").read_text())["resume_key"]["methods"]
+    assert {name: m["backend"] for name, m in recorded.items()} == {"ar": "static", "sync": "static", "async": "static"}

@@ -17,6 +17,9 @@ def test_overrides_go_only_to_stages_that_have_the_key():
     assert stage_overrides("generate", ov) == ["+experiment=smoke", "seed=3", "target=tiny_random"]
     assert stage_overrides("prune", ov) == ["+experiment=smoke", "prune.num_layers=1", "seed=3", "target=tiny_random"]
     assert "eval.n=1" in stage_overrides("eval", ov) and "prune.num_layers=1" not in stage_overrides("eval", ov)
+    # prune composes only the training step's train.* keys (conf/training/): d3d.train's own stay with train
+    ov = ["train.lr=1e-4", "train.warmup_steps=2"]
+    assert stage_overrides("train", ov) == ov and stage_overrides("prune", ov) == ["train.lr=1e-4"]
 
 
 def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch, capsys):

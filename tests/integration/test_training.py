@@ -153,7 +153,7 @@ def test_mask_mod_equals_build_mask():
 
 
 def test_attention_mask_for_refuses_a_tensor_under_flex(tmp_path):
-    from d3d.models.drafter import attention_mask_for
+    from d3d.models.forward import attention_mask_for
 
     _, model, _ = tiny(tmp_path)
     model.config._attn_implementation = "flex_attention"

@@ -7,7 +7,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from d3d.objective import Example, ObjectiveConfig, d3d_loss, pack, sample_anchors, slot_weights, weight_of_draft
+from d3d.objective import (
+    Example, ObjectiveConfig, metrics_to_floats, pack, sample_anchors, slot_weights, weight_of_draft,
+)
+from d3d.training import D3DTrainingStep
 
 MASK, PAD = 99, 0
 
@@ -53,37 +56,30 @@ def test_anchor_sampling_stays_in_the_response():
     assert sample_anchors(short, ObjectiveConfig(anchors_per_seq=8), g).tolist() == [1]
 
 
-class FakeLM(torch.nn.Module):
-    """Logits are a fixed table per input token: the loss can be computed by hand."""
+def layerless_lm(vocab: int = 8):
+    """A real HF causal LM with no decoder layer: each row's logits depend on its own token only
+    (lm_head(norm(embedding))), so the training step's loss can be computed by hand. The masked
+    attention itself is contract 3's test (tests/integration/test_drafter.py)."""
+    import transformers
 
-    def __init__(self, vocab=8):
-        super().__init__()
-        self.emb = torch.nn.Embedding(100, vocab)
-        self.config = type("C", (), {"_attn_implementation": "sdpa"})()
-
-    @property
-    def base_model(self):
-        outer = self
-
-        class Base(torch.nn.Module):
-            def forward(self, input_ids, **kw):
-                return type("O", (), {"last_hidden_state": outer.emb(input_ids)})()
-
-        return Base()
-
-    def get_output_embeddings(self):
-        return torch.nn.Identity()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=0,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   tie_word_embeddings=False, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
 
 
 def test_loss_weighting_and_ar_switch():
-    torch.manual_seed(0)
-    lm = FakeLM()
+    """d3d.train's step (D3DTrainingStep: packed forward + chunked loss) takes exactly
+    L_denoise (slot-weighted) + λ·L_AR, and λ = 0 drops the AR term."""
+    lm = layerless_lm()
     ex = Example([1, 2, 3, 4, 5], prompt_len=2)
     cfg = ObjectiveConfig(block_size=3, gamma=2.0)
     b = pack([ex], cfg, 7, 0, torch.Generator(), [torch.tensor([1, 3])])
-    loss1, m1 = d3d_loss(lm, b, ar_weight=1.0)
-    loss0, m0 = d3d_loss(lm, b, ar_weight=0.0)
-    table = lm.emb.weight
+    m1 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=1.0)(b)[1])
+    m0 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=0.0, loss_chunk_rows=2)(b)[1])  # chunks change nothing
+    with torch.no_grad():
+        table = lm.lm_head(lm.model.norm(lm.model.embed_tokens.weight))  # logits of each input token
     ids = b.input_ids[0]
     ce = lambda row, t: F.cross_entropy(table[ids[row]][None], torch.tensor([t])).item()
     w = [1.0, math.exp(-0.5), math.exp(-1.0), 1.0]

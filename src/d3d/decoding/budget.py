@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from d3d.models.drafter import hidden_states, logits_at
+from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.utils.timing import timed
 

@@ -51,7 +51,8 @@ import torch
 from d3d.errors import ConfigError
 from d3d.decoding.kv import KVState, StaticKVState
 from d3d.decoding.verify import Sampling, greedy_verify, sample_verify
-from d3d.models.drafter import DrafterSettings, logits_at
+from d3d.models.drafter import DrafterSettings
+from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from d3d.errors import ConfigError
-from d3d.models.drafter import attention_mask_for, cache_kwarg, hidden_states
+from d3d.models.forward import attention_mask_for, cache_kwarg, hidden_states
 from d3d.models.masks import CLEAN, Layout, build_mask
 
 

@@ -25,7 +25,7 @@ import torch
 from d3d.decoding.engine import DecodeConfig, Round, _on
 from d3d.decoding.kv import KVState
 from d3d.decoding.verify import Sampling, draft_from, probs
-from d3d.models.drafter import logits_at
+from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, Layout, block_layout, concat
 
 

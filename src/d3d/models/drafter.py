@@ -24,7 +24,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from d3d.models.masks import Layout, block_mask, build_mask, float_mask
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 
 
@@ -231,79 +230,3 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
     model = load_model(str(path), dtype, device)
     DrafterSettings.of(model)  # fails clearly on a non-drafter folder
     return model, load_tokenizer(str(path))
-
-
-# ---------------------------------------------------------------------------- forward passes
-
-
-def attention_mask_for(model, mask):
-    """SDPA takes the boolean mask; eager wants an additive one; flex takes only a `BlockMask`
-    (transformers adds a tensor mask to flex's scores: a bool mask would be a +1/+0 bias that masks
-    nothing, docs/design.md, One mask builder), so a tensor under flex is refused rather than silently ignored."""
-    impl = model.config._attn_implementation
-    if impl == "flex_attention":
-        if isinstance(mask, torch.Tensor):
-            raise TypeError("flex_attention needs a BlockMask (d3d.models.masks.block_mask), not a "
-                            f"{mask.dtype} tensor: transformers would add it to the scores and mask nothing")
-        return mask
-    if impl == "eager":
-        return float_mask(mask, model.dtype)
-    return mask
-
-
-def packed_attention_mask(model, layout: Layout):
-    """The d3d mask of a packed training input, built on the layout's device (move the layout
-    first): a BlockMask under flex_attention, else build_mask's dense mask as the backend wants it."""
-    if model.config._attn_implementation == "flex_attention":
-        return block_mask(layout)
-    return attention_mask_for(model, build_mask(layout))
-
-
-def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
-                  cache_valid: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
-                  plain: bool | None = None) -> torch.Tensor:
-    """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given.
-
-    When the mask would be plain causal attention over an all-visible prefix (batch-1 decoding),
-    no mask is passed, so HF/SDPA take their causal fast path; the result is the same. `plain`
-    says so from what the caller knows (the decoding loop: no device sync); None = find out."""
-    if plain is None:
-        plain = _is_plain_causal(layout, cache_len, cache_valid, cache_pos)
-    if plain:
-        attention_mask = None
-    else:
-        attention_mask = attention_mask_for(model, build_mask(layout, cache_len, cache_valid, cache_pos).to(input_ids.device))
-    out = model.base_model(
-        input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=layout.pos.to(input_ids.device), use_cache=cache is not None, **cache_kwarg(model, cache),
-    )
-    return out.last_hidden_state
-
-
-def _is_plain_causal(layout: Layout, cache_len, cache_valid, cache_pos) -> bool:
-    """True when every token is clean, the cache is fully visible and positions run on from it."""
-    from d3d.models.masks import CLEAN
-
-    if layout.pos.shape[0] != 1 or not bool((layout.block == CLEAN).all()):
-        return False
-    dev = layout.pos.device
-    c = cache_pos.shape[1] if cache_pos is not None else int(cache_len)
-    if cache_valid is not None and not bool(cache_valid.all()):
-        return False
-    if cache_pos is not None and c and not torch.equal(cache_pos[0], torch.arange(c, device=cache_pos.device)):
-        return False
-    return torch.equal(layout.pos[0], torch.arange(c, c + layout.pos.shape[1], device=dev))
-
-
-def cache_kwarg(model, cache) -> dict:
-    """transformers >= 5.24 calls the KV cache `cache`; earlier releases `past_key_values`."""
-    import inspect
-
-    params = inspect.signature(type(model.base_model).forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
-
-
-def logits_at(model, hidden: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """LM-head logits of selected hidden rows, cut to the target's vocabulary."""
-    logits = model.get_output_embeddings()(hidden)
-    return logits[..., :vocab_size] if vocab_size else logits
