@@ -44,3 +44,16 @@ def test_only_keeps_the_ar_baseline(tmp_path, monkeypatch):
         "+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
     assert [s["method"] for s in res["summary"]] == ["d3d_ar", "d3d_async_c3_f1(16tok)", "d3d_async_c3_f1(16tok)[static]"]
     assert all(s["equal_rate"] == 1.0 for s in res["summary"]) and res["summary"][0]["ratio"] == 1.0
+
+
+def test_bench_ar_interleaved_smoke(tmp_path, monkeypatch):
+    """scripts/bench_ar.py: generate and our AR loop per backend, interleaved, same tokens."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose("eval", ["+experiment=smoke"], tmp_path)
+    out = tmp_path / "ar.json"
+    res = load_script("bench_ar").main(["--tokens", "6", "--repeats", "2", "--backends", "eager", "static",
+                                        "--out", str(out), "+experiment=smoke", f"paths.root_dir={tmp_path}",
+                                        f"paths.cache_dir={cfg.paths.cache_dir}"])
+    assert [r["method"] for r in res["rows"]] == ["hf_generate", "d3d_ar[eager]", "d3d_ar[static]"]
+    assert all(r["equal_rate"] == 1.0 and len(r["per_repeat_s"]) == 2 for r in res["rows"])
+    assert json.loads(out.read_text())["run"]["cpu"] and out.with_suffix(".md").exists()
