@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--benchmark", default="gsm8k", help="the prompt: this benchmark's first item")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "static", "compiled"])
+    ap.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "static", "compiled", "frozen"])
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)

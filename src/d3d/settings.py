@@ -145,7 +145,7 @@ def bind_step_section(cfg: DictConfig) -> StepSettings:
 # `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig; which
 # of its fields a file holds depends on its method, since DecodeConfig serves every method:
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # every method samples (0 = greedy)
-EVERY_METHOD_KEYS = (*SAMPLING_KEYS, "backend")  # ... and runs its passes on a backend (eager | static | compiled)
+EVERY_METHOD_KEYS = (*SAMPLING_KEYS, "backend")  # ... and runs its passes on a backend (eager | static | compiled | frozen)
 TRAY_KEYS = ("C", "F", "coverage", "overlap", "cpu_threads_drafter")  # drafter work beside verification
 # `name` names the run (run_name: ${decode.name}); `max_new_tokens` comes from eval.max_new_tokens and
 # `stop_strings` is for callers of the engine, so neither is a decode file's key.

@@ -302,7 +302,7 @@ def test_batched_async_serves_each_row_that_hit(models):
     ("top_p", 2, r"top_p=2: a number in \(0, 1\]"), ("top_p", 0, "top_p=0"), ("top_k", -1, "top_k=-1: an integer >= 0"),
     ("method", "nonsense", "method='nonsense': use ar, sync or async"), ("max_new_tokens", 0, "max_new_tokens=0"),
     ("C", 0, "C=0"), ("F", -1, "F=-1"), ("coverage", "most", "coverage='most'"),
-    ("backend", "jit", "backend='jit': use eager, static or compiled"),
+    ("backend", "jit", "backend='jit': use eager, static, compiled or frozen"),
 ])
 def test_bad_decode_settings_are_refused_at_construction(key, value, message):
     """Before: these failed deep in torch after the models loaded, ran silently greedy, or did nothing."""

@@ -86,13 +86,25 @@ def test_compiled_backend_equals_eager_and_reuses_its_graphs(models):
             assert graphs_compiled() == before, "a call of shapes already compiled compiled again"
 
 
+def test_frozen_backend_keeps_each_models_own_weights(models):
+    """backend=frozen folds the weights into the graph. The target and its drafter (a perturbed copy)
+    have the same shapes, so a graph reused across them would draft with the target's weights:
+    greedy tokens would still be right (lossless), but τ would not be the eager loop's."""
+    _, _, tok = models
+    prompts = prompts_for(tok, 3)
+    eager = generator(models, "sync", 4, 1, 0, "eager").generate(prompts)
+    frozen = generator(models, "sync", 4, 1, 0, "frozen").generate(prompts)
+    assert frozen.token_ids == eager.token_ids and frozen.taus() == eager.taus()
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["compiled", "frozen"])
 @pytest.mark.parametrize("method,B,C,F", CASES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_compiled_backend_greedy_equals_generate(models, method, B, C, F, batch):
+def test_compiled_backend_greedy_equals_generate(models, method, B, C, F, batch, backend):
     target, _, tok = models
     prompts = prompts_for(tok, batch)
-    res = generator(models, method, B, C, F, "compiled").generate(prompts)
+    res = generator(models, method, B, C, F, backend).generate(prompts)
     for row, p in enumerate(prompts):
         assert res.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), (method, row)
 

@@ -73,6 +73,7 @@ class DecodeConfig:
     overlap: str = "auto"  # auto | stream | thread | none (see SpecGenerator.overlap_mode)
     cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
     backend: str = "eager"  # eager (dynamic KV cache) | static (preallocated) | compiled (static + torch.compile)
+    #                         | frozen (compiled, weights frozen into the graph: prepacked for oneDNN on CPU)
     stop_strings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -84,7 +85,7 @@ class DecodeConfig:
         from d3d.decoding.methods import METHODS  # the registry names the methods there are
 
         choices = {"method": tuple(METHODS), "coverage": ("first", "confident"),
-                   "overlap": ("auto", "stream", "thread", "none"), "backend": ("eager", "static", "compiled")}
+                   "overlap": ("auto", "stream", "thread", "none"), "backend": ("eager", "static", "compiled", "frozen")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
@@ -283,8 +284,8 @@ class SpecGenerator:
         capacity = max(256, 1 << (need - 1).bit_length())
         state = self.states.get((id(model), batch))
         if state is None or state.batch != batch or state.capacity < need:
-            state = StaticKVState(model, batch, capacity, compiled=self.cfg.backend == "compiled",
-                                  graphs=not (side_stream and self.dstream is not None))
+            state = StaticKVState(model, batch, capacity, compiled=self.cfg.backend in ("compiled", "frozen"),
+                                  graphs=not (side_stream and self.dstream is not None), frozen=self.cfg.backend == "frozen")
             self.states[(id(model), batch)] = state
         state.reset()
         return state

@@ -96,10 +96,11 @@ class StaticKVState(KVState):
     Bookkeeping that HF keeps per layer (`cumulative_length`) is mirrored on the host by `length`
     (the driver knows every pass's width), so `len()` never asks the device."""
 
-    def __init__(self, model, batch: int, capacity: int, compiled: bool, graphs: bool = True):
+    def __init__(self, model, batch: int, capacity: int, compiled: bool, graphs: bool = True, frozen: bool = False):
         from transformers import StaticCache
 
         self.model, self.compiled, self.graphs, self.capacity = model, compiled, graphs, capacity
+        self.frozen = frozen
         self.device = next(model.parameters()).device
         self.gapless = False  # the static pass always takes the mask (its keys are all `capacity` slots)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
@@ -137,7 +138,7 @@ class StaticKVState(KVState):
         if self.length + q > self.capacity:
             raise RuntimeError(f"static KV cache full: {self.length} + {q} slots > capacity {self.capacity} "
                                "(the driver sizes it per call; this is a bug)")
-        run = static_pass if once or not self.compiled else compiled_static_pass(self.device, self.graphs)
+        run = static_pass if once or not self.compiled else compiled_static_pass(self.device, self.graphs, self.frozen)
         h = run(self.model, self.cache, input_ids, layout.pos, layout.block, layout.limit, self.slot_pos, self.slot_valid)
         self.length += q
         return h.clone() if run is not static_pass and self.device.type == "cuda" else h  # a CUDA graph reuses its output buffer
@@ -159,7 +160,7 @@ class StaticKVState(KVState):
     def select(self, rows: torch.Tensor) -> None:
         """Keep some rows: new buffers of the smaller batch (a new shape, so the compiled passes
         specialise on it once; rows leave a batch at most b-1 times per call)."""
-        new = StaticKVState(self.model, len(rows), self.capacity, self.compiled, self.graphs)
+        new = StaticKVState(self.model, len(rows), self.capacity, self.compiled, self.graphs, self.frozen)
         for old, layer in zip(self.cache.layers, new.cache.layers):
             layer.keys.copy_(old.keys[rows])
             layer.values.copy_(old.values[rows])
@@ -197,19 +198,24 @@ def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid
     return out.last_hidden_state
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[tuple[bool, bool], object] = {}
 
 
-def compiled_static_pass(device: torch.device, graphs: bool = True):
+def compiled_static_pass(device: torch.device, graphs: bool = True, frozen: bool = False):
     """`static_pass` under torch.compile, made once per process: each model and each shape (q, batch,
     capacity) is a graph of its own. On CUDA `reduce-overhead` records CUDA graphs, unless
     `graphs=False`: passes on a side stream (async's drafter) run compiled kernels without them,
-    because CUDA-graph trees share one memory pool and assume their graphs replay one after another."""
-    mode = "reduce-overhead" if device.type == "cuda" and graphs else "default"
-    if mode not in _COMPILED:
+    because CUDA-graph trees share one memory pool and assume their graphs replay one after another.
+    `frozen` (decode.backend=frozen): inductor's freezing, the weights folded into the graph as
+    constants and, on CPU, prepacked into oneDNN's blocked layout; a graph per model then."""
+    graphs = device.type == "cuda" and graphs
+    key = (graphs, frozen)
+    if key not in _COMPILED:
         import torch._dynamo
 
         # every (model, pass width, batch, capacity) is a graph: the default limit of 8 is too few
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        _COMPILED[mode] = torch.compile(static_pass, mode=mode, dynamic=False)
-    return _COMPILED[mode]
+        # freezing: the weights become constants of the graph, folded and (on CPU) prepacked for oneDNN
+        options = {"triton.cudagraphs": graphs, "freezing": frozen}
+        _COMPILED[key] = torch.compile(static_pass, options=options, dynamic=False)
+    return _COMPILED[key]
