@@ -24,6 +24,7 @@ from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.engine import BACKENDS
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--benchmark", default="gsm8k", help="the prompt: this benchmark's first item")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "static", "compiled", "frozen"])
+    ap.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=BACKENDS)
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)

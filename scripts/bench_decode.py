@@ -30,6 +30,7 @@ from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.engine import BACKENDS
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="target config (conf/target/<name>) for hf_assisted; default: a copy of the target")
     ap.add_argument("--budgets", nargs="*", default=["4x1", "8x2", "12x2"], help="async C x F pairs")
     ap.add_argument("--overlap", default="auto", help="async overlap: auto (stream on GPU, serial on CPU), thread, none")
-    ap.add_argument("--backends", nargs="+", default=["eager"], choices=["eager", "static", "compiled", "frozen"],
+    ap.add_argument("--backends", nargs="+", default=["eager"], choices=BACKENDS,
                     help="our loops once per decode.backend (rows of the others are tagged [backend])")
     ap.add_argument("--no-hf-baselines", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="run only these method names (prefix match); d3d_ar always runs as the baseline")

@@ -56,6 +56,10 @@ from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
 
 
+# How passes run (docs/design.md, Backends): eager (HF's dynamic cache, the reference) | static
+# (preallocated slots) | compiled (static + torch.compile; CUDA graphs on CUDA) | frozen (compiled,
+# weights folded into the graph: prepacked for oneDNN on CPU)
+BACKENDS = ("eager", "static", "compiled", "frozen")
 MAX_BLOCK = 256  # far above any trained drafter (16); 1000 used to run for minutes before anything failed
 
 
@@ -72,8 +76,7 @@ class DecodeConfig:
     max_new_tokens: int = 256
     overlap: str = "auto"  # auto | stream | thread | none (see SpecGenerator.overlap_mode)
     cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
-    backend: str = "eager"  # eager (dynamic KV cache) | static (preallocated) | compiled (static + torch.compile)
-    #                         | frozen (compiled, weights frozen into the graph: prepacked for oneDNN on CPU)
+    backend: str = "eager"  # one of BACKENDS
     stop_strings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -85,7 +88,7 @@ class DecodeConfig:
         from d3d.decoding.methods import METHODS  # the registry names the methods there are
 
         choices = {"method": tuple(METHODS), "coverage": ("first", "confident"),
-                   "overlap": ("auto", "stream", "thread", "none"), "backend": ("eager", "static", "compiled", "frozen")}
+                   "overlap": ("auto", "stream", "thread", "none"), "backend": BACKENDS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
