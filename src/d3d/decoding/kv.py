@@ -203,7 +203,8 @@ _COMPILED: dict[tuple[bool, bool], object] = {}
 
 def compiled_static_pass(device: torch.device, graphs: bool = True, frozen: bool = False):
     """`static_pass` under torch.compile, made once per process: each model and each shape (q, batch,
-    capacity) is a graph of its own. On CUDA `reduce-overhead` records CUDA graphs, unless
+    capacity) is a graph of its own. On CUDA it records CUDA graphs (inductor's `triton.cudagraphs`,
+    which mode="reduce-overhead" turns on), unless
     `graphs=False`: passes on a side stream (async's drafter) run compiled kernels without them,
     because CUDA-graph trees share one memory pool and assume their graphs replay one after another.
     `frozen` (decode.backend=frozen): inductor's freezing, the weights folded into the graph as
@@ -214,7 +215,10 @@ def compiled_static_pass(device: torch.device, graphs: bool = True, frozen: bool
         import torch._dynamo
 
         # every (model, pass width, batch, capacity) is a graph: the default limit of 8 is too few
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        # (`recompile_limit` in recent torch, `cache_size_limit` before)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 256))
         # freezing: the weights become constants of the graph, folded and (on CPU) prepacked for oneDNN
         options = {"triton.cudagraphs": graphs, "freezing": frozen}
         _COMPILED[key] = torch.compile(static_pass, options=options, dynamic=False)
