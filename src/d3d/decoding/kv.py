@@ -84,11 +84,11 @@ class KVState:
 
 
 class StaticKVState(KVState):
-    """The same slots in buffers allocated once (decode.backend=static|compiled).
+    """The same slots in buffers allocated once (decode.backend=static, compiled or frozen).
 
     A pass always has the same shapes (its q new tokens against all `capacity` slots), so it can
     be compiled once per shape: on CPU inductor removes the Python and dispatch overhead of a
-    step; on CUDA `mode="reduce-overhead"` replays it as a CUDA graph. HF's StaticCache writes the
+    step; on CUDA it replays as a CUDA graph. HF's StaticCache writes the
     new keys at slot `cumulative_length` (a device tensor per layer, advanced in place), so the
     slot a pass writes is never a host number the graph would specialise on. Slots past the length
     hold stale keys: the mask hides them (`live`), so cropping is only moving the length back.
@@ -105,7 +105,8 @@ class StaticKVState(KVState):
         self.gapless = False  # the static pass always takes the mask (its keys are all `capacity` slots)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
         if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
-            raise ConfigError(f"decode.backend=static|compiled: {type(model).__name__} has sliding-window layers, "
+            raise ConfigError(f"decode.backend={'frozen' if frozen else 'compiled' if compiled else 'static'}: "
+                              f"{type(model).__name__} has sliding-window layers, "
                               "whose static cache keeps only a window of slots; use decode.backend=eager")
         cfg = model.config.get_text_config(decoder=True)
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
