@@ -123,3 +123,19 @@ def test_static_capacity_is_a_power_of_two_that_fits_the_call(models):
     big = gen.states[(id(target), 1)]
     assert big.capacity >= len(long_prompt) + 8 + 4 + 8 and big.capacity & (big.capacity - 1) == 0
     assert len(res.token_ids[0]) == 8
+
+
+def test_sliding_window_models_are_refused_by_static_backends():
+    """A sliding-window layer's static cache keeps a window of slots, not our slots: refused, named."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from d3d.errors import ConfigError
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ConfigError, match="decode.backend=static: Qwen3ForCausalLM has sliding-window layers"):
+        StaticKVState(model, 1, 256, compiled=False)
+    cfg.use_sliding_window = False
+    cfg.layer_types = ["full_attention"] * 2
+    StaticKVState(AutoModelForCausalLM.from_config(cfg), 1, 256, compiled=False)  # the same model without: fine
