@@ -95,9 +95,23 @@ def random_prompts(n: int, vocab: int, seed: int, lengths=(9, 3, 14)) -> list[li
 GREEDY_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 4, 3, 2), ("async", 6, 6, 3)]
 
 
+def new_tally() -> dict:
+    return {"cases": 0, "equal": 0, "numerical": 0, "real": 0, "details": []}
+
+
+def tally(out: dict, target, prompt: list[int], ref: list[int], got: list[int], **where) -> None:
+    """Count one greedy comparison; a difference is classified by the target's logit margin."""
+    d = classify(target, prompt, ref, got)
+    out["cases"] += 1
+    out["equal"] += d is None
+    if d is not None:
+        out[d["kind"]] += 1
+        out["details"].append({**where, **d})
+
+
 def stage_greedy(device: str, new_tokens: int = 32) -> dict:
     target, drafter = tiny_pair(device, torch.float32, block_size=6)
-    out = {"cases": 0, "equal": 0, "numerical": 0, "real": 0, "details": []}
+    out = new_tally()
     for method, B, C, F in GREEDY_CASES:
         for batch in (1, 3):
             prompts = random_prompts(batch, 256, seed=batch)
@@ -107,13 +121,7 @@ def stage_greedy(device: str, new_tokens: int = 32) -> dict:
             res = gen.generate(prompts)
             for p, got in zip(prompts, res.token_ids):
                 ref = target.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens, do_sample=False)
-                ref = ref[0, len(p):].tolist()
-                d = classify(target, p, ref, got)
-                out["cases"] += 1
-                out["equal"] += d is None
-                if d is not None:
-                    out[d["kind"]] += 1
-                    out["details"].append({"method": method, "B": B, "C": C, "F": F, "batch": batch, **d})
+                tally(out, target, p, ref[0, len(p):].tolist(), got, method=method, B=B, C=C, F=F, batch=batch)
     out["ok"] = out["real"] == 0
     return out
 
@@ -255,7 +263,7 @@ def stage_readiness(device: str, out_dir: Path, toy: bool) -> dict:
 def stage_compiled(device: str, toy: bool) -> dict:
     """The compiled backend gives the eager loop's greedy tokens, and what it saves per round."""
     target, drafter = tiny_pair(device, torch.float32, block_size=6)
-    out = {"cases": 0, "equal": 0, "numerical": 0, "real": 0, "details": []}
+    out = new_tally()
     cases = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("async", 4, 3, 2)]
     for method, B, C, F in cases[:1] if toy else cases:
         for batch in (1,) if toy else (1, 3):
@@ -265,12 +273,7 @@ def stage_compiled(device: str, toy: bool) -> dict:
                 DecodeConfig(method=method, block_size=B, C=C, F=F, max_new_tokens=24, backend=backend), eos_token_ids=[])
             eager, compiled = make("eager").generate(prompts), make("compiled").generate(prompts)
             for p, ref, got in zip(prompts, eager.token_ids, compiled.token_ids):
-                d = classify(target, p, ref, got)
-                out["cases"] += 1
-                out["equal"] += d is None
-                if d is not None:
-                    out[d["kind"]] += 1
-                    out["details"].append({"method": method, "batch": batch, **d})
+                tally(out, target, p, ref, got, method=method, batch=batch)
     del target, drafter
     # per-round wall time at the real shapes (or toy ones): eager, then compiled after its warm-up
     shapes = ("toy", "toy", torch.float32, 32, 8) if toy else ("qwen3_8b", "qwen3_1p7b", torch.bfloat16, 512, 32)
