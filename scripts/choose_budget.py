@@ -12,7 +12,6 @@ table and writes outputs/bench/budget_<target>.json (the choice, every budget, c
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -20,9 +19,10 @@ import torch
 from d3d.config import compose, resolve_path
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
-from d3d.decoding.budget import calibrate, greedy_pairs
+from d3d.decoding.budget import calibrate, greedy_pairs, packed_blocks
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, load_drafter
+from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 
 
@@ -70,14 +70,13 @@ def main(argv: list[str] | None = None) -> dict:
     print("| C | F | packed tokens | packed ms | hit rate | round ms | projected speedup |\n|---|---|---|---|---|---|---|")
     for r in sorted(best.table, key=lambda r: (r["C"], r["F"])):
         mark = " **chosen**" if (r["C"], r["F"]) == (best.C, best.F) else ""
-        print(f"| {r['C']} | {r['F']} | {s.block_size * (min(r['C'] - 1, s.block_size - 1) * r['F'] + 2)} | "
+        print(f"| {r['C']} | {r['F']} | {s.block_size * packed_blocks(s.block_size, r['C'], r['F'])} | "
               f"{r['packed_ms']:.1f} | {r['hit_rate']:.3f} | {r['round_ms']:.1f} | {r['projected_speedup']:.3f}×{mark} |")
     result = {"target": str(cfg.target.name), "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
               "rounds": rounds, "responses": len(pairs), "overlap": overlap, "costs": costs,
               "choice": best.as_dict(), "dtype": str(target.dtype), "run": run_info(target.device)}
     out = Path(args.out or f"outputs/bench/budget_{cfg.target.name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    write_json(out, result)
     print(f"\nchosen: C={best.C} F={best.F} (projected {best.projected_speedup:.3f}× vs sync {best.sync_speedup:.3f}×); "
           f"written: {out}")
     return result

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     if len(args.hit_rate) != len(budgets):  # a budget's hit rate is its own: never one for all
         p.error(f"--hit-rate takes one value per --budgets entry ({len(budgets)} budgets, {len(args.hit_rate)} rates)")
     from d3d.decoding import DecodeConfig
+    from d3d.decoding.budget import packed_blocks
 
     res = Results(Path(args.out or f"outputs/bench/gpu_readiness_{args.target}.json"),
                   target=args.target, drafter=args.drafter, device=str(device),
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     res.stage("verify_ms", {b: verify_latency(target, args.prefix, b, device, args.repeats)
                             for b in sorted({*args.block_sizes, 1, B})})
     res.stage("sync_draft_ms", draft_latency(drafter, args.prefix, 1, device, args.repeats))
-    res.stage("packed_ms", {f"{C}x{F}": draft_latency(drafter, args.prefix, (C - 1) * F + 2, device, args.repeats)
+    res.stage("packed_ms", {f"{C}x{F}": draft_latency(drafter, args.prefix, packed_blocks(B, C, F), device, args.repeats)
                             for C, F in budgets})
     loops = {}
     for name, cfg in [("ar", DecodeConfig(method="ar")), ("sync", DecodeConfig(method="sync", block_size=B))] + \
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         t_hit = max(t_miss - lp["draft_ms"], 1e-9)  # a hit skips the synchronous draft
         v, pk = res["verify_ms"][B], res["packed_ms"][f"{C}x{F}"]
         overlap = max(0.0, min(1.0, (v + pk - t_hit) / min(v, pk)))
-        rows.append({"method": f"async C={C} F={F}", "budget_tokens": B * ((C - 1) * F + 2), "hit_rate": hit,
+        rows.append({"method": f"async C={C} F={F}", "budget_tokens": B * packed_blocks(B, C, F), "hit_rate": hit,
                      "round_ms": t_miss, "hit_round_ms": t_hit, "overlap": overlap,
                      "projected_speedup": project(args.tau, hit, t_ar, t_miss=t_miss, t_hit=t_hit)})
     res.stage("projection", rows)

@@ -129,8 +129,15 @@ def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, r
     ids = torch.tensor([prefix], dtype=torch.long, device=next(target.parameters()).device)
     return {"step_ms": clean_pass_ms(target, ids, 1, repeats), "verify_ms": clean_pass_ms(target, ids, block_size, repeats),
             "draft_ms": block_pass_ms(drafter, ids, 1, repeats),
-            "packed_ms": {f"{C}x{F}": block_pass_ms(drafter, ids, min(C - 1, block_size - 1) * F + 2, repeats)
+            "packed_ms": {f"{C}x{F}": block_pass_ms(drafter, ids, packed_blocks(block_size, C, F), repeats)
                           for C, F in grid}}
+
+
+def packed_blocks(block_size: int, C: int, F: int) -> int:
+    """Blocks in async's packed pass at budget (C, F): the method's own budget, in blocks."""
+    from d3d.decoding import DecodeConfig
+
+    return DecodeConfig(method="async", block_size=block_size, C=C, F=F).budget // block_size
 
 
 @dataclass
