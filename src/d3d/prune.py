@@ -87,10 +87,6 @@ def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
     return sims
 
 
-def _by_acceptance(model, calib, s, progress, record):
-    return score_by_acceptance(model, calib, s, progress, record)
-
-
 def _by_similarity(model, calib, s, progress, record):
     return score_by_similarity(model, calib, s)
 
@@ -101,7 +97,7 @@ def _last_layer(model, calib, s, progress, record):
 
 # prune.method -> a scorer: one score per current layer, the highest is removed. A new pruning
 # criterion is one function and one line here (docs/design.md, "Changes a researcher makes").
-SCORERS = {"acceptance": _by_acceptance, "similarity": _by_similarity, "last": _last_layer}
+SCORERS = {"acceptance": score_by_acceptance, "similarity": _by_similarity, "last": _last_layer}
 UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
 
 
@@ -139,18 +135,23 @@ def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int 
     """Median time of a pass of `blocks` blocks after a cached prefix of random tokens (lm_head
     excluded), in the dtype the drafter will decode in (bf16 on a GPU): d3d.decoding.budget's timer."""
     from d3d.decoding.budget import block_pass_ms
-    from d3d.models.target import torch_dtype
 
-    device = next(model.parameters()).device
-    deployed = torch_dtype("auto", device)
-    if deployed != next(model.parameters()).dtype:
-        model = copy.deepcopy(model).to(deployed)
-    ids = torch.randint(10, s.vocab_size - 1, (1, prefix), device=device)
+    model = as_deployed(model)
+    ids = torch.randint(10, s.vocab_size - 1, (1, prefix), device=next(model.parameters()).device)
     return block_pass_ms(model, ids, blocks, repeats, logits=False)
 
 
+def as_deployed(model):
+    """The drafter in the dtype it will decode in (bf16 on a GPU): itself, or a cast copy."""
+    from d3d.models.target import torch_dtype
+
+    param = next(model.parameters())
+    deployed = torch_dtype("auto", param.device)
+    return model if deployed == param.dtype else copy.deepcopy(model).to(deployed)
+
+
 def latencies(model, s: DrafterSettings, pc: PruneSettings) -> dict:
-    packed = pc.packed_blocks
+    packed, model = pc.packed_blocks, as_deployed(model)  # one cast copy for both timings
     return {"draft_latency_ms": draft_latency_ms(model, s),
             f"packed_{packed * s.block_size}tok_latency_ms": draft_latency_ms(model, s, blocks=packed)}
 
