@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from d3d.config import ConfigError, resolve_path
-from d3d.utils.io import read_jsonl
+from d3d.utils.io import published, read_jsonl
 
 MARKER = "COMPLETE"
 
@@ -79,9 +79,8 @@ def trim_rows(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
     rows = list(read_jsonl(path))
     kept = [r for r in rows if keep(r)]
     if len(kept) != len(rows):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
-        tmp.replace(path)
+        with published(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
     return kept
 
 
