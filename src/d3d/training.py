@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaConf)
 from d3d.models.forward import packed_attention_mask
 from d3d.models.masks import Layout
 from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_floats
@@ -29,7 +30,6 @@ from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_flo
 
 def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
     """(prompt + response) token ids of every response row, cut to max_len, sorted by id."""
-    from d3d.config import ConfigError
     from d3d.data.responses import read_responses
 
     rows = read_responses(responses_dir)
@@ -47,7 +47,6 @@ def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
 
 
 def split_examples(examples: list[Example], val_size: int, seed: int) -> tuple[list[Example], list[Example]]:
-    from d3d.config import ConfigError
 
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
