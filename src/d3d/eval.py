@@ -35,7 +35,7 @@ from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.settings import EVERY_METHOD_KEYS, EvalSettings, bind_section, decode_keys
-from d3d.report import BASELINE, read_rows, summary_markdown, write_report
+from d3d.report import BASELINE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
@@ -175,11 +175,10 @@ def resume_key(cfg: DictConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
     """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
     Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
     drafter = cfg.drafter.get("checkpoint")
-    if drafter:
-        drafter_folder(drafter)  # a missing path or a run folder: said now, with the fix
+    folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
     return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
-            "drafter": str(resolve_path(drafter)) if drafter else f"untrained {cfg.drafter.name}",
-            **({"drafter_weights": weights_fingerprint(resolve_path(drafter))} if drafter else {}),
+            "drafter": str(folder) if folder else f"untrained {cfg.drafter.name}",
+            **({"drafter_weights": weights_fingerprint(folder)} if folder else {}),
             "max_new_tokens": ev.max_new_tokens, "enable_thinking": ev.enable_thinking,
             "seed": int(cfg.seed), "exec_timeout_s": ev.exec_timeout_s,
             # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
@@ -379,7 +378,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                         for name, dc in methods.items()},
             "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
 
-    done = {(r["benchmark"], r["id"], r["turn"], r["method"], r.get("concurrency", 1)): r for r in previous}
+    done = {row_key(r): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
     skipped_file = out_dir / ("skipped.jsonl" if state.num_processes == 1 else f"skipped.rank{state.process_index}.jsonl")
     with JsonlWriter(rows_file) as writer, JsonlWriter(skipped_file) as skipped:
@@ -403,8 +402,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
         return out_dir
     summary = write_report(out_dir, {"config": to_plain(cfg)})
     print(summary_markdown(summary))
-    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)),
-                   lambda r: (r["benchmark"], r["id"], r["turn"], r["method"], r["concurrency"]))
+    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)), row_key)
     if skips:
         print(f"[d3d.eval] {len(skips)} requests skipped, their prompts too long for the context "
               f"(listed with the reason in {out_dir}/skipped*.jsonl)", flush=True)
