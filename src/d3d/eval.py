@@ -34,7 +34,7 @@ from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
-from d3d.settings import EVERY_METHOD_KEYS, EvalSettings, bind_section, decode_keys
+from d3d.settings import TRAY_KEYS, EvalSettings, bind_section, decode_keys
 from d3d.report import BASELINE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
@@ -45,10 +45,6 @@ log = logging.getLogger("d3d.eval")
 
 # Settings every method of one run shares, so that speedups and equality compare like with like:
 # sampling for all methods (AR included), the block size for the speculative ones.
-# Every method takes the run's sampling and backend: the AR baseline decodes as the others do
-# (compiled against compiled), so a speedup is never the backend's.
-SHARED_BY_ALL = EVERY_METHOD_KEYS
-SHARED_SPECULATIVE = ("block_size",)
 # Pairs whose greedy outputs must agree bit for bit, round by round (`equal_to_sync`): the async
 # loop is the sync loop plus trays, verifying the same shapes. Keyed by decoding-method name.
 BITWISE_REFERENCE = {"async": "sync"}
@@ -62,8 +58,6 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
     check_eval_settings(ev)
     composed = decode_config(cfg.decode, "decode")
-    speculative = method_class(composed.method).needs_drafter
-    shared = list(SHARED_BY_ALL) + (list(SHARED_SPECULATIVE) if speculative else [])
     out = {}
     for name in ev.methods:
         if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
@@ -72,8 +66,11 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         own = decode_config(cfg.methods[name], f"methods.{name}")
         if composed.method == own.method:
             dc = replace(composed)
-        else:
-            keys = shared if method_class(own.method).needs_drafter else SHARED_BY_ALL
+        else:  # lent: the keys both methods read, but the method and its tray budget. Every method
+            # takes the run's sampling and backend (the AR baseline decodes as the others do, so a
+            # speedup is never the backend's); a drafting method takes a drafting group's block size
+            keys = [k for k in decode_keys(own.method)
+                    if k in decode_keys(composed.method) and k not in ("method", *TRAY_KEYS)]
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
         # the budget study: a method with drafter work beside verification (async) gets one per C x F
