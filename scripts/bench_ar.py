@@ -25,7 +25,7 @@ from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.engine import BACKENDS
-from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models import load_target
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 
@@ -42,9 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = compose("eval", args.overrides)
     cache = resolve_path(cfg.paths.cache_dir)
-    path = resolve_model_path(cfg.target, cache)
-    tok = load_tokenizer(path)
-    target = load_model(path, cfg.target.dtype, "auto")
+    _, tok, target = load_target(cfg.target, cache)
     spec = benchmark_spec(args.benchmark)
     prompt = chat_prompt_ids(tok, first_turn_messages(spec, load_benchmark(spec, cache, n=1)[0]))
     ids = torch.tensor([prompt], device=target.device)

@@ -31,7 +31,7 @@ from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.engine import BACKENDS
-from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models import load_model, load_target, resolve_model_path
 from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = compose("eval", args.overrides)
     cache = resolve_path(cfg.paths.cache_dir)
-    path = resolve_model_path(cfg.target, cache)
-    tok = load_tokenizer(path)
-    target = load_model(path, cfg.target.dtype, "auto")
+    path, tok, target = load_target(cfg.target, cache)
     drafter, drafter_tok = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
     for warning in check_fits_target(drafter, drafter_tok, target, tok, str(cfg.target.name)):
         print(f"warning: {warning}", flush=True)

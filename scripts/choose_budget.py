@@ -20,7 +20,7 @@ from d3d.config import compose, resolve_path
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.decoding.budget import calibrate, greedy_pairs, packed_blocks
-from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models import load_target
 from d3d.models.drafter import DrafterSettings, load_drafter
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     cfg = compose("generate", args.overrides)
-    path = resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))
-    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, "auto")
+    _, tok, target = load_target(cfg.target, resolve_path(cfg.paths.cache_dir))
     drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
     s = DrafterSettings.of(drafter)
     pairs = calibration(args, cfg, target, tok)

@@ -30,7 +30,7 @@ from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.methods import method_class
-from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models import load_target
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
@@ -199,8 +199,7 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
 
 
 def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, state):
-    path = resolve_model_path(cfg.target, cache)
-    tok, target = load_tokenizer(path), load_model(path, cfg.target.dtype, process_device(state, cfg.target.device))
+    _, tok, target = load_target(cfg.target, cache, process_device(state, cfg.target.device))
     drafter = None
     if any(method_class(dc.method).needs_drafter for dc in methods.values()):
         if cfg.drafter.get("checkpoint"):

@@ -389,3 +389,16 @@ def test_every_method_decodes_on_the_runs_backend(tmp_path, monkeypatch):
     assert rows and all(r["equal_to_ar"] for r in rows)
     recorded = json.loads((out / "run.json").read_text())["resume_key"]["methods"]
     assert {name: m["backend"] for name, m in recorded.items()} == {"ar": "static", "sync": "static", "async": "static"}
+
+
+def test_eval_loads_the_target_with_its_attention_backend(tmp_path, monkeypatch):
+    """target.attn_implementation reaches the model eval decodes with (it used to be dropped, so a
+    flash_attention_2 setting silently ran SDPA); eager differs from the sdpa default on a CPU too."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from d3d.config import resolve_path
+    from d3d.eval import load_models
+    from d3d.models.target import process_state
+
+    cfg = compose("eval", SMOKE + ["target.attn_implementation=eager"], tmp_path)
+    _, target, _ = load_models(cfg, methods_of(cfg), resolve_path(cfg.paths.cache_dir), process_state())
+    assert target.config._attn_implementation == "eager"

@@ -193,6 +193,14 @@ def load_tokenizer(path: str):
     return tok
 
 
+def load_target(target_cfg, cache_dir, device: str | None = "auto"):
+    """The target a `target` config names: (its folder, tokenizer, model), in the config's dtype and
+    attention backend (`attn_implementation`: flash_attention_2 on a GPU when set)."""
+    path = resolve_model_path(target_cfg, cache_dir)
+    model = load_model(path, target_cfg.dtype, device, target_cfg.get("attn_implementation", "sdpa"))
+    return path, load_tokenizer(path), model
+
+
 def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto",
                attn_implementation: str | None = "sdpa"):
     """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (docs/design.md, Models)."""
