@@ -112,8 +112,9 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
         prompts = load_prompt_set(cfg.data, cache)[-ev.auto_budget_prompts:]
         pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
                              min(ev.max_new_tokens, 128), eos_ids(tok, target))
-        pick, basis = calibrate(target, drafter, pairs, methods[names[0]].block_size,
-                                overlap=target.device.type == "cuda")
+        # packed pass beside verification (a side stream) or after it: as the loop will run it
+        overlap = SpecGenerator.overlap_mode(methods[names[0]], target.device) == "stream"
+        pick, basis = calibrate(target, drafter, pairs, methods[names[0]].block_size, overlap=overlap)
         earlier = {**pick.as_dict(), **basis}
         log.info("eval.async_budgets=auto chose C=%d F=%d (projected %.3fx, sync %.3fx)", pick.C, pick.F,
                  pick.projected_speedup, pick.sync_speedup)
