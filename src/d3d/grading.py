@@ -117,7 +117,8 @@ def extract_code(text: str) -> str:
 #     not even the host's localhost), new PID namespace (the grader and every other process are
 #     invisible to kill(); when the program exits the kernel kills whatever it left behind), and a
 #     new mount namespace in which every mount is read-only but the temporary directory.
-# `isolation()` says which layers this machine gives; eval records it in run.json.
+# `isolation()` says which layers this machine gives (probed once per process); `run_python` uses
+# it to choose the chain. Nothing records it yet: call it to see what a machine gives.
 # A pass needs exit status 0 AND the per-call sentinel that the runner prints after the program
 # returned: exiting early (sys.exit(0), os._exit(0), a killed interpreter) is a failure.
 
