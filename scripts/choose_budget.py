@@ -68,16 +68,17 @@ def main(argv: list[str] | None = None) -> dict:
           f"sync projected {best.sync_speedup:.3f}×\n")
     print("| C | F | packed tokens | packed ms | hit rate | round ms | projected speedup |\n|---|---|---|---|---|---|---|")
     for r in sorted(best.table, key=lambda r: (r["C"], r["F"])):
-        mark = " **chosen**" if (r["C"], r["F"]) == (best.C, best.F) else ""
+        mark = " **chosen**" if best.trays and (r["C"], r["F"]) == (best.C, best.F) else ""
         print(f"| {r['C']} | {r['F']} | {s.block_size * packed_blocks(s.block_size, r['C'], r['F'])} | "
               f"{r['packed_ms']:.1f} | {r['hit_rate']:.3f} | {r['round_ms']:.1f} | {r['projected_speedup']:.3f}×{mark} |")
+    print(f"| no trays (sync) | | 0 | 0.0 | — | {costs['draft_ms'] + costs['verify_ms']:.1f} | "
+          f"{best.sync_speedup:.3f}×{'' if best.trays else ' **chosen**'} |")
     result = {"target": str(cfg.target.name), "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
               "rounds": rounds, "responses": len(pairs), "overlap": overlap, "costs": costs,
               "choice": best.as_dict(), "dtype": str(target.dtype), "run": run_info(target.device)}
     out = Path(args.out or f"outputs/bench/budget_{cfg.target.name}.json")
     write_json(out, result)
-    print(f"\nchosen: C={best.C} F={best.F} (projected {best.projected_speedup:.3f}× vs sync {best.sync_speedup:.3f}×); "
-          f"written: {out}")
+    print(f"\nchosen: {best.why}; written: {out}")
     return result
 
 

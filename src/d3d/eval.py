@@ -116,10 +116,12 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
         overlap = SpecGenerator.overlap_mode(methods[names[0]], target.device) == "stream"
         pick, basis = calibrate(target, drafter, pairs, methods[names[0]].block_size, overlap=overlap)
         earlier = {**pick.as_dict(), **basis}
-        log.info("eval.async_budgets=auto chose C=%d F=%d (projected %.3fx, sync %.3fx)", pick.C, pick.F,
-                 pick.projected_speedup, pick.sync_speedup)
+        log.info("eval.async_budgets=auto: %s", pick.why)
     for name in names:
-        methods[name] = replace(methods[name], C=int(earlier["C"]), F=int(earlier["F"]))
+        if earlier.get("trays", True):
+            methods[name] = replace(methods[name], C=int(earlier["C"]), F=int(earlier["F"]))
+        else:  # no budget beats plain drafting here: the method runs as sync (run.json says why)
+            methods[name] = replace(methods[name], method="sync")
     return earlier
 
 

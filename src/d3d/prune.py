@@ -19,7 +19,6 @@ after recovery, and the retention — the stopping rule — is measured on them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import shutil
@@ -40,8 +39,8 @@ from d3d.models.target import pick_device
 from d3d.settings import PruneSettings, StepSettings, bind_section, bind_step_section
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (
-    RESUMABLE_TRAIN_KEYS, D3DTrainingStep, batch_at, cut_responses, freeze_embeddings_except_mask, load_examples,
-    make_optimizer, optimizer_step, split_examples,
+    RESUMABLE_TRAIN_KEYS, D3DTrainingStep, autocast, batch_at, cut_responses, freeze_embeddings_except_mask,
+    load_examples, make_optimizer, mixed_precision, optimizer_step, split_examples,
 )
 from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
@@ -52,7 +51,10 @@ log = logging.getLogger("d3d.prune")
 
 
 def tau_of(model, calib, s: DrafterSettings) -> float:
-    return estimate_acceptance(model, calib, s.block_size, s.mask_token_id, s.vocab_size).tau
+    """Exact greedy τ in the precision the drafter trains and decodes in on this device (bf16
+    autocast on CUDA and native-bf16 CPUs, where it is also 2-3x faster than fp32)."""
+    with autocast(mixed_precision("auto"), next(model.parameters()).device):
+        return estimate_acceptance(model, calib, s.block_size, s.mask_token_id, s.vocab_size).tau
 
 
 def score_by_acceptance(model, calib, s: DrafterSettings, progress: bool = True,
@@ -120,13 +122,14 @@ def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed
     optimizer = make_optimizer(model, tc)
     model.train()
     device = next(model.parameters()).device
-    # On a GPU, recovery trains as d3d.train does there: bf16 matmuls under autocast, fp32 weights.
-    precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
+    # with fp32 weights on CUDA and native-bf16 CPUs, fp32 on AVX2-only CPUs.
+    precision = mixed_precision("auto")
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         batch = pack(batch_at(train, step, 0, tc.batch_size, tc.batch_size, seed), objective,
                      s.mask_token_id, pad_id, gen)
-        with precision:
+        with autocast(precision, device):
             optimizer_step(step_module, optimizer, [batch], tc.clip)
     model.eval()
 
@@ -197,7 +200,7 @@ def prune_resume_key(cfg: DictConfig, tc: StepSettings) -> dict:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else to_plain(cfg.drafter))
-    return {"drafter": start, "seed": int(cfg.seed), "train": {k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS},
+    return {"drafter": start, "seed": int(cfg.seed), "precision": mixed_precision("auto"), "train": {k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS},
             "prune": {k: v for k, v in to_plain(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
 
 

@@ -165,6 +165,8 @@ def summary_markdown(summary: dict) -> str:
               f"({m['divergences']['numerical']} numerical, {m['divergences']['real']} real)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items()
               if sum(m.get("divergences", {}).values())]
+    if summary.get("auto_budget", {}).get("why"):  # older run.json files hold the choice without a reason
+        notes.append(f"async budget `auto`: {summary['auto_budget']['why']}")
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     if summary.get("load"):
@@ -263,6 +265,13 @@ def methods_info(folder: Path) -> dict:
     return json.loads(run.read_text()).get("methods", {}) if run.is_file() else {}
 
 
+def auto_budget_info(folder: Path) -> dict | None:
+    """What `eval.async_budgets=[auto]` chose and why (run.json), for the summary's notes."""
+    run = folder / "run.json"
+    choice = json.loads(run.read_text()).get("auto_budget") if run.is_file() else None
+    return {k: choice.get(k) for k in ("C", "F", "trays", "why", "projected_speedup", "sync_speedup")} if choice else None
+
+
 def write_report(folder: str | Path, extra: dict | None = None) -> dict:
     """(Re)compute summary.json, summary.md and the plots of a result folder from its rows."""
     folder = Path(folder)
@@ -271,6 +280,8 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
         raise FileNotFoundError(f"{folder} holds no rows*.jsonl: is it a d3d.eval result folder?")
     summary = summarise(rows)
     summary["methods"] = methods_info(folder)
+    if auto_budget_info(folder):
+        summary["auto_budget"] = auto_budget_info(folder)
     summary.update(extra or {})
     summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
     write_json(folder / "summary.json", summary)

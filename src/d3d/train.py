@@ -26,9 +26,9 @@ from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
-    D3DTrainingStep, batch_at, comparable_train_key, cut_responses, drafter_state_dict,
+    D3DTrainingStep, autocast, batch_at, comparable_train_key, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
-    make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
+    make_accelerator, make_optimizer, make_scheduler, mixed_precision, optimizer_step, split_examples, train_resume_key,
 )
 from d3d.utils.checkpoints import mark_complete, promote, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
@@ -42,9 +42,12 @@ log = logging.getLogger("d3d.train")
 # ---------------------------------------------------------------------------- the loop
 
 
-def evaluate(model, val: list, settings: DrafterSettings) -> dict:
+def evaluate(model, val: list, settings: DrafterSettings, precision: str = "no") -> dict:
+    """Held-out exact greedy τ, in the training's precision (bf16 where the drafter will decode in
+    bf16: the τ it reports is the deployed drafter's, and the estimate is faster)."""
     model.eval()  # the estimator fills a KV cache, which gradient checkpointing turns off in train mode
-    stats = estimate_acceptance(model, val, settings.block_size, settings.mask_token_id, settings.vocab_size)
+    with autocast(precision, next(model.parameters()).device):
+        stats = estimate_acceptance(model, val, settings.block_size, settings.mask_token_id, settings.vocab_size)
     out = stats.as_dict(settings.block_size)
     return {"val_tau": out["tau"], "val_slot_accuracy": [round(a, 4) for a in out["slot_accuracy"]],
             "val_tau_histogram": out["tau_histogram"]}
@@ -83,6 +86,7 @@ class TrainRecipe:
         self.cfg = cfg
         tc = self.tc = bind_section(cfg, "train", TrainSettings)  # the typed boundary: unknown keys fail
         self.accelerator = accelerator = make_accelerator(tc)
+        self.precision = mixed_precision(tc.mixed_precision)  # what accelerate autocasts the step in
         set_seed(int(cfg.seed))
         self.out_dir = out_dir = resolve_path(tc.out_dir)
         examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
@@ -157,7 +161,7 @@ class TrainRecipe:
                 wandb_run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
         if step == 0 and tc.eval_every:
-            log_row({"step": 0, **evaluate(self.drafter(), val, settings)})
+            log_row({"step": 0, **evaluate(self.drafter(), val, settings, self.precision)})
         start = time.perf_counter() - float(self.state["elapsed_s"])
         model.train()
         # A resumed run whose time budget is already spent is finished: rerunning it trains no more.
@@ -175,7 +179,7 @@ class TrainRecipe:
             bar.set_postfix(loss=f"{m['loss']:.3f}")
             out_of_time = budget_s is not None and time.perf_counter() - start > budget_s
             if tc.eval_every and (step % tc.eval_every == 0 or step == max_steps or out_of_time):
-                row.update(evaluate(self.drafter(), val, settings))
+                row.update(evaluate(self.drafter(), val, settings, self.precision))
                 model.train()
             if step % tc.log_every == 0 or "val_tau" in row or step == max_steps:
                 log_row(row)

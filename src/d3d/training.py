@@ -12,6 +12,7 @@ machines that have neither.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -96,6 +97,9 @@ def train_resume_key(cfg) -> dict:
     target = {k: v for k, v in plain["target"].items() if k not in ("device", "dtype", "attn_implementation")}
     return comparable_train_key({"target": target, "drafter": plain["drafter"], "data": plain["data"],
                                  "seed": plain["seed"],
+                                 # what `auto` resolved to on this machine: an fp32 run resumed in bf16
+                                 # on another CPU would be half one experiment and half another
+                                 "precision": mixed_precision(str(plain["train"].get("mixed_precision", "auto"))),
                                  "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}})
 
 
@@ -244,11 +248,24 @@ def make_scheduler(optimizer, tc):
 
 
 def mixed_precision(setting: str) -> str:
-    """auto = bf16 on CUDA, none on CPU: on our AVX2 CPUs bf16 matmuls of many rows run 2-7x
-    slower than fp32 (scripts/bench_generate.py), so CPU training stays fp32."""
+    """auto = bf16 autocast (fp32 weights and optimizer state) where bf16 matmuls are native: CUDA,
+    and CPUs with AVX512-BF16 or AMX (d3d.utils.hardware; there a bf16 training step is faster,
+    scripts/bench_train.py --precisions no bf16). fp32 on AVX2-only CPUs, where bf16 matmuls of many
+    rows run 2-7x slower than fp32 (docs/results.md)."""
     if setting == "auto":
-        return "bf16" if torch.cuda.is_available() else "no"
+        from d3d.utils.hardware import cpu_prefers_bf16
+
+        return "bf16" if torch.cuda.is_available() or cpu_prefers_bf16() else "no"
     return setting
+
+
+def autocast(precision: str, device: torch.device | str):
+    """The autocast context of a precision on a device (what accelerate wraps a prepared module's
+    forward in), for the work outside that module: pruning's recovery steps and the estimator."""
+    device = torch.device(device)
+    if precision in ("bf16", "fp16"):
+        return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return contextlib.nullcontext()
 
 
 def deepspeed_config(tc, precision: str, zero_stage: int) -> dict:

@@ -39,3 +39,22 @@ def test_results_record_the_cpu():
 
     cpu = run_info("cpu")["cpu"]
     assert cpu["model"] and isinstance(cpu["native_bf16"], bool) and isinstance(cpu["flags"], list)
+
+
+def test_training_precision_follows_the_cpu(monkeypatch):
+    """train.mixed_precision=auto (and pruning's recovery and estimator): bf16 autocast where bf16
+    is native, fp32 on AVX2-only CPUs; an explicit setting is kept."""
+    from d3d.training import autocast, mixed_precision
+
+    monkeypatch.delenv("D3D_CPU_BF16", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _machine(monkeypatch, AVX2)
+    assert mixed_precision("auto") == "no"
+    assert mixed_precision("bf16") == "bf16"
+    _machine(monkeypatch, AMX)
+    assert mixed_precision("auto") == "bf16"
+    assert mixed_precision("no") == "no"
+    with autocast("bf16", "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with autocast("no", "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32

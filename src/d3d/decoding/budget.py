@@ -16,6 +16,8 @@ behind verification while it is small enough; on a CPU it runs serially and cost
 3. projection per round: sync = draft + verify; async = verify ⊕ packed + (1 − h)·draft, where ⊕
    is a sum when the packed pass runs serially (CPU) and max when it overlaps (CUDA stream).
    Speedup = τ · step / round; τ is the same for sync and async (greedy outputs are identical).
+   "No trays" (plain sync) is a candidate too: where no budget beats it, which is always so when
+   the packed pass cannot overlap, the choice is to run without trays, and says why.
 """
 
 from __future__ import annotations
@@ -147,13 +149,17 @@ class BudgetChoice:
     projected_speedup: float
     sync_speedup: float
     table: list[dict]
+    trays: bool = True  # False: no budget beats plain synchronous drafting here, so run without trays
+    why: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap: bool) -> BudgetChoice:
-    """The budget with the highest projected speedup (module docstring, step 3)."""
+    """The budget with the highest projected speedup (module docstring, step 3), or no trays at all
+    when synchronous drafting projects at least as fast: a tray pass that cannot overlap
+    verification (a CPU) costs its full price every round, so async must not lose to sync there."""
     step, verify, draft = costs["step_ms"], costs["verify_ms"], costs["draft_ms"]
     sync = tau * step / (draft + verify)
     table = []
@@ -163,7 +169,17 @@ def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap:
         table.append({"C": C, "F": F, "hit_rate": h, "packed_ms": packed, "round_ms": both + (1 - h) * draft,
                       "projected_speedup": tau * step / (both + (1 - h) * draft)})
     best = max(table, key=lambda r: r["projected_speedup"])
-    return BudgetChoice(best["C"], best["F"], best["projected_speedup"], sync, table)
+    choice = BudgetChoice(best["C"], best["F"], best["projected_speedup"], sync, table)
+    if best["projected_speedup"] <= sync:
+        where = "runs after verification (no overlap on this device)" if not overlap else "does not hide behind verification"
+        choice.trays = False
+        choice.why = (f"no trays: the packed pass {where}, so the best budget, C={best['C']} F={best['F']} "
+                      f"(hit rate {best['hit_rate']:.2f}), projects {best['projected_speedup']:.2f}x against "
+                      f"sync's {sync:.2f}x; the method runs as synchronous drafting")
+    else:
+        choice.why = (f"C={best['C']} F={best['F']}: projected {best['projected_speedup']:.2f}x against sync's "
+                      f"{sync:.2f}x (hit rate {best['hit_rate']:.2f})")
+    return choice
 
 
 def greedy_pairs(target, tok, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int]) -> list[tuple[list[int], int]]:
