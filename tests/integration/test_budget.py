@@ -41,6 +41,7 @@ def test_choose_follows_the_round_model():
     assert serial.sync_speedup == pytest.approx(30 / 20)
     # sync's 20 ms round beats every serial budget: run without trays, and say so
     assert not serial.trays and serial.why.startswith("no trays") and "1.50x" in serial.why
+    assert "breaks even at τ = 2.00" in serial.why  # (8 + 12) / 10: a sync round costs two AR steps
     overlapped = choose(costs, hits, tau=3.0, overlap=True)
     # overlapped: 4x1 -> 12 + 5.6 = 17.6; 8x2 -> 20 + 2.4 = 22.4
     assert (overlapped.C, overlapped.F) == (4, 1) and overlapped.trays

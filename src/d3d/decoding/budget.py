@@ -170,15 +170,17 @@ def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap:
                       "projected_speedup": tau * step / (both + (1 - h) * draft)})
     best = max(table, key=lambda r: r["projected_speedup"])
     choice = BudgetChoice(best["C"], best["F"], best["projected_speedup"], sync, table)
+    # the τ at which a sync round (draft + verify) yields as many tokens per second as AR steps do
+    even = f"; sync breaks even at τ = {(draft + verify) / step:.2f} (τ here {tau:.2f})"
     if best["projected_speedup"] <= sync:
         where = "runs after verification (no overlap on this device)" if not overlap else "does not hide behind verification"
         choice.trays = False
         choice.why = (f"no trays: the packed pass {where}, so the best budget, C={best['C']} F={best['F']} "
                       f"(hit rate {best['hit_rate']:.2f}), projects {best['projected_speedup']:.2f}x against "
-                      f"sync's {sync:.2f}x; the method runs as synchronous drafting")
+                      f"sync's {sync:.2f}x; the method runs as synchronous drafting" + even)
     else:
         choice.why = (f"C={best['C']} F={best['F']}: projected {best['projected_speedup']:.2f}x against sync's "
-                      f"{sync:.2f}x (hit rate {best['hit_rate']:.2f})")
+                      f"{sync:.2f}x (hit rate {best['hit_rate']:.2f})" + even)
     return choice
 
 
