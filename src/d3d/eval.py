@@ -30,12 +30,13 @@ from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.methods import method_class
+from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
 from d3d.settings import TRAY_KEYS, EvalSettings, bind_section, decode_keys
-from d3d.report import BASELINE, read_rows, row_key, summary_markdown, write_report
+from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
@@ -48,6 +49,8 @@ log = logging.getLogger("d3d.eval")
 # Pairs whose greedy outputs must agree bit for bit, round by round (`equal_to_sync`): the async
 # loop is the sync loop plus trays, verifying the same shapes. Keyed by decoding-method name.
 BITWISE_REFERENCE = {"async": "sync"}
+# `eval.reference_generate=true`: transformers' own generate as a row of its own (d3d.decoding.reference)
+REFERENCE = "generate"
 
 
 def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:
@@ -322,6 +325,8 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
         key_id = f"c{concurrency}/" + ",".join(r.id for r in batch)
         ar = sync = None
         for name, gen in gens.items():
+            if name == REFERENCE:  # generate's reference row times one request at a time
+                continue
             row = done.get((spec["name"], key_id, 0, name, concurrency))
             if row is None:
                 reason = gen.context_problem(prompts, ev.max_new_tokens)
@@ -364,6 +369,8 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
     gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
                                 seed=int(cfg.seed))
             for name, dc in methods.items()}
+    if ev.reference_generate:  # transformers' generate on the same items, right after our AR baseline
+        gens = {BASELINE: gens.pop(BASELINE), REFERENCE: HFGenerate(target, tok, methods[BASELINE], eos), **gens}
     warm = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
     for gen in gens.values():
         for _ in range(ev.warmup):
@@ -374,7 +381,9 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
             "methods": {name: {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": dc.budget}
-                        for name, dc in methods.items()},
+                        for name, dc in methods.items()}
+            | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
+               if ev.reference_generate else {}),
             "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}

@@ -28,6 +28,7 @@ from d3d.utils.plotting import pyplot, save_figure
 # The name of the rows every speedup and equality is measured against: d3d.eval requires this
 # method (plain decoding through the same driver) in every run.
 BASELINE = "ar"
+REFERENCE = "generate"  # transformers' generate, when d3d.eval ran it (eval.reference_generate)
 
 
 def read_rows(folder: str | Path) -> list[dict]:
@@ -77,22 +78,23 @@ def _divergences(row: dict) -> list[dict]:
     return [d for d in (found if isinstance(found, list) else [found]) if d]
 
 
-def _add_speedups(per: dict, rows_of: dict[str, list[dict]]) -> None:
-    """Speedup against AR on the items both decoded: in a killed or growing run one method can be
-    an item ahead, and TPOTs over different items are not comparable."""
-    if BASELINE not in per:
+def _add_speedups(per: dict, rows_of: dict[str, list[dict]], reference: str = BASELINE, prefix: str = "speedup") -> None:
+    """Speedup against the reference (AR; or transformers' generate, prefix `speedup_vs_generate`)
+    on the items both decoded: in a killed or growing run one method can be an item ahead, and
+    TPOTs over different items are not comparable."""
+    if reference not in per:
         return
     item = lambda r: (r.get("id"), r.get("turn", 0))
-    ar = {item(r): r for r in rows_of[BASELINE]}
+    ar = {item(r): r for r in rows_of[reference]}
     for name, m in per.items():
         pairs = [(ar[item(r)], r) for r in rows_of[name] if item(r) in ar]
         if not pairs:
             continue
         a, b = (method_stats(list(side)) for side in zip(*pairs))
-        m["speedup_token_weighted"] = a["tpot_ms_token_weighted"] / b["tpot_ms_token_weighted"]
-        m["speedup_prompt_weighted"] = a["tpot_ms_prompt_weighted"] / b["tpot_ms_prompt_weighted"]
-        m["speedup_with_prefill"] = a["ms_per_token_with_prefill"] / b["ms_per_token_with_prefill"]
-        m["speedup_items"] = len(pairs)
+        m[f"{prefix}_token_weighted"] = a["tpot_ms_token_weighted"] / b["tpot_ms_token_weighted"]
+        m[f"{prefix}_prompt_weighted"] = a["tpot_ms_prompt_weighted"] / b["tpot_ms_prompt_weighted"]
+        m[f"{prefix}_with_prefill"] = a["ms_per_token_with_prefill"] / b["ms_per_token_with_prefill"]
+        m[f"{prefix}_items"] = len(pairs)
 
 
 def tau_histogram(rows: list[dict]) -> dict[str, dict[int, int]]:
@@ -114,6 +116,7 @@ def summarise(rows: list[dict]) -> dict:
             if rs:
                 per[method], rows_of[method] = method_stats(rs), rs
         _add_speedups(per, rows_of)
+        _add_speedups(per, rows_of, REFERENCE, "speedup_vs_generate")
         out["benchmarks"][bench] = per
     methods = sorted({m for per in out["benchmarks"].values() for m in per})
     out["mean_over_benchmarks"] = {
@@ -148,17 +151,21 @@ def _fmt(x: float | None, spec: str = ".2f", none: str = "—") -> str:
 
 
 def summary_markdown(summary: dict) -> str:
-    lines = ["| benchmark | method | speedup | with prefill | τ | hit rate | TPOT ms | tok/s | equal to AR | accuracy | rows |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # "× generate": TPOT of transformers' generate over the method's, when eval ran it
+    vs_generate = any("speedup_vs_generate_token_weighted" in m for per in summary["benchmarks"].values() for m in per.values())
+    lines = ["| benchmark | method | speedup | " + ("× generate | " if vs_generate else "")
+             + "with prefill | τ | hit rate | TPOT ms | tok/s | equal to AR | accuracy | rows |",
+             "|---|---|---|---|" + ("---|" if vs_generate else "") + "---|---|---|---|---|---|---|"]
     for bench, per in summary["benchmarks"].items():
         for method, m in per.items():
             lines.append(f"| {bench} | {method} | {_fmt(m.get('speedup_token_weighted'))}× | "
-                         f"{_fmt(m.get('speedup_with_prefill'))}× | "
+                         + (f"{_fmt(m.get('speedup_vs_generate_token_weighted'))}× | " if vs_generate else "")
+                         + f"{_fmt(m.get('speedup_with_prefill'))}× | "
                          f"{m['tau_token_weighted']:.2f} | {_fmt(m['hit_rate'])} | {m['tpot_ms_token_weighted']:.1f} | "
                          f"{m['tokens_per_s']:.1f} | {m['equal_to_ar']:.2f} | {_fmt(m.get('accuracy'))} | {m['rows']} |")
     for method, m in summary["mean_over_benchmarks"].items():
-        lines.append(f"| **mean** | {method} | {m['speedup_token_weighted']:.2f}× | | {m['tau_token_weighted']:.2f} "
-                     "| | | | | | |")
+        lines.append(f"| **mean** | {method} | {m['speedup_token_weighted']:.2f}× | " + ("| " if vs_generate else "")
+                     + f"| {m['tau_token_weighted']:.2f} | | | | | | |")
     notes = [f"{bench}/{method}: async == sync on {m['equal_to_sync']:.2f} of rows" for bench, per in
              summary["benchmarks"].items() for method, m in per.items() if m.get("equal_to_sync") is not None]
     notes += [f"{bench}/{method}: differs from AR in {sum(m['divergences'].values())} rows "

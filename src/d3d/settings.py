@@ -48,6 +48,7 @@ class EvalSettings:
     async_budgets: Optional[list[str]] = None  # budget study: [CxF, ...]; `auto` = chosen on this device
     auto_budget_prompts: int = 4  # `auto`: target greedy responses to the data set's last prompts, for hit rates
     concurrency: list[int] = field(default_factory=lambda: [1])  # load test: batches of c requests
+    reference_generate: bool = False  # also time transformers' generate on each item (row method `generate`)
     exec_timeout_s: float = 10.0  # HumanEval/MBPP checks, per program
     progress: bool = True
     enable_thinking: bool = False

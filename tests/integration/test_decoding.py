@@ -76,6 +76,24 @@ def test_eos_inside_a_block_ends_there(models, method):
     assert res.finish_reasons == ["stop"]
 
 
+def test_the_generate_reference_stops_where_our_ar_loop_stops(models):
+    """d3d.decoding.reference.HFGenerate (eval's `generate` row): the same tokens as our AR loop, the
+    end-of-sequence token kept and the finish reason alike, and the whole budget otherwise."""
+    from d3d.decoding.reference import HFGenerate
+
+    target, _, tok = models
+    prompt = tok(PROMPTS[0])["input_ids"]
+    free = reference(target, tok, prompt, 30, tok.eos_token_id)
+    eos = free[7]  # pretend the 8th generated token is an end-of-sequence token
+    for eos_ids, n in (([eos], 30), ([tok.eos_token_id], 12)):
+        cfg = DecodeConfig(method="ar", block_size=1, max_new_tokens=n)
+        ours = SpecGenerator(target, tok, None, cfg, eos_token_ids=eos_ids).generate([prompt])
+        theirs = HFGenerate(target, tok, cfg, eos_ids).generate([prompt])
+        assert theirs.token_ids == ours.token_ids and theirs.finish_reasons == ours.finish_reasons
+        assert theirs.prefill_s > 0 and theirs.decode_s > 0
+    assert ours.new_tokens == 12 and ours.finish_reasons == ["length"]
+
+
 def test_max_new_tokens_is_exact(models):
     target, drafter, tok = models
     for n in (1, 5, 13):

@@ -417,3 +417,22 @@ def test_eval_loads_the_target_with_its_attention_backend(tmp_path, monkeypatch)
     cfg = compose("eval", SMOKE + ["target.attn_implementation=eager"], tmp_path)
     _, target, _ = load_models(cfg, methods_of(cfg), resolve_path(cfg.paths.cache_dir), process_state())
     assert target.config._attn_implementation == "eager"
+
+
+def test_reference_generate_rows_time_transformers_generate_beside_our_methods(tmp_path, monkeypatch):
+    """eval.reference_generate=true: a `generate` row per item from transformers' own generate, in
+    the same process and dtype; its greedy tokens equal our AR loop's (fp32), every method gets a
+    speedup against it, and summary.md shows the column. Not in the load test (one request at a time)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = evaluate(tmp_path, "eval.n=2", "eval.reference_generate=true", "eval.concurrency=[1,2]")
+    rows = list(read_jsonl(out / "rows.jsonl"))
+    ref = [r for r in rows if r["method"] == "generate"]
+    assert len(ref) == 2 and all(r["concurrency"] == 1 for r in ref)
+    assert all(r["equal_to_ar"] and r["new_tokens"] > 0 and r["decode_s"] > 0 for r in ref)
+    assert all(r["taus"] == [1] * r["new_tokens"] for r in ref)  # one token per step
+    summary = json.loads((out / "summary.json").read_text())
+    per = summary["benchmarks"]["gsm8k"]
+    assert per["generate"]["speedup_vs_generate_token_weighted"] == pytest.approx(1.0)
+    assert all("speedup_vs_generate_token_weighted" in m for m in per.values())
+    assert "× generate" in (out / "summary.md").read_text()
+    assert json.loads((out / "run.json").read_text())["methods"]["generate"]["method"] == "transformers generate"
