@@ -22,10 +22,12 @@ $(VENV)/.d3d-installed: pyproject.toml
 	$(PY) -c "import d3d, torch, transformers, hydra; print('d3d ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-# The whole pipeline on the embedded CPU default (SmolLM2-135M-Instruct target, offline math
-# prompts): target responses -> drafter training -> pruning -> GSM8K subset eval; every stage resumes.
+# The whole pipeline on the embedded CPU default, the overlay chosen from this CPU (d3d.pipeline
+# --demo, recorded in pipeline.json): with native bf16 (avx512_bf16 / amx_bf16) the Qwen2.5-Coder
+# pair in bf16 (generate -> train -> eval, where speculation beats plain decoding); elsewhere the
+# SmolLM2 default (generate -> train -> prune -> eval). Offline; every stage resumes.
 demo: setup
-	$(PY) -m d3d.pipeline +experiment=pipeline_cpu
+	$(PY) -m d3d.pipeline --demo
 
 # A first look at the same pipeline: 17 minutes on 2 cores (rough numbers).
 demo-fast: setup

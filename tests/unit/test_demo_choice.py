@@ -1,0 +1,24 @@
+"""`make demo` = `python -m d3d.pipeline --demo`: the overlay is chosen from the CPU and recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+import d3d.pipeline as pipeline
+from d3d.utils import hardware
+
+
+@pytest.mark.parametrize("native, experiment, stages", [
+    (True, "pipeline_qwen", ["generate", "train", "eval"]),   # where speculation pays: the Qwen pair in bf16
+    (False, "pipeline_cpu", ["generate", "train", "prune", "eval"]),
+])
+def test_demo_picks_the_overlay_this_cpu_suits_and_records_why(monkeypatch, native, experiment, stages):
+    monkeypatch.setattr(hardware, "cpu_prefers_bf16", lambda: native)
+    seen = {}
+    monkeypatch.setattr(pipeline, "run_pipeline", lambda overrides, stages, demo=None: seen.update(
+        overrides=overrides, stages=stages, demo=demo))
+    pipeline.main(["--demo", "eval.n=2"])
+    assert seen["overrides"] == [f"+experiment={experiment}", "eval.n=2"] and seen["stages"] == stages
+    assert seen["demo"]["experiment"] == experiment and seen["demo"]["why"] and "model" in seen["demo"]["cpu"]
+    pipeline.main(["--demo", "--stages", "eval"])  # an explicit stage list still wins
+    assert seen["stages"] == ["eval"]
