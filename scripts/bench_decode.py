@@ -10,7 +10,7 @@ same prompts, one process, greedy, batch 1.
     # our loops eager and compiled (static KV buffers + torch.compile), side by side
     python scripts/bench_decode.py --drafter checkpoints/cpu_default_lam1/final --backends eager compiled
 
-Per method and prompt: wall time of the whole call (prefill included, as generate reports it
+Methods run interleaved: every method on one prompt, then the next prompt. Per method and prompt: wall time of the whole call (prefill included, as generate reports it
 that way too), new tokens, τ and hit rate for our loops, and whether the tokens equal generate's.
 One warm-up call per method on a prompt outside the set. Prints a markdown table of medians and
 writes outputs/bench/decode_<target>.json (every row) and .md (the table).
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from d3d.config import compose, resolve_path
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.only:  # d3d_ar always stays: ratios and the equality check need a baseline
         methods = {k: v for k, v in methods.items() if k == "d3d_ar" or any(k.startswith(p) for p in args.only)}
+    out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")
+    partial = out.with_suffix(".partial.json")
     rows, reference, warmup_s = [], {}, {}
     for name, run in methods.items():
         # warm-up, outside the timing. A static backend warms up on the longest prompt for as many
@@ -147,7 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             run(warm, 16)
         warmup_s[name] = time.perf_counter() - start
-        for i, ids in enumerate(prompts):
+    # interleaved: every method on prompt i before any on prompt i+1, so a change in the machine's
+    # load (another process, a thermal step) lands on all methods alike, not on the last ones run
+    for i, ids in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
+        for name, run in methods.items():
             start = time.perf_counter()
             new, extra = run(ids, args.max_new_tokens)
             wall = time.perf_counter() - start
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                 reference[i] = new
             rows.append({"method": name, "prompt": i, "new_tokens": len(new), "wall_s": wall,
                          "tokens_per_s": len(new) / wall, "equal_to_reference": new == reference.get(i), **extra})
-        print(f"done {name}", flush=True)
+        write_json(partial, {"rows": rows})  # a long run killed midway keeps its finished prompts
 
     def med(name, key):
         vals = [r[key] for r in rows if r["method"] == name and r.get(key) is not None]
@@ -180,10 +186,10 @@ def main(argv: list[str] | None = None) -> dict:
                      f"| {entry['equal_rate']:.2f} | {split} | {warmup_s[name]:.1f} |")
     text = "\n".join(table) + "\n\nOne cached forward pass through the decoder layers, lm_head excluded (after the warm-up prompt, medians):\n\n" + "\n".join(cost_lines)
     print(text)
-    out = Path(args.out or f"outputs/bench/decode_{cfg.target.name}.json")
     write_json(out, {"summary": summary, "rows": rows, "args": vars(args), "target": cfg.target.name,
                      "dtype": str(target.dtype), "pass_cost": cost, "run": run_info(target.device)})
     out.with_suffix(".md").write_text(text + "\n")
+    partial.unlink(missing_ok=True)
     return {"summary": summary, "rows": rows, "pass_cost": cost}
 
 
