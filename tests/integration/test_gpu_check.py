@@ -62,3 +62,81 @@ def test_async_against_sync_holds_tau_in_fp32_and_tokens_in_bf16(check):
     assert fp32["tokens_equal"] == fp32["tau_equal"] == fp32["runs"] > 0, fp32
     assert bf16["real"] == 0 and bf16["runs"] > 0, bf16["details"]
     assert res["ok"]
+
+
+def test_a_stage_the_budget_cannot_hold_is_recorded_as_skipped(check, tmp_path, monkeypatch):
+    """--budget-s: a stage whose H200 estimate (async_sync: 5 s) does not fit in what is left is
+    not started but recorded skipped, with its reason; the run does not count it as a failure.
+    A fake clock: the first stage (race, stubbed) takes 46 of the 50 s."""
+    import json
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    monkeypatch.setattr(check, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def race(*args, **kw):
+        clock[0] = 46.0
+        return {"ok": True}
+
+    monkeypatch.setattr(check, "stage_race", race)
+    report = check.main(["--device", "cpu", "--out-dir", str(tmp_path), "--stages", "race", "async_sync",
+                         "--budget-s", "50"])
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["stages"]["race"]["status"] == "ok"
+    late = saved["stages"]["async_sync"]
+    assert late["status"] == "skipped" and late["steps"] == {}
+    assert late["reason"] == "budget: 5 s estimated, 4 s of --budget-s 50 left"
+    assert saved["skipped"] == ["async_sync"] and report["ok"]
+
+
+def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
+    """SIGKILL the toy run once a few sub-steps have landed: every sub-step it reported written
+    (it reports only after the file is replaced) is in gpu_check.json, which still parses."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--toy", "--out-dir",
+                             str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    written = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("[gpu_check] step "):
+                written.append(line.split()[2])
+            if len(written) == 3:  # inside the greedy stage, which has 10
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.kill()
+        rest, _ = proc.communicate(timeout=60)
+    written += [ln.split()[2] for ln in rest.splitlines() if ln.startswith("[gpu_check] step ")]
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    on_disk = {f"{stage}/{step}" for stage, rec in saved["stages"].items() for step in rec["steps"]}
+    assert len(written) >= 3 and set(written) <= on_disk, (written, on_disk)
+    assert saved["stages"]["greedy"]["status"] == "running"  # killed inside it: no verdict, its steps kept
+
+
+def test_the_default_run_fits_six_minutes_on_an_h200_by_its_estimate(check):
+    plan = check.ESTIMATE.table(check.STAGES)
+    assert set(plan["seconds"]) == {"startup", *check.STAGES}
+    assert plan["total_s"] <= 360, plan
+    assert plan["total_s"] < 420 < 480  # the default --budget-s, inside the README's `timeout 480`
+
+
+@pytest.mark.slow
+def test_graph_counts_of_the_compiled_stages_fit_the_budget(check):
+    """Count the graphs the compiled stages make with a counting torch.compile backend on the toy
+    models (the toy timing drafter differs from its target in structure, as 1.7B does from 8B);
+    the estimate's counts are these, and the default run with them still fits 6 minutes."""
+    counted = {"compiled_equal": check.count_graphs(lambda: check.stage_compiled_equal("cpu", toy=False))}
+    for method in ("ar", "sync"):
+        counted[method] = check.count_graphs(lambda: check.stage_compiled_timing("cpu", toy=True, methods=(method,)))
+    assert sum(counted["compiled_equal"].values()) == sum(check.Estimate.GRAPHS["compiled_equal"].values())
+    assert {m: counted[m] for m in ("ar", "sync")} == {m: check.Estimate.GRAPHS[m] for m in ("ar", "sync")}
+    assert check.Estimate(graphs=counted).table(check.STAGES)["total_s"] <= 360
