@@ -53,7 +53,13 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+# cuBLAS is bit-reproducible only while one stream is active, unless each stream has its own
+# workspace: this setting gives them that (NVIDIA's cuBLAS guide, "Results reproducibility"). The
+# race check compares async with a side stream against async serial bit for bit, so a different
+# GEMM kernel choice under concurrency must not be what it sees. Read when cuBLAS starts: set first.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # d3d from this checkout, installed or not
