@@ -1,6 +1,7 @@
 """CUDA-only checks of the decoding engine (marked `gpu`, skipped without a GPU; scripts/gpu_check.py
 runs them on a lent machine). The CPU suite covers the same properties with the meta-device trap
-(tests/integration/test_decoding.py) and the CPU mode of the GPU check (tests/integration/test_gpu_readiness.py)."""
+(tests/integration/test_decoding.py) and the CPU mode of the GPU check (tests/integration/test_gpu_readiness.py,
+tests/integration/test_gpu_check.py: there the race check runs on the worker thread)."""
 
 from __future__ import annotations
 
