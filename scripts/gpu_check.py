@@ -604,7 +604,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor(),
         "capability": list(torch.cuda.get_device_capability(dev)) if dev.startswith("cuda") else None,
         "toy": args.toy, "budget_s": args.budget_s, "h200_estimate": plan})
-    print(f"[gpu_check] H200 estimate of this run (s): {plan['seconds']} = {plan['total_s']:.0f} s; "
+    sized = "these stages at full size (--toy runs them smaller)" if args.toy else "this run"
+    print(f"[gpu_check] H200 estimate of {sized} (s): {plan['seconds']} = {plan['total_s']:.0f} s; "
           f"budget {args.budget_s:.0f} s", flush=True)
     room_s = lambda: args.budget_s - (time.perf_counter() - t_start)  # noqa: E731
     runs = {
