@@ -42,6 +42,8 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    "toy_drafter": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
 }
 
 
@@ -121,21 +123,24 @@ def project(tau: float, hit: float | None, t_ar: float, t_sync: float | None = N
 
 
 class Results(dict):
-    """The result dict, rewritten to its JSON file after every stage."""
+    """The result dict, rewritten to its JSON file after every stage (and handed to `on_stage`,
+    so the GPU check records each stage in its own JSON as it lands)."""
 
-    def __init__(self, path: Path, **kw):
+    def __init__(self, path: Path, on_stage=None, **kw):
         super().__init__(**kw)
-        self.path = path
+        self.path, self.on_stage = path, on_stage
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def stage(self, name: str, value) -> None:
         self[name] = value
         self.setdefault("stages_done", []).append(name)
         self.path.write_text(json.dumps(self, indent=2, default=str))
+        if self.on_stage is not None:
+            self.on_stage(name, value)
         print(f"[gpu_readiness] {name} done", flush=True)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, on_stage=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen3_8b", choices=sorted(SHAPES))
     p.add_argument("--drafter", default="qwen3_1p7b", choices=sorted(SHAPES))
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     from d3d.decoding import DecodeConfig
     from d3d.decoding.budget import packed_blocks
 
-    res = Results(Path(args.out or f"outputs/bench/gpu_readiness_{args.target}.json"),
+    res = Results(Path(args.out or f"outputs/bench/gpu_readiness_{args.target}.json"), on_stage,
                   target=args.target, drafter=args.drafter, device=str(device),
                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   dtype=args.dtype, prefix=args.prefix, block_size=B, tau_assumed=args.tau,

@@ -1,6 +1,7 @@
 """CUDA-only checks of the decoding engine (marked `gpu`, skipped without a GPU; scripts/gpu_check.py
 runs them on a lent machine). The CPU suite covers the same properties with the meta-device trap
-(tests/integration/test_decoding.py) and the CPU mode of the GPU check (tests/integration/test_gpu_readiness.py)."""
+(tests/integration/test_decoding.py) and the CPU mode of the GPU check (tests/integration/test_gpu_readiness.py,
+tests/integration/test_gpu_check.py: there the race check runs on the worker thread)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,40 @@ def test_sampling_is_lossless_on_cuda(check):
     assert res["ok"], res
 
 
-def test_async_equals_sync_in_bf16_with_a_side_stream(check):
+def test_race_check_side_stream_equals_serial_in_bf16(check):
     """The side stream must not race the main stream (through the caching allocator or missing
-    waits): a race shows up as async tokens or τ that differ from the synchronous loop's."""
+    waits): async with the stream against async serial runs the same ops on the same shapes, so
+    tokens, τ and hits must agree bit for bit in bf16."""
+    res = check.stage_race("cuda")
+    assert res["ok"], res
+
+
+def test_race_check_fails_on_a_broken_stream_hand_off(check, monkeypatch):
+    """The race check has teeth on CUDA: `lend` without its `wait_stream`, and the main stream held
+    back (torch.cuda._sleep, ~tens of ms) right before it computes what the side stream reads next
+    (positions, hit flags, the prepared block), so the side stream reads them before they are
+    written. Written for the first GPU run; it has not run yet (no GPU was lent when it was written)."""
+    from d3d.decoding import engine, methods
+
+    def lend_without_wait(self, stream, *tensors):
+        for t in tensors:
+            if stream is not None and t is not None and t.numel():
+                t.record_stream(stream)  # memory stays safe; only the ordering is gone
+
+    real_commit = methods.Async.commit
+
+    def late_commit(self, r, host, most):
+        torch.cuda._sleep(100_000_000)  # on the main stream: what follows in this round lands late
+        real_commit(self, r, host, most)
+
+    monkeypatch.setattr(engine.SpecGenerator, "lend", lend_without_wait)
+    monkeypatch.setattr(methods.Async, "commit", late_commit)
+    res = check.stage_race("cuda", new_tokens=24)
+    assert not res["ok"], res["runs"]
+
+
+def test_async_against_sync_on_cuda(check):
+    """fp32: tokens and τ bit for bit; bf16: tokens (differences only within rounding)."""
     res = check.stage_async_sync("cuda")
     assert res["ok"], res
 

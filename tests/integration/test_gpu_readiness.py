@@ -73,14 +73,19 @@ def test_gpu_check_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = saved = json.loads((tmp_path / "gpu_check.json").read_text())
     stages = saved["stages"]
-    assert list(stages) == ["greedy", "sampling", "async_sync", "gpu_tests", "train", "readiness", "compiled"]
+    assert list(stages) == ["greedy", "sampling", "race", "async_sync", "gpu_tests", "train", "readiness",
+                            "compiled_equal", "compiled_timing"]
     assert stages["greedy"]["cases"] == 20 and stages["greedy"]["real"] == 0
-    assert stages["compiled"]["equal"] == stages["compiled"]["cases"] > 0
-    assert {"ar_eager", "ar_compiled"} <= set(stages["compiled"]["timing"])
-    assert stages["async_sync"]["equal_tau"] == stages["async_sync"]["runs"] > 0
+    assert stages["compiled_equal"]["equal"] == stages["compiled_equal"]["cases"] > 0
+    assert {"ar_eager", "ar_compiled"} <= set(stages["compiled_timing"]["steps"])
+    assert stages["race"]["some_hits"] and all(r["tau_equal"] for r in stages["race"]["runs"])
+    assert stages["async_sync"]["float32"]["tau_equal"] == stages["async_sync"]["float32"]["runs"] > 0
     assert all(v < 0.06 for v in stages["sampling"]["joint_tv"].values())
-    failed = {k: v.get("error") or v.get("tail") for k, v in stages.items() if not v["ok"]}
-    assert not failed and report["ok"], failed
+    assert stages["gpu_tests"] == {"status": "skipped", "reason": "no CUDA: the gpu-marked tests need it", "steps": {},
+                                   "seconds": stages["gpu_tests"]["seconds"]}
+    assert stages["readiness"]["problems"] == [] and "projection" in stages["readiness"]["steps"]
+    failed = {k: v.get("error") or v.get("tail") for k, v in stages.items() if v["status"] == "failed"}
+    assert not failed and report["ok"] and report["skipped"] == ["gpu_tests"], failed
     train = stages["train"]["result"]
     assert len(train["losses"]) == 4 and train["finite"] and train["falling"]
 
@@ -95,4 +100,4 @@ def test_the_gpu_tests_collect_without_hydra():
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
                            "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/integration/test_gpu.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "5 tests collected" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "7 tests collected" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

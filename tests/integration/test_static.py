@@ -139,3 +139,41 @@ def test_sliding_window_models_are_refused_by_static_backends():
     cfg.use_sliding_window = False
     cfg.layer_types = ["full_attention"] * 2
     StaticKVState(AutoModelForCausalLM.from_config(cfg), 1, 256, compiled=False)  # the same model without: fine
+
+
+def test_a_row_retiring_inside_its_bucket_keeps_the_buffers(models):
+    """Batch buckets: 3 rows live in 4-row buffers (a power of two); 4 rows losing one keep their
+    buffers (same shape, same addresses: what CUDA graphs read) with the kept rows moved to the
+    front; 2 rows leave the bucket for 2-row buffers."""
+    from d3d.models.masks import CLEAN, Layout
+
+    target, _, _ = models
+    assert StaticKVState(target, 3, 256, compiled=False).rows == 4
+    state = StaticKVState(target, 4, 256, compiled=False)
+    ids = torch.arange(4 * 5).reshape(4, 5) % 50 + 1
+    pos = torch.arange(5).expand(4, 5)
+    state.forward(ids, Layout(pos, torch.full_like(pos, CLEAN), pos + 1), causal=True)
+    keys = state.cache.layers[0].keys
+    before, address = keys[[0, 2, 3]].clone(), keys.data_ptr()
+    state.select(torch.tensor([0, 2, 3]))
+    assert (state.rows, state.batch, tuple(state.pos.shape)) == (4, 3, (3, 5))
+    assert state.cache.layers[0].keys.data_ptr() == address and torch.equal(state.cache.layers[0].keys[:3], before)
+    state.select(torch.tensor([0, 2]))
+    assert (state.rows, state.batch) == (2, 2) and torch.equal(state.cache.layers[0].keys[:2], before[[0, 2]])
+
+
+def test_compiled_calls_of_one_bucket_share_their_graphs(models):
+    """A call of 3 requests after one of 4 compiles no graph: both run 4-row passes. Counted with
+    the GPU check's counting torch.compile backend (it compiles nothing, so this is fast)."""
+    from tests.conftest import load_script
+
+    count_graphs = load_script("gpu_check").count_graphs
+    _, _, tok = models
+    ids = tok(PROMPTS[0])["input_ids"]
+    gen = generator(models, "sync", 4, 1, 0, "compiled", n=8)
+    eager = generator(models, "sync", 4, 1, 0, "eager", n=8).generate([ids] * 3)
+    four = count_graphs(lambda: gen.generate([ids] * 4))
+    out = []
+    both = count_graphs(lambda: out.append((gen.generate([ids] * 4), gen.generate([ids] * 3))))
+    assert sum(four.values()) > 0 and both == four
+    assert out[0][1].token_ids == eager.token_ids and out[0][1].taus() == eager.taus()

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.errors import ConfigError
-from d3d.decoding.kv import KVState, StaticKVState
+from d3d.decoding.kv import KVState, StaticKVState, batch_bucket
 from d3d.decoding.verify import Sampling, greedy_verify, sample_verify
 from d3d.models.drafter import DrafterSettings
 from d3d.models.forward import logits_at
@@ -280,17 +280,19 @@ class SpecGenerator:
     def new_state(self, model, batch: int, widest: int, side_stream: bool = False) -> KVState:
         """An empty KV state for `model`: HF's dynamic cache (backend=eager), or static buffers
         big enough for this call (`room` + the widest pass), reused across calls. Their capacity is
-        a power of two, so calls of similar lengths share one compiled shape."""
+        a power of two, and so is their batch (`batch_bucket`), so calls of similar lengths and
+        sizes share one compiled shape."""
         if not self.static:
             return KVState(model, batch)
         need = self.room + widest
         capacity = max(256, 1 << (need - 1).bit_length())
-        state = self.states.get((id(model), batch))
-        if state is None or state.batch != batch or state.capacity < need:
+        key = (id(model), batch_bucket(batch))
+        state = self.states.get(key)
+        if state is None or state.rows != key[1] or state.capacity < need:  # rows: a retiring call may have shrunk it
             state = StaticKVState(model, batch, capacity, compiled=self.cfg.backend in ("compiled", "frozen"),
                                   graphs=not (side_stream and self.dstream is not None), frozen=self.cfg.backend == "frozen")
-            self.states[(id(model), batch)] = state
-        state.reset()
+            self.states[key] = state
+        state.reset(batch)
         return state
 
     def prefill(self, state: KVState, prompts: list[list[int]]) -> None:

@@ -94,13 +94,22 @@ class StaticKVState(KVState):
     hold stale keys: the mask hides them (`live`), so cropping is only moving the length back.
 
     Bookkeeping that HF keeps per layer (`cumulative_length`) is mirrored on the host by `length`
-    (the driver knows every pass's width), so `len()` never asks the device."""
+    (the driver knows every pass's width), so `len()` never asks the device.
+
+    Batch buckets. The buffers hold `rows` = the batch rounded up to a power of two (`batch_bucket`)
+    and every pass runs over all of them, the rows past the live `batch` padded (a copy of row 0's
+    input, whose results are dropped). So a row retiring keeps the shape while the batch stays in
+    its bucket (16 requests give at most 5 shapes per pass, not 16), each shape a graph to compile
+    and, on CUDA, to capture. A padded row costs nothing on a GPU (the weights are read once) and
+    what a row costs on a CPU. The uncompiled static backend pads too, so it stays the reference
+    of what the compiled one runs."""
 
     def __init__(self, model, batch: int, capacity: int, compiled: bool, graphs: bool = True, frozen: bool = False):
         from transformers import StaticCache
 
         self.model, self.compiled, self.graphs, self.capacity = model, compiled, graphs, capacity
         self.frozen = frozen
+        self.rows, self.live = batch_bucket(batch), batch
         self.device = next(model.parameters()).device
         self.gapless = False  # the static pass always takes the mask (its keys are all `capacity` slots)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
@@ -115,10 +124,10 @@ class StaticKVState(KVState):
         for layer in self.cache.layers:  # allocate now (eagerly), so the compiled pass never allocates
             # HF makes the length counter on the default device and moves it here; make it here
             layer.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
-            empty = torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=self.device)
+            empty = torch.zeros(self.rows, heads, 0, head_dim, dtype=dtype, device=self.device)
             layer.lazy_initialization(empty, empty)
-        self.slot_pos = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
-        self.slot_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        self.slot_pos = torch.zeros(self.rows, capacity, dtype=torch.long, device=self.device)
+        self.slot_valid = torch.zeros(self.rows, capacity, dtype=torch.bool, device=self.device)
         for t in (self.slot_pos, self.slot_valid):
             torch._dynamo.mark_static_address(t)  # mutated in place by the pass: CUDA graphs need fixed addresses
         self.length = 0
@@ -128,11 +137,16 @@ class StaticKVState(KVState):
 
     @property
     def pos(self) -> torch.Tensor:
-        return self.slot_pos[:, : self.length]
+        return self.slot_pos[: self.live, : self.length]
 
     @property
     def valid(self) -> torch.Tensor:
-        return self.slot_valid[:, : self.length]
+        return self.slot_valid[: self.live, : self.length]
+
+    def _padded(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (live, ...) with rows up to `rows`: copies of row 0, so a padded query sees keys."""
+        extra = self.rows - t.shape[0]
+        return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
 
     def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False) -> torch.Tensor:
         q = input_ids.shape[1]
@@ -140,7 +154,8 @@ class StaticKVState(KVState):
             raise RuntimeError(f"static KV cache full: {self.length} + {q} slots > capacity {self.capacity} "
                                "(the driver sizes it per call; this is a bug)")
         run = static_pass if once or not self.compiled else compiled_static_pass(self.device, self.graphs, self.frozen)
-        h = run(self.model, self.cache, input_ids, layout.pos, layout.block, layout.limit, self.slot_pos, self.slot_valid)
+        ids, pos, block, limit = map(self._padded, (input_ids, layout.pos, layout.block, layout.limit))
+        h = run(self.model, self.cache, ids, pos, block, limit, self.slot_pos, self.slot_valid)[: self.live]
         self.length += q
         return h.clone() if run is not static_pass and self.device.type == "cuda" else h  # a CUDA graph reuses its output buffer
 
@@ -152,34 +167,45 @@ class StaticKVState(KVState):
 
     def keep_first(self, start: int, counts: torch.Tensor, most: int) -> None:
         span = torch.arange(self.capacity, device=self.device) - start
-        self.slot_valid &= (span[None, :] < 0) | (span[None, :] < counts[:, None])
+        self.slot_valid &= (span[None, :] < 0) | (span[None, :] < self._padded(counts)[:, None])
         self.crop(start + most)
 
     def subset(self, rows: torch.Tensor) -> "KVState":
         raise NotImplementedError("a static state drafts every row (a pass over all rows is one compiled shape)")
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep some rows: new buffers of the smaller batch (a new shape, so the compiled passes
-        specialise on it once; rows leave a batch at most b-1 times per call)."""
-        new = StaticKVState(self.model, len(rows), self.capacity, self.compiled, self.graphs, self.frozen)
+        """Keep some rows. Inside the bucket they move to the front of the same buffers (same shape,
+        same addresses: CUDA graphs read them there); a batch that leaves its bucket gets new
+        buffers of the smaller one (a new shape, compiled once)."""
+        n = len(rows)
+        new = self if batch_bucket(n) == self.rows else \
+            StaticKVState(self.model, n, self.capacity, self.compiled, self.graphs, self.frozen)
         for old, layer in zip(self.cache.layers, new.cache.layers):
-            layer.keys.copy_(old.keys[rows])
-            layer.values.copy_(old.values[rows])
-        new.slot_pos.copy_(self.slot_pos[rows])
-        new.slot_valid.copy_(self.slot_valid[rows])
+            layer.keys[:n] = old.keys[rows]  # indexing copies first, so moving rows in place is safe
+            layer.values[:n] = old.values[rows]
+        new.slot_pos[:n] = self.slot_pos[rows]
+        new.slot_valid[:n] = self.slot_valid[rows]
         for layer in new.cache.layers:
             layer.cumulative_length.fill_(self.length)
-        self.cache, self.slot_pos, self.slot_valid = new.cache, new.slot_pos, new.slot_valid
+        self.cache, self.slot_pos, self.slot_valid, self.rows, self.live = \
+            new.cache, new.slot_pos, new.slot_valid, new.rows, n
 
     @property
     def batch(self) -> int:
-        return self.slot_pos.shape[0]
+        return self.live
 
-    def reset(self) -> None:
-        """Empty, for the next call (the buffers and their compiled passes are reused)."""
+    def reset(self, batch: int | None = None) -> None:
+        """Empty, for the next call of `batch` rows in this bucket (the buffers and their compiled
+        passes are reused)."""
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(0)
         self.length = 0
+        self.live = self.live if batch is None else batch
+
+
+def batch_bucket(batch: int) -> int:
+    """Rows a static state allocates for `batch` live rows: the next power of two (StaticKVState)."""
+    return 1 << (batch - 1).bit_length()
 
 
 def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid) -> torch.Tensor:
