@@ -51,8 +51,6 @@ log = logging.getLogger("d3d.eval")
 # in fp32, because the two loops' drafter passes lay the same keys out differently and bf16 SDPA
 # moves by an ulp with the layout (DESIGN §10), which can flip a near-tie draft.
 BITWISE_REFERENCE = {"async": "sync"}
-# `eval.reference_generate=true`: transformers' own generate as a row of its own (d3d.decoding.reference)
-REFERENCE = "generate"
 
 
 def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:

@@ -154,6 +154,18 @@ class GenerationResult:
         return sum(len(t) for t in self.token_ids)
 
 
+def context_problem(target, prompts: list[list[int]], max_new_tokens: int, block: int = 0) -> str | None:
+    """Why these prompts do not fit the target's context with max_new_tokens (and, for a loop that
+    verifies blocks, one block past them), or None."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts)
+    if limit and longest + max_new_tokens + block > limit:
+        extra = f" + block {block}" if block else ""
+        return (f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}{extra} exceeds the "
+                f"target's context of {limit} tokens")
+    return None
+
+
 def _sync(device: torch.device) -> None:
     """Only around prefill and at the end of a call (wall-clock totals): never inside a round."""
     if device.type == "cuda":
@@ -340,12 +352,7 @@ class SpecGenerator:
     def context_problem(self, prompts: list[list[int]], max_new_tokens: int) -> str | None:
         """Why these prompts cannot be decoded (prompt + new tokens + a block past the target's
         context), or None. The loop refuses such a call; d3d.eval asks first and skips the request."""
-        limit = getattr(self.target.config, "max_position_embeddings", None)
-        longest = max(len(p) for p in prompts)
-        if limit and longest + max_new_tokens + self.B > limit:
-            return (f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + block {self.B} exceeds the "
-                    f"target's context of {limit} tokens")
-        return None
+        return context_problem(self.target, prompts, max_new_tokens, self.B)
 
     # ------------------------------------------------------------------ the loop
 

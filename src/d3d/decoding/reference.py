@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from d3d.decoding.engine import DecodeConfig, GenerationResult, _sync
+from d3d.decoding.engine import DecodeConfig, GenerationResult, _sync, context_problem
 
 
 class HFGenerate:
@@ -27,12 +27,7 @@ class HFGenerate:
         self.seed = 0
 
     def context_problem(self, prompts: list[list[int]], max_new_tokens: int) -> str | None:
-        limit = getattr(self.target.config, "max_position_embeddings", None)
-        longest = max(len(p) for p in prompts)
-        if limit and longest + max_new_tokens > limit:
-            return (f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
-                    f"context of {limit} tokens")
-        return None
+        return context_problem(self.target, prompts, max_new_tokens)
 
     @torch.inference_mode()
     def _prefill_s(self, ids: torch.Tensor) -> float:
