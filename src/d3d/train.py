@@ -28,7 +28,7 @@ from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
     D3DTrainingStep, autocast, batch_at, comparable_train_key, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
-    make_accelerator, make_optimizer, make_scheduler, mixed_precision, optimizer_step, split_examples, train_resume_key,
+    make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
 )
 from d3d.utils.checkpoints import mark_complete, promote, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
@@ -86,7 +86,7 @@ class TrainRecipe:
         self.cfg = cfg
         tc = self.tc = bind_section(cfg, "train", TrainSettings)  # the typed boundary: unknown keys fail
         self.accelerator = accelerator = make_accelerator(tc)
-        self.precision = mixed_precision(tc.mixed_precision)  # what accelerate autocasts the step in
+        self.precision = accelerator.mixed_precision  # what accelerate autocasts the step in (auto resolved)
         set_seed(int(cfg.seed))
         self.out_dir = out_dir = resolve_path(tc.out_dir)
         examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
