@@ -27,7 +27,7 @@ def test_config_tree_is_complete():
     assert set(options("benchmark")) >= {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp",
                                          "livecodebench", "mt_bench", "alpaca", "all"}
     assert set(options("experiment")) >= {"cpu_default", "smoke", "qwen3_8b", "qwen3_32b", "cpu_qwen"}
-    assert set(options("decode")) == {"ar", "sync", "async"}
+    assert set(options("decode")) >= {"ar", "sync", "async"}  # at least: a new method adds its file
 
 
 @pytest.mark.parametrize("root", ROOTS)
