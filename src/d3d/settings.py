@@ -8,13 +8,16 @@ here say which keys exist and their types (tests/unit/test_configs.py binds ever
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from d3d.config import ConfigError
 from d3d.objective import ObjectiveKnobs
+
+if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the models
+    from d3d.decoding import DecodeConfig
 
 T = TypeVar("T")
 
@@ -157,14 +160,16 @@ def decode_keys(method: str, where: str = "decode") -> tuple[str, ...]:
     return method_class(method, where).reads()
 
 
-def bind_decode(node: Any, where: str):
+def bind_decode(node: Any, where: str) -> DecodeConfig:
     """A decode file's section (`decode`, `methods.<name>`) as a d3d.decoding.DecodeConfig: a key its
     method does not read fails, named, as do a wrong type and a bad value."""
     from d3d.decoding import DecodeConfig
 
     plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     plain.pop("name", None)
-    method = plain.get("method", DecodeConfig.method)  # a plain dict now, not a config node
+    if "method" not in plain:  # which keys the file may hold is the method's to say
+        raise ConfigError(f"{where}.method: missing; a decode file names its method (conf/decode/<name>.yaml)")
+    method = plain["method"]
     reads = decode_keys(method, where)
     unread = [k for k in plain if k not in reads]
     if unread:

@@ -255,7 +255,7 @@ class Async(Method):
             else:
                 q_logits = self.prepared
             r.drafts, r.q = draft_from(q_logits[:, : p.B - 1], self.cfg.sampling, p.gen)
-            self.q_logits, self.plue_start = q_logits, len(self.dr)
+            self.q_logits, self.glue_start = q_logits, len(self.dr)
         p.take(ds, r.drafts, r.q)
 
     def _draft_misses(self, r, miss: list[int]) -> torch.Tensor:
@@ -313,7 +313,7 @@ class Async(Method):
         p, ds = self.p, self.p.stream
         p.lend(ds, r.accepted)
         with _on(ds):
-            self.dr.keep_first(self.plue_start, r.accepted + 1, most)  # the glue commits pending + accepted drafts
+            self.dr.keep_first(self.glue_start, r.accepted + 1, most)  # the glue commits pending + accepted drafts
         self.hit, self.hit_dev = [h[2] >= 0 for h in host], r.hit_idx >= 0
         r.stat["hit"] = list(self.hit)
         n = len(host)
