@@ -35,7 +35,7 @@ from d3d.models import load_target
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
 from d3d.grading import grade
-from d3d.settings import TRAY_KEYS, EvalSettings, bind_section, decode_keys
+from d3d.settings import EvalSettings, bind_decode, bind_section, decode_keys
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
@@ -51,6 +51,11 @@ log = logging.getLogger("d3d.eval")
 # in fp32, because the two loops' drafter passes lay the same keys out differently and bf16 SDPA
 # moves by an ulp with the layout (DESIGN §10), which can flip a near-tie draft.
 BITWISE_REFERENCE = {"async": "sync"}
+# What the composed `decode` group lends to every method that reads the key: every method takes the
+# run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
+# backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
+# other keys (async's tray budget) stay its own.
+LENT_KEYS = ("temperature", "top_p", "top_k", "backend", "block_size")
 
 
 def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:
@@ -60,20 +65,17 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
     check_eval_settings(ev)
-    composed = decode_config(cfg.decode, "decode")
+    composed = bind_decode(cfg.decode, "decode")
     out = {}
     for name in ev.methods:
         if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
             raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml is not composed under "
                               f"`methods` (add it there, and `- decode@methods.{name}: {name}` to conf/eval.yaml)")
-        own = decode_config(cfg.methods[name], f"methods.{name}")
+        own = bind_decode(cfg.methods[name], f"methods.{name}")
         if composed.method == own.method:
             dc = replace(composed)
-        else:  # lent: the keys both methods read, but the method and its tray budget. Every method
-            # takes the run's sampling and backend (the AR baseline decodes as the others do, so a
-            # speedup is never the backend's); a drafting method takes a drafting group's block size
-            keys = [k for k in decode_keys(own.method)
-                    if k in decode_keys(composed.method) and k not in ("method", *TRAY_KEYS)]
+        else:  # lent: LENT_KEYS both methods read
+            keys = [k for k in LENT_KEYS if k in decode_keys(own.method) and k in decode_keys(composed.method)]
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
         # the budget study: a method with drafter work beside verification (async) gets one per C x F
@@ -116,8 +118,9 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
         pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
                              min(ev.max_new_tokens, 128), eos_ids(tok, target))
         # packed pass beside verification (a side stream) or after it: as the loop will run it
-        overlap = SpecGenerator.overlap_mode(methods[names[0]], target.device) == "stream"
-        pick, basis = calibrate(target, drafter, pairs, methods[names[0]].block_size, overlap=overlap)
+        first = methods[names[0]]
+        overlap = method_class(first.method).overlap_mode(first, target.device) == "stream"
+        pick, basis = calibrate(target, drafter, pairs, first.block_size, overlap=overlap)
         earlier = {**pick.as_dict(), **basis}
         log.info("eval.async_budgets=auto: %s", pick.why)
     for name in names:
@@ -131,16 +134,6 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
 def read_settings(dc: DecodeConfig) -> dict:
     """The settings of `dc` its method reads (d3d.settings.decode_keys): sync's record holds no tray budget."""
     return {k: getattr(dc, k) for k in decode_keys(dc.method)}
-
-
-def decode_config(node, where: str) -> DecodeConfig:
-    """A decode file's section as a DecodeConfig: a key that is none of its fields fails (DecodeConfig
-    would drop it), as unknown keys do at every other section's typed boundary."""
-    plain = OmegaConf.to_container(node, resolve=True)
-    unknown = sorted(set(plain) - {"name"} - set(DecodeConfig.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: not a decode setting (d3d.decoding.DecodeConfig has no such field)")
-    return DecodeConfig.from_cfg(plain)
 
 
 def check_eval_settings(ev: EvalSettings) -> None:

@@ -8,13 +8,16 @@ here say which keys exist and their types (tests/unit/test_configs.py binds ever
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from d3d.config import ConfigError
 from d3d.objective import ObjectiveKnobs
+
+if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the models
+    from d3d.decoding import DecodeConfig
 
 T = TypeVar("T")
 
@@ -143,24 +146,32 @@ def bind_step_section(cfg: DictConfig) -> StepSettings:
     return bind(StepSettings, {k: v for k, v in node.items() if k not in TRAIN_ONLY_KEYS}, "train")
 
 
-# `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig; which
-# of its fields a file holds depends on its method, since DecodeConfig serves every method:
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # every method samples (0 = greedy)
-EVERY_METHOD_KEYS = (*SAMPLING_KEYS, "backend")  # ... and runs its passes on a backend (eager | static | compiled | frozen)
-TRAY_KEYS = ("C", "F", "coverage", "overlap", "cpu_threads_drafter")  # drafter work beside verification
-# `name` names the run (run_name: ${decode.name}); `max_new_tokens` comes from eval.max_new_tokens and
+# `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig, here and
+# nowhere else. Which of its fields a file holds is its method class's to say (Method.reads()): `name` names
+# the run (run_name: ${decode.name}) besides; `max_new_tokens` comes from eval.max_new_tokens and
 # `stop_strings` is for callers of the engine, so neither is a decode file's key.
 
 
-def decode_keys(method: str) -> tuple[str, ...]:
-    """The DecodeConfig fields `method` reads: the sampling keys and the backend; the block size if it drafts; the
-    tray budget, coverage and overlap if it works beside verification (async). Asked of the method's
-    class in d3d.decoding.methods, never of its name, so a new method needs no line here. A decode
-    file holds exactly these and `name` (tests/unit/test_configs.py); eval's resume key and run.json
-    record only these."""
-    from d3d.decoding import DecodeConfig
+def decode_keys(method: str, where: str = "decode") -> tuple[str, ...]:
+    """The DecodeConfig fields `method` reads, as its class in d3d.decoding.methods declares them. A decode
+    file holds exactly these and `name`; eval's resume key and run.json record only these."""
     from d3d.decoding.methods import method_class
 
-    cls = method_class(method)
-    return ("method", *EVERY_METHOD_KEYS, *(("block_size",) if cls.needs_drafter else ()),
-            *(TRAY_KEYS if cls.budget(DecodeConfig(method=method)) else ()))
+    return method_class(method, where).reads()
+
+
+def bind_decode(node: Any, where: str) -> DecodeConfig:
+    """A decode file's section (`decode`, `methods.<name>`) as a d3d.decoding.DecodeConfig: a key its
+    method does not read fails, named, as do a wrong type and a bad value."""
+    from d3d.decoding import DecodeConfig
+
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    plain.pop("name", None)
+    if "method" not in plain:  # which keys the file may hold is the method's to say
+        raise ConfigError(f"{where}.method: missing; a decode file names its method (conf/decode/<name>.yaml)")
+    method = plain["method"]
+    reads = decode_keys(method, where)
+    unread = [k for k in plain if k not in reads]
+    if unread:
+        raise ConfigError(f"{where}.{unread[0]}: method {method} does not read it (it reads {', '.join(reads)})")
+    return bind(DecodeConfig, plain, where)

@@ -214,7 +214,7 @@ def test_methods_share_sampling_and_block_size(tmp_path):
     # method-specific keys stay with their own method: C and F set on the composed async group only
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
     assert (methods["async"].C, methods["async"].F) == (3, 1)
-    # sync reads no tray keys (d3d.settings.decode_keys): no packed budget, and its record holds none
+    # sync reads no tray keys (its class's `keys`): no packed budget, and its record holds none
     assert method_class("sync").budget(methods["sync"]) == 0 and not {"C", "F"} & set(read_settings(methods["sync"]))
     # an AR group lends sampling, not its B = 1
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
@@ -273,7 +273,7 @@ def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch)
 
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
     for bad, message in [("eval.max_new_tokens=0", "eval.max_new_tokens=0: an integer >= 1"),
-                         ("decode.top_p=0", r"decode.top_p=0: a number in \(0, 1\]"),
+                         ("decode.top_p=0", r"decode.top_p=0(\.0)?: a number in \(0, 1\]"),
                          ("decode.block_size=0", "decode.block_size=0"), ("eval.n=0", "eval.n=0")]:
         with pytest.raises(ConfigError, match=message):
             evaluate(tmp_path, bad)
@@ -307,23 +307,33 @@ def test_cli_user_error_is_one_line_and_exit_2_traceback_when_verbose(tmp_path):
     assert loud.returncode != 0 and "Traceback" in loud.stderr
 
 
-def test_a_new_method_is_placed_by_the_registry_not_by_its_name(tmp_path, monkeypatch):
-    """Eval asks the decoding registry what a method needs (d3d.decoding.methods.METHODS): a method
-    registered under a new name, composed by Hydra under `methods`, is treated by what its class
-    says. A drafter-free method (a lookup decoder, say) borrows sampling but not the block size;
-    a drafting one borrows both and gets the budget grid when it drafts beside verification."""
-    from d3d.decoding.methods import AR, METHODS, Async
+def test_a_new_method_is_placed_by_its_class_not_by_its_name(tmp_path, monkeypatch):
+    """Eval asks a method's class (d3d.decoding.methods), never its name: a method registered under a
+    new name and composed by Hydra under `methods` is bound with the keys its class declares and
+    lent the run's values of those it reads. A drafter-free method that verifies no block borrows
+    sampling only; one that verifies blocks (prompt lookup, say) the block size too; an Async
+    subclass both, and the budget grid."""
+    from d3d.config import ConfigError
+    from d3d.decoding.methods import AR, METHODS, Async, Method
 
-    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (AR,), {}))
+    monkeypatch.setitem(METHODS, "plain", type("Plain", (AR,), {}))
+    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (Method,), {"keys": ("block_size",), "needs_drafter": False}))
     monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
-    cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0",
-                           "+methods.lookup={method: lookup, block_size: 1}",
-                           "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}",
-                           "eval.methods=[ar,lookup,trays]", "eval.async_budgets=[2x1,3x2]"], tmp_path)
+    new = ["+methods.plain={method: plain}", "+methods.lookup={method: lookup, block_size: 8}",
+           "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}"]
+    cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0", *new,
+                           "eval.methods=[ar,plain,lookup,trays]", "eval.async_budgets=[2x1,3x2]"], tmp_path)
     methods = methods_of(cfg)
-    assert list(methods) == ["ar", "lookup", "trays_c2_f1", "trays_c3_f2"]
-    assert (methods["lookup"].block_size, methods["lookup"].temperature) == (1, 1.0)
+    assert list(methods) == ["ar", "plain", "lookup", "trays_c2_f1", "trays_c3_f2"]
+    assert methods["plain"].temperature == 1.0 and set(read_settings(methods["plain"])) == set(read_settings(methods["ar"]))
+    assert (methods["lookup"].block_size, methods["lookup"].temperature) == (4, 1.0)
     assert all(methods[n].block_size == 4 and methods[n].temperature == 1.0 for n in ("trays_c2_f1", "trays_c3_f2"))
+    assert (methods["trays_c3_f2"].C, methods["trays_c3_f2"].F) == (3, 2)
+    # what its class does not declare, its file cannot hold
+    cfg = compose("eval", ["+experiment=smoke", "+methods.plain={method: plain, block_size: 4}", "eval.methods=[ar,plain]"],
+                  tmp_path)
+    with pytest.raises(ConfigError, match=r"methods\.plain\.block_size: method plain does not read it"):
+        methods_of(cfg)
 
 
 @pytest.mark.parametrize("trays", [True, False])
