@@ -30,7 +30,7 @@ from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
     make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
 )
-from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, trim_rows
+from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.settings import TrainSettings, bind_section
@@ -202,7 +202,8 @@ class TrainRecipe:
 
         weights = drafter_state_dict(accelerator, model)
         if accelerator.is_main_process:
-            final = save_drafter(self.drafter(), self.tokenizer, out_dir / "final", weights)
+            # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
+            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
             history = unique(read_jsonl(out_dir / "metrics.jsonl"), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {

@@ -59,3 +59,43 @@ def test_a_checkpoint_ahead_of_the_record_is_refused(tmp_path):
         ck.check_record_reaches(tmp_path / "last", 6, 3, record, "redo")
     with pytest.raises(CorruptFile, match=r"now holds no rows"):
         ck.check_record_reaches(tmp_path / "last", 6, None, record, "redo")
+
+
+def test_drafter_problem_sees_a_cut_save(tmp_path):
+    """The load check for final/ folders written in place by older versions (no marker)."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"d3d": {"block_size": 4}}))
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert ck.drafter_problem(tmp_path) is None
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    assert "model.safetensors is cut short" in ck.drafter_problem(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(data)
+    (tmp_path / "tokenizer.json").write_text('{"vers')
+    assert "tokenizer.json is empty or torn" in ck.drafter_problem(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")  # a plain model, not a drafter
+    assert "holds no d3d settings" in ck.drafter_problem(tmp_path)
+
+
+def test_publish_replaces_a_folder_whole_or_not_at_all(tmp_path):
+    checkpoint(tmp_path / "final", 0)
+
+    def write(step, kill=False):
+        def fill(folder):
+            folder.mkdir()
+            (folder / "weights").write_text("")  # a kill here is a half-written folder
+            if kill:
+                raise Killed
+            (folder / "weights").write_text(f"step {step}")
+        return fill
+
+    with pytest.raises(Killed):
+        ck.publish(tmp_path, "final", 1, write(1, kill=True))
+    assert (tmp_path / "final" / "weights").read_text() == "step 0"  # the previous folder, untouched
+    ck.publish(tmp_path, "final", 1, write(1))
+    assert (tmp_path / "final" / "weights").read_text() == "step 1" and ck.saved_step(tmp_path / "final") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]

@@ -102,6 +102,47 @@ def recover(out_dir: Path, name: str = "last", upto: int | None = None) -> Path 
     return None
 
 
+def publish(out_dir: Path, name: str, step: int, write: Callable[[Path], None]) -> Path:
+    """out_dir/<name> replaced whole by what `write` puts into a fresh <name>.partial, marked with
+    `step`: the same write-then-rename as last/, so a kill leaves the previous folder or the new one
+    (or, between the renames, <name>.old, which `recover(out_dir, name)` puts back)."""
+    partial = out_dir / f"{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    mark_complete(partial, step)
+    return promote(out_dir, name)
+
+
+def drafter_problem(folder: Path) -> str | None:
+    """Why a saved drafter folder would not load (None: it looks whole), read from its files without
+    loading the model: folders written in place before they were published could be cut by a kill
+    (an empty config.json, a short safetensors file, a torn tokenizer.json)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return f"{folder} holds no config.json"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return f"{path} is empty or torn"
+        if path.name == "config.json" and not (isinstance(data, dict) and "d3d" in data):
+            return f"{path} holds no d3d settings"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return f"{folder} holds no .safetensors weights"
+    for path in weights:  # 8-byte header length, a JSON header, then the tensors its offsets end at
+        with open(path, "rb") as f:
+            head = f.read(8)
+            try:
+                header = json.loads(f.read(int.from_bytes(head, "little"))) if len(head) == 8 else None
+            except (json.JSONDecodeError, UnicodeDecodeError, OverflowError, MemoryError):
+                header = None
+        end = max((t["data_offsets"][1] for k, t in (header or {}).items() if k != "__metadata__"), default=0)
+        if header is None or path.stat().st_size < 8 + int.from_bytes(head, "little") + end:
+            return f"{path} is cut short"
+    return None
+
+
 def check_record_reaches(checkpoint: Path, needed: int | None, recorded: int | None, record: Path, fix: str) -> None:
     """A job writes a step's row before the checkpoint that holds the step, so its record always
     reaches the checkpoint. A checkpoint ahead of the record (the record was replaced, truncated or
