@@ -175,6 +175,9 @@ def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
         raise ConfigError(f"{key}={value}: {path} does not exist. Fix: pass a folder written by d3d.train "
                           f"(<train.out_dir>/final) or d3d.prune (<prune.out_dir>/final).")
     if (path / "config.json").is_file():
+        from d3d.models.drafter import check_is_drafter
+
+        check_is_drafter(path, key)  # not the target's own folder (a plain model)
         return path
     for inner in ("final", "last/drafter"):
         if (path / inner / "config.json").is_file():
@@ -182,3 +185,4 @@ def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
                               + ("" if inner == "final" else " (once the run finishes; or its last/drafter)"))
     raise ConfigError(f"{key}={value}: {path} holds no config.json, so it is not a saved drafter. Fix: pass "
                       f"the final/ folder of a d3d.train or d3d.prune run.")
+
