@@ -34,7 +34,7 @@ from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
-from d3d.grading import grade
+from d3d.grading import grade, isolation, isolation_warning
 from d3d.settings import TRAY_KEYS, EvalSettings, bind_section, decode_keys
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
@@ -367,6 +367,16 @@ def read_benchmarks(cfg: DictConfig, ev: EvalSettings, cache: Path) -> list[tupl
     return out
 
 
+def grading_isolation(specs) -> dict:
+    """What graded code gets on this machine (d3d.grading.isolation), for run.json; a run that grades
+    code where it gets less than the namespaces and a process limit says so in one line first."""
+    facts = isolation()
+    warning = isolation_warning(facts)
+    if warning and any(spec["kind"] == "code" for spec in specs):
+        print(f"[d3d.eval] warning: {warning}", flush=True)
+    return facts
+
+
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
     ev = bind_section(cfg, "eval", EvalSettings)  # the typed boundary: unknown keys fail here
@@ -388,6 +398,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
     benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
+    grading = grading_isolation([spec for spec, _ in benchmarks]) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
@@ -409,7 +420,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                         for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {}),
-            "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
+            "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
