@@ -172,7 +172,10 @@ if run_as != "-":
         caps[0].permitted &= ~lift
         caps[0].inheritable &= ~lift
         libc.capset(ctypes.byref(head), caps)
-    os.setresuid(int(run_as), 0, 0)
+    try:
+        os.setresuid(int(run_as), 0, 0)
+    except OSError:
+        pass  # a container without CAP_SETUID: no process limit, which isolation() reports (never a failed grade)
 os.set_inheritable(evidence, False)  # children of the program do not get the pipe
 sys.argv = [path]
 with open(path, encoding="utf-8") as f:

@@ -252,3 +252,15 @@ def test_a_broken_final_from_an_older_run_is_redone_on_resume(root, monkeypatch)
     (final / "config.json").write_text("")
     _, out, _ = prune(root, "old_final", "prune.min_retention=2", "prune.num_layers=1")
     _final_is_whole(out, 0)
+
+
+def test_a_last_checkpoint_ahead_of_steps_jsonl_is_refused(root):
+    """steps.jsonl cut back under last/: the resume used to continue from the pruned drafter with the
+    step counter of the shorter record, removing layers no row accounts for."""
+    from d3d.utils.io import CorruptFile
+
+    rows, out, _ = prune(root, "ahead")
+    lines = (out / "steps.jsonl").read_text().splitlines(keepends=True)
+    (out / "steps.jsonl").write_text("".join(lines[:2]))  # steps 0 and 1; last/ holds step 2
+    with pytest.raises(CorruptFile, match=r"last was saved after steps.jsonl recorded step 2, .* up to step 1.* Fix: delete"):
+        prune(root, "ahead")
