@@ -219,8 +219,15 @@ try:
 except OSError:
     fs = 'readonly'
 caps = int(next(l for l in open('/proc/self/status') if l.startswith('CapEff')).split()[1], 16)
+uid, mapped = os.getuid(), False  # the kernel counts the uid outside a user namespace (--map-root-user)
+for line in open('/proc/self/uid_map'):
+    inner, outer, count = map(int, line.split())
+    if inner <= uid < inner + count and (inner, outer) != (0, 0):
+        uid, mapped = outer + uid - inner, True
+        break
+binds = uid != 0 and (mapped or not caps & (1 << 21 | 1 << 24))  # a user namespace's caps do not lift it
 print(json.dumps({"network": net, "filesystem": fs, "pids": "namespace" if os.getpid() == 1 else "shared",
-                  "uid": os.getuid(), "nproc_binds": os.getuid() != 0 and not caps & (1 << 21 | 1 << 24)}))
+                  "uid": uid, "nproc_binds": binds}))
 """
 
 
