@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import ConfigError, UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
@@ -34,7 +34,7 @@ from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import process_device, process_state
 from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
-from d3d.grading import grade
+from d3d.grading import grade, isolation, isolation_warning
 from d3d.settings import EvalSettings, bind_decode, bind_section, decode_keys
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
@@ -342,6 +342,34 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
                 sync = row
 
 
+def read_benchmarks(cfg: DictConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
+    """Every benchmark's items, read and checked before any model loads: a mistyped local_file or a
+    malformed row fails in one line (d3d.data.benchmarks) instead of after the models load; one that
+    cannot be read here is skipped, said in one line; none left is an error, not an empty report."""
+    out, skipped = [], []
+    for spec in iter_specs(cfg.benchmark):
+        try:
+            out.append((spec, load_benchmark(spec, cache, n=ev.n)))
+        except BenchmarkUnavailable as err:
+            print(f"[d3d.eval] skipped {spec['name']}: {err}", flush=True)
+            skipped.append(spec["name"])
+    if not out:
+        raise UserError(f"no benchmark of this run can be read here ({', '.join(skipped)}: each is said above), so "
+                        f"nothing would run. Fix: set benchmark.specs.<name>.local_file, or choose a benchmark this "
+                        f"machine has (python -m d3d.data lists them).")
+    return out
+
+
+def grading_isolation(specs) -> dict:
+    """What graded code gets on this machine (d3d.grading.isolation), for run.json; a run that grades
+    code where it gets less than the namespaces and a process limit says so in one line first."""
+    facts = isolation()
+    warning = isolation_warning(facts)
+    if warning and any(spec["kind"] == "code" for spec in specs):
+        print(f"[d3d.eval] warning: {warning}", flush=True)
+    return facts
+
+
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
     ev = bind_section(cfg, "eval", EvalSettings)  # the typed boundary: unknown keys fail here
@@ -354,11 +382,16 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
     torch.manual_seed(int(cfg.seed))
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not ev.out_dir and state.is_main_process:  # Hydra's folder is new each run: a rerun never finds these rows
+        print(f"[d3d.eval] writing to {out_dir}, a new folder for each run: a killed run resumes only if rerun "
+              f"with eval.out_dir={out_dir}", flush=True)
     cache = resolve_path(cfg.paths.cache_dir)
     methods = method_configs(cfg, ev)
     key = resume_key(cfg, ev, methods)
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
+    benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
+    grading = grading_isolation([spec for spec, _ in benchmarks]) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
@@ -380,18 +413,13 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                         for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {}),
-            "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
+            "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
     skipped_file = out_dir / ("skipped.jsonl" if state.num_processes == 1 else f"skipped.rank{state.process_index}.jsonl")
     with JsonlWriter(rows_file) as writer, JsonlWriter(skipped_file) as skipped:
-        for spec in iter_specs(cfg.benchmark):
-            try:
-                records = load_benchmark(spec, cache, n=ev.n)
-            except BenchmarkUnavailable as err:
-                print(f"[d3d.eval] skipped {spec['name']}: {err}", flush=True)
-                continue
+        for spec, records in benchmarks:
             for c in ev.concurrency:
                 # Round-robin shards of whole units (items, or batches of c items) across processes.
                 units = [records[i : i + c] for i in range(0, len(records) - c + 1, c)]

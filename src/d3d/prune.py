@@ -42,9 +42,11 @@ from d3d.training import (
     RESUMABLE_TRAIN_KEYS, D3DTrainingStep, autocast, batch_at, cut_responses, freeze_embeddings_except_mask,
     load_examples, make_optimizer, mixed_precision, optimizer_step, split_examples,
 )
-from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
+from d3d.utils.checkpoints import (
+    MARKER, check_record_reaches, drafter_folder, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
+)
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import CorruptFile, JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
 log = logging.getLogger("d3d.prune")
@@ -221,7 +223,48 @@ def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path |
             raise ConfigError(f"{out_dir / 'steps.jsonl'} records {len(history) - 1} removals but {out_dir} has no "
                               f"last/ checkpoint to continue from. Fix: delete {out_dir} to start over.")
         return history, last  # step 0 only, or a folder from before steps were recorded in last/
+    check_record_reaches(last, step, history[-1]["step"], out_dir / "steps.jsonl",
+                         f"delete {out_dir} to start over (its step_<k>/ folders hold each step's drafter).")
     return trim_rows(out_dir / "steps.jsonl", lambda r: r["step"] <= step), last
+
+
+def publish_drafter(model, tok, out_dir: Path, name: str, step: int) -> Path:
+    """out_dir/<name> (final, step_<k>) written aside and renamed into place whole, marked with its
+    step: a kill while saving never leaves a folder with an empty config.json behind."""
+    return publish(out_dir, name, step, lambda tmp: save_drafter(model, tok, tmp))
+
+
+def final_step(history: list[dict], min_retention: float) -> int:
+    """The step final/ holds: the last one that kept the retention (step 0 keeps it by definition)."""
+    return next(r["step"] for r in reversed(history) if r["retention"] >= min_retention or r["step"] == 0)
+
+
+def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: float) -> None:
+    """On resume, make final/ the whole drafter of final_step(): a run killed while saving it (in
+    place, before final/ was published; or between the two renames) used to finish with rc 0 and a
+    summary.json naming a folder with an empty config.json. Redone from the drafter in memory (the
+    checkpoint the run resumes from) or copied from that step's step_<k>/; else refused in one line."""
+    want = final_step(history, min_retention)
+    final = out_dir / "final"
+    try:
+        recover_checkpoint(out_dir, "final", upto=history[-1]["step"])  # finish or undo an interrupted publish
+        step = saved_step(final) if final.is_dir() else None
+        problem = None if step == want else drafter_problem(final) if step is None else f"{final} holds step {step}"
+    except CorruptFile as err:
+        problem = str(err).split(". Fix")[0]
+    if problem is None:
+        return
+    if want == history[-1]["step"]:
+        log.warning("%s: saving final/ again (step %d)", problem, want)
+        publish_drafter(model, tok, out_dir, "final", want)
+        return
+    source = out_dir / f"step_{want}"
+    why = drafter_problem(source)
+    if why is not None:
+        raise ConfigError(f"{problem}, and the drafter of step {want} that final/ should hold is not whole either "
+                          f"({why}). Fix: delete {out_dir} to start over.")
+    log.warning("%s: copying %s to final/", problem, source.name)
+    publish(out_dir, "final", want, lambda tmp: shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(MARKER)))
 
 
 def _prune(cfg: DictConfig) -> Path:
@@ -264,9 +307,11 @@ def _prune(cfg: DictConfig) -> Path:
         row = {"step": 0, "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
+        publish_drafter(model, tok, out_dir, "final", 0)  # before the row: a recorded step 0 has its final/
         writer.write([row])
         history.append(row)
-        save_drafter(model, tok, out_dir / "final")
+    else:
+        ensure_final(out_dir, model, tok, history, pc.min_retention)
     tau_full = history[0]["tau"]
     step = history[-1]["step"]
     while step < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
@@ -281,9 +326,9 @@ def _prune(cfg: DictConfig) -> Path:
         row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc)}
-        save_drafter(model, tok, out_dir / f"step_{step}")
+        publish_drafter(model, tok, out_dir, f"step_{step}", step)
         if row["retention"] >= pc.min_retention:
-            save_drafter(model, tok, out_dir / "final")
+            publish_drafter(model, tok, out_dir, "final", step)
         shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
         save_drafter(model, tok, out_dir / "last.partial")
         mark_complete(out_dir / "last.partial", step)
@@ -298,7 +343,8 @@ def _prune(cfg: DictConfig) -> Path:
     writer.close()
     write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full,
                                           "holdout_tau_full": history[0].get("holdout_tau"), "steps": history,
-                                          "final": str(out_dir / "final")})
+                                          "final": str(out_dir / "final"),
+                                          "final_step": final_step(history, pc.min_retention)})
     (out_dir / "steps.md").write_text(steps_markdown(history))
     plot_steps(history, out_dir / "pruning.png")
     print(steps_markdown(history), flush=True)

@@ -30,7 +30,7 @@ from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
     make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
 )
-from d3d.utils.checkpoints import mark_complete, promote, trim_rows
+from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.settings import TrainSettings, bind_section
@@ -121,11 +121,17 @@ class TrainRecipe:
             check_same_run(resume_dir, self.state, self.key)
             accelerator.load_state(str(resume_dir))
             if accelerator.is_main_process:  # rows of steps after the checkpoint are redone, not doubled
-                trim_rows(out_dir / "metrics.jsonl", lambda r: r["step"] <= int(self.state["step"]))
+                kept = trim_rows(out_dir / "metrics.jsonl", lambda r: r["step"] <= int(self.state["step"]))
+                check_record_reaches(resume_dir, self.state.get("logged_step"), max((r["step"] for r in kept), default=None),
+                                     out_dir / "metrics.jsonl", "restore that file, or train.resume=false to start over.")
             log.info("resumed from %s at step %d", resume_dir, self.state["step"])
         elif accelerator.is_main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            # an earlier run's checkpoint goes with its rows: else a kill before this run's first save
+            # and a resume would continue the old run on top of this run's rows
+            for stale in ("last", "last.partial", "last.old"):
+                shutil.rmtree(out_dir / stale, ignore_errors=True)
         if accelerator.is_main_process:
             (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -154,7 +160,10 @@ class TrainRecipe:
         budget_s = tc.max_minutes * 60 if tc.max_minutes else None
         bar = tqdm(total=max_steps, initial=step, desc="train", disable=not tc.progress or not accelerator.is_main_process)
 
+        logged = {"step": self.state.get("logged_step")}  # the last step in metrics.jsonl, kept in each checkpoint
+
         def log_row(row: dict) -> None:
+            logged["step"] = row["step"]
             if metrics is not None:
                 metrics.write([row])
             if wandb_run is not None:
@@ -183,7 +192,8 @@ class TrainRecipe:
                 model.train()
             if step % tc.log_every == 0 or "val_tau" in row or step == max_steps:
                 log_row(row)
-            self.state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": self.key}
+            self.state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": self.key,
+                          "logged_step": logged["step"]}
             if step % tc.save_every == 0 or step == max_steps or out_of_time:
                 save_checkpoint(accelerator, model, self.tokenizer, out_dir, self.state)
             if out_of_time or (tc.stop_at_step and step >= tc.stop_at_step):
@@ -192,7 +202,8 @@ class TrainRecipe:
 
         weights = drafter_state_dict(accelerator, model)
         if accelerator.is_main_process:
-            final = save_drafter(self.drafter(), self.tokenizer, out_dir / "final", weights)
+            # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
+            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
             history = unique(read_jsonl(out_dir / "metrics.jsonl"), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {

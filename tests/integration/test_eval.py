@@ -117,6 +117,8 @@ def test_eval_cli_writes_into_its_run_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "eval" / "runs").glob("*/*/summary.md"))
     assert len(runs) == 1 and "| gsm8k | ar |" in runs[0].read_text()
+    # Hydra's folder is new each run, so a rerun never resumes it: the start message says how to
+    assert f"a new folder for each run: a killed run resumes only if rerun with eval.out_dir={runs[0].parent}" in proc.stdout
 
 
 def test_load_test_and_budget_study(tmp_path, monkeypatch):
@@ -277,6 +279,59 @@ def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch)
                          ("decode.block_size=0", "decode.block_size=0"), ("eval.n=0", "eval.n=0")]:
         with pytest.raises(ConfigError, match=message):
             evaluate(tmp_path, bad)
+
+
+@pytest.mark.parametrize("local, match", [
+    ("typo.jsonl", r"benchmark.specs.gsm8k.local_file=.*typo.jsonl: .* is not a file"),  # used to run the shipped data
+    ("broken.jsonl", r"broken.jsonl:2 is not JSON"),  # a traceback after the models loaded
+    ("renamed.jsonl", r"renamed.jsonl:1: as a gsm8k item this row needs the field 'question'"),
+])
+def test_benchmark_files_are_checked_before_any_model_loads(tmp_path, monkeypatch, local, match):
+    import d3d.eval
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "broken.jsonl").write_text('{"question": "a", "answer": "1"}\n{"question": \n')
+    (tmp_path / "renamed.jsonl").write_text('{"q": "a", "answer": "1"}\n')
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
+    with pytest.raises(ConfigError, match=match):
+        evaluate(tmp_path, "benchmark=gsm8k", f"benchmark.specs.gsm8k.local_file={tmp_path / local}")
+
+
+def test_nothing_to_run_is_one_line_before_any_model_loads(tmp_path, monkeypatch):
+    """Every benchmark unavailable here: the models used to load, then "holds no rows" as a traceback."""
+    import d3d.eval
+    from d3d.config import UserError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded with nothing to run"))
+    with pytest.raises(UserError, match=r"no benchmark of this run can be read here \(mbpp: .*\. Fix: set benchmark"):
+        evaluate(tmp_path, "benchmark=mbpp")
+
+
+def test_the_targets_own_folder_as_drafter_is_one_line_with_the_fix(tmp_path):
+    """A plain HF model (no config.d3d) given as the drafter: a ValueError traceback before."""
+    from d3d.config import ConfigError, compose as d3d_compose
+    from d3d.models import resolve_model_path
+
+    cfg = compose("eval", SMOKE, tmp_path)
+    target = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    with pytest.raises(ConfigError, match=r"is a plain model \(its config.json has no d3d settings\), not a d3d drafter\. Fix"):
+        evaluate(tmp_path, f"drafter.checkpoint={target}")
+
+
+def test_run_json_records_the_graders_isolation_and_a_fallback_warns(tmp_path, monkeypatch, capsys):
+    """Nothing recorded which protections graded code had, and a machine without unshare said nothing."""
+    import d3d.eval
+    from d3d.grading import isolation
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    weaker = {**isolation(), "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable"}
+    monkeypatch.setattr(d3d.eval, "isolation", lambda: weaker)
+    out = evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]")
+    assert json.loads((out / "run.json").read_text())["grading"] == json.loads(json.dumps(weaker))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning: graded code runs without" in line]
+    assert len(warnings) == 1 and "use the network" in warnings[0]
 
 
 def test_a_run_folder_given_as_drafter_names_its_final(tmp_path):

@@ -166,3 +166,25 @@ def test_a_kill_anywhere_in_a_save_resumes_like_an_uninterrupted_run(root, monke
     assert [r["step"] for r in resumed] == [r["step"] for r in full]  # each step once
     assert losses(resumed) == losses(full)
     assert not (out / "last.partial").exists() and not (out / "last.old").exists()
+
+
+def test_a_checkpoint_ahead_of_its_metrics_is_refused(root):
+    """metrics.jsonl cut back (or replaced) under a checkpoint: resuming used to continue past rows
+    that no longer exist, ending with a history that lacks steps it trained."""
+    from d3d.utils.io import CorruptFile
+
+    _, out = train(root, "cut", "train.stop_at_step=3")
+    rows = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(rows[:2]))  # steps 0 and 1 only; last/ holds step 3
+    with pytest.raises(CorruptFile, match=r"last was saved after metrics.jsonl recorded step 3, .* up to step 1"):
+        train(root, "cut")
+
+
+def test_starting_over_drops_the_earlier_runs_checkpoint(root):
+    """train.resume=false stopped before its first save, then resumed: it used to continue the
+    earlier run's last/ (step 6) on top of the new run's rows."""
+    full, _ = train(root, "full")
+    _, out = train(root, "over", "train.max_steps=6")
+    train(root, "over", "train.resume=false", "train.stop_at_step=1")  # saves every 3: no checkpoint yet
+    resumed, _ = train(root, "over")
+    assert losses(resumed) == losses(full)

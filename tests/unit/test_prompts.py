@@ -46,3 +46,27 @@ def test_empty_prompt_set_fails_early(cache_dir, tmp_path):
     cfg = compose("generate", ["data=local", f"data.local_file={empty}"]).data
     with pytest.raises(EmptyPromptSetError, match="empty"):
         load_prompt_set(cfg, cache_dir)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "yo"\n', r"prompts.jsonl:2 is not JSON"),
+    ('{"id": "a", "prompt": "hi"}\n{"id": "b", "promt": "yo"}\n',
+     r"prompts.jsonl:2: a prompt row needs 'prompt': .* its fields are \['id', 'promt'\]\. Fix"),
+    ('{"id": "a", "messages": [{"role": "system", "content": "x"}]}\n', r"prompts.jsonl:1: a prompt row needs"),
+])
+def test_a_malformed_prompt_file_names_its_file_and_line(cache_dir, tmp_path, text, match):
+    """These were a JSONDecodeError, a KeyError or a StopIteration naming neither file nor line."""
+    from d3d.data.benchmarks import MalformedFile
+
+    (tmp_path / "prompts.jsonl").write_text(text)
+    cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'prompts.jsonl'}"]).data
+    with pytest.raises(MalformedFile, match=match):
+        load_prompt_set(cfg, cache_dir)
+
+
+def test_a_missing_prompt_file_is_one_line_with_the_key(cache_dir, tmp_path):
+    from d3d.config import ConfigError
+
+    cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'nope.jsonl'}"]).data
+    with pytest.raises(ConfigError, match=r"^data.local_file=.*nope.jsonl: .* is not a file\. Fix"):
+        load_prompt_set(cfg, cache_dir)

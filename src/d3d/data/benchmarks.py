@@ -16,17 +16,24 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from d3d.errors import ConfigError
 from d3d.fetch import PackageUnavailableError, package_file
 
 
 class BenchmarkUnavailable(RuntimeError):
     """No source of this benchmark works on this machine (said in one line, then skipped)."""
+
+
+class MalformedFile(ConfigError):
+    """A benchmark or prompt file that is not what its schema reads: the message names the file, the
+    line and the fix. Never a reason to skip to another source: the results would be another file's."""
 
 
 @dataclass
@@ -64,6 +71,8 @@ def _math_qa(prefix: str) -> Callable[[list[dict]], list[Record]]:
         for i, row in enumerate(rows):
             rid = _first(row, "unique_id", "id", "data_source_id", "ID", default=i)
             question = _first(row, "problem", "question", "Problem", "Question")
+            if question is None:  # str(None) would make the prompt "None"
+                raise KeyError("problem (or question)")
             answer = _first(row, "answer", "Answer", "expected_answer")
             meta = {k: row[k] for k in ("subject", "level", "url", "year") if k in row}
             out.append(Record(f"{prefix}/{rid}", [str(question)], None if answer is None else str(answer), meta))
@@ -133,36 +142,64 @@ LOADERS: dict[str, Callable[[list[dict]], list[Record]]] = {
 # ---------------------------------------------------------------------------- reading sources
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """jsonl, json (a list, or {split: list}), or either gzipped."""
+Located = list[tuple[str, dict]]  # (where: "file:line", or "file item i" in a json list; the row)
+
+
+def read_located(path: str | Path) -> Located:
+    """The rows of a jsonl or json file (a list, or {split: list}), either gzipped, each with where it
+    is. A line that is not a JSON object fails naming the file and line: a broken file read as fewer
+    items would give results on the wrong data without a word."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         text = f.read()
     stem = path.name[:-3] if path.suffix == ".gz" else path.name
+    fix = "Fix: repair or delete that line (each line of a .jsonl file is one JSON object)."
     if stem.endswith(".jsonl"):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    data = json.loads(text)
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise MalformedFile(f"{path}:{number} is not JSON ({err.msg}). {fix}") from None
+                if not isinstance(row, dict):
+                    raise MalformedFile(f"{path}:{number} is a JSON {type(row).__name__}, not an object. {fix}")
+                rows.append((f"{path}:{number}", row))
+        return rows
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MalformedFile(f"{path}:{err.lineno} is not JSON ({err.msg}). Fix: repair the file (a JSON list of "
+                            f"objects, or {{split: list}}), or write it as .jsonl, one object a line.") from None
     if isinstance(data, dict):
-        data = next(v for v in data.values() if isinstance(v, list))
-    return list(data)
+        data = next((v for v in data.values() if isinstance(v, list)), None)
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise MalformedFile(f"{path} is not a JSON list of objects (nor {{split: list}}). Fix: write it as .jsonl, "
+                            f"one object a line.")
+    return [(f"{path} item {i}", r) for i, r in enumerate(data)]
 
 
-def _filter(rows: list[dict], where: Mapping[str, Any] | None) -> list[dict]:
+def read_rows(path: str | Path) -> list[dict]:
+    """jsonl, json (a list, or {split: list}), or either gzipped."""
+    return [row for _, row in read_located(path)]
+
+
+def _filter(rows: Located, where: Mapping[str, Any] | None) -> Located:
     if not where:
         return rows
-    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    return [(at, r) for at, r in rows if all(r.get(k) == v for k, v in where.items())]
 
 
-def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> list[dict]:
+def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> Located:
     off = spec["offline"]
-    rows: list[dict] = []
+    rows: Located = []
     for relpath in off["files"]:
-        rows += read_rows(package_file(off["package"], relpath, cache_dir))
+        rows += read_located(package_file(off["package"], relpath, cache_dir))
     return _filter(rows, off.get("where"))
 
 
-def _load_hub(spec: Mapping[str, Any]) -> list[dict]:
+def _load_hub(spec: Mapping[str, Any]) -> Located:
     from d3d.models.target import hub_reachable
 
     hub = spec["hub"]
@@ -172,17 +209,54 @@ def _load_hub(spec: Mapping[str, Any]) -> list[dict]:
 
     ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "test"),
                                **dict(hub.get("kwargs") or {}))
-    return _filter([dict(r) for r in ds], hub.get("where"))
+    return _filter([(f"{hub['path']} row {i}", dict(r)) for i, r in enumerate(ds)], hub.get("where"))
+
+
+def local_file(spec: Mapping[str, Any]) -> Path | None:
+    """The spec's `local_file`, checked: a path that does not exist is a typo, not a reason to fall
+    through to the shipped data (whose results would then be reported as the file's)."""
+    if not spec.get("local_file"):
+        return None
+    path = Path(os.path.expanduser(str(spec["local_file"]))).resolve()
+    if not path.is_file():
+        raise ConfigError(f"benchmark.specs.{spec['name']}.local_file={spec['local_file']}: {path} is not a file. "
+                          f"Fix: correct the path, or drop the key to use the shipped data.")
+    return path
+
+
+def parse_rows(spec: Mapping[str, Any], rows: Located) -> list[Record]:
+    """The spec's loader on every row, each row checked first, so that a row the schema cannot read
+    (a field misnamed or missing) fails naming its file and line and the field, not as a KeyError."""
+    loader = spec["loader"]
+    parse = LOADERS[loader]
+    for at, row in rows:
+        try:
+            turns = parse([row])[0].turns
+            problem = None if turns and all(isinstance(t, str) and t for t in turns) else "no user turn text"
+        except KeyError as err:
+            problem = f"needs the field {err.args[0]!r}"
+        except (TypeError, ValueError, AttributeError, IndexError) as err:
+            problem = f"cannot be read ({type(err).__name__}: {err})"
+        if problem:
+            raise MalformedFile(f"{at}: as a {loader} item this row {problem}; its fields are {sorted(row)}. Fix: "
+                                f"rename the field in that file, or set benchmark.specs.{spec['name']}.loader to the "
+                                f"parser of its schema ({', '.join(LOADERS)}).")
+    return parse([row for _, row in rows])
 
 
 def load_records(spec: Mapping[str, Any], cache_dir: str | Path) -> tuple[list[Record], str]:
     """All items of a benchmark and the name of the source they came from."""
     cache_dir = Path(cache_dir)
     reasons = []
+    local = local_file(spec)
     for source in spec.get("sources", ["local", "offline", "hub"]):
         try:
-            if source == "local" and spec.get("local_file"):
-                rows = read_rows(spec["local_file"])
+            if source == "local" and local is not None:
+                rows = read_located(local)
+                if not rows:
+                    raise MalformedFile(f"benchmark.specs.{spec['name']}.local_file={spec['local_file']}: {local} holds "
+                                        f"no rows. Fix: point it at the benchmark's file, or drop the key to use the "
+                                        f"shipped data.")
             elif source == "offline" and spec.get("offline"):
                 rows = _load_offline(spec, cache_dir)
             elif source == "hub" and spec.get("hub"):
@@ -192,7 +266,7 @@ def load_records(spec: Mapping[str, Any], cache_dir: str | Path) -> tuple[list[R
         except (BenchmarkUnavailable, PackageUnavailableError, OSError, ConnectionError) as err:
             reasons.append(f"{source}: {str(err).splitlines()[0]}")
             continue
-        records = LOADERS[spec["loader"]](rows)
+        records = parse_rows(spec, rows)
         if not records:
             raise BenchmarkUnavailable(f"{spec['name']}: source {source!r} holds no items")
         return records, source

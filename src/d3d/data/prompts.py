@@ -8,6 +8,7 @@ no benchmark number is measured on a prompt the drafter was trained on.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +16,10 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
-from d3d.config import config_dir
+from d3d.config import ConfigError, config_dir
 from d3d.data.benchmarks import (
-    BenchmarkUnavailable, first_turn_messages, load_benchmark, load_records, normalise_text, read_rows,
+    BenchmarkUnavailable, Located, MalformedFile, first_turn_messages, load_benchmark, load_records, normalise_text,
+    read_located,
 )
 
 
@@ -32,8 +34,8 @@ class Prompt:
         return self.raw if self.raw is not None else self.messages[0]["content"]
 
 
-class EmptyPromptSetError(ValueError):
-    pass
+class EmptyPromptSetError(ConfigError):
+    """A prompt set with no prompt left: said in one line by the jobs, before any model loads."""
 
 
 def benchmark_spec(name: str) -> dict:
@@ -67,16 +69,39 @@ def _from_benchmarks(cfg: Mapping[str, Any], cache_dir: Path) -> list[Prompt]:
     return out
 
 
-def _rows_to_prompts(rows: list[dict], prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
+def _rows_to_prompts(rows: Located, prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
+    """One prompt per row (its first user turn). A row that has neither field, or no user turn with
+    text, fails naming its file and line: a KeyError after the set was half read used to say neither."""
     out = []
-    for i, row in enumerate(rows):
-        if row.get(messages_field):
-            first_user = next(m for m in row[messages_field] if m["role"] == "user")
-            messages = [{"role": "user", "content": first_user["content"]}]
-        else:
-            messages = [{"role": "user", "content": row[prompt_field]}]
+    for i, (at, row) in enumerate(rows):
+        try:
+            if row.get(messages_field):
+                content = next(m for m in row[messages_field] if m["role"] == "user")["content"]
+            else:
+                content = row[prompt_field]
+            ok = isinstance(content, str) and content.strip()
+        except (KeyError, TypeError, StopIteration):
+            ok = False
+        if not ok:
+            raise MalformedFile(f"{at}: a prompt row needs {prompt_field!r}: \"<text>\" or {messages_field!r}: [{{\"role\": "
+                                f"\"user\", \"content\": \"<text>\"}}]; its fields are {sorted(row)}. Fix: rename the "
+                                f"field in that file.")
+        messages = [{"role": "user", "content": content}]
         out.append(Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), messages))
     return out
+
+
+def _from_local(cfg: Mapping[str, Any]) -> list[Prompt]:
+    """data.local_file, checked: a missing or empty file is said with the key, before any model loads."""
+    path = Path(os.path.expanduser(str(cfg.get("local_file") or ""))).resolve()
+    if not cfg.get("local_file") or not path.is_file():
+        raise ConfigError(f"data.local_file={cfg.get('local_file')}: {path} is not a file. Fix: pass a jsonl of "
+                          f"prompts, one {{\"prompt\": \"...\"}} (or {{\"messages\": [...]}}) a line.")
+    rows = read_located(path)
+    if not rows:
+        raise EmptyPromptSetError(f"data.local_file={cfg['local_file']}: {path} is empty (no rows). Fix: pass a jsonl of "
+                                  f"prompts, one {{\"prompt\": \"...\"}} a line.")
+    return _rows_to_prompts(rows, cfg["name"])
 
 
 def _from_hub(cfg: Mapping[str, Any]) -> list[Prompt]:
@@ -86,7 +111,8 @@ def _from_hub(cfg: Mapping[str, Any]) -> list[Prompt]:
     ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "train"))
     if cfg.get("limit"):  # avoid materialising 200k rows to keep 10k
         ds = ds.shuffle(seed=int(cfg.get("seed", 0))).select(range(min(len(ds), 2 * int(cfg["limit"]))))
-    return _rows_to_prompts([dict(r) for r in ds], cfg["name"], hub.get("messages_field", "messages"),
+    return _rows_to_prompts([(f"{hub['path']} row {i}", dict(r)) for i, r in enumerate(ds)], cfg["name"],
+                            hub.get("messages_field", "messages"),
                             hub.get("prompt_field", "prompt"))
 
 
@@ -106,7 +132,7 @@ def load_prompt_set(cfg: Mapping[str, Any], cache_dir: str | Path) -> list[Promp
             )
         prompts = _from_hub(cfg)
     elif source == "local":
-        prompts = _rows_to_prompts(read_rows(cfg["local_file"]), cfg["name"])
+        prompts = _from_local(cfg)
     else:
         raise ValueError(f"data.source={source!r}: use benchmarks, hub or local")
 

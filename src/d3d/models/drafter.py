@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from d3d.errors import ConfigError
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 
 
@@ -226,7 +227,25 @@ def weights_fingerprint(folder: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
+    """A folder whose config.json has no `d3d` settings is a plain model (the target's own folder, say),
+    not a drafter: said in one line with the fix, before it loads (it used to be a ValueError traceback)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}={path}: its config.json is empty or torn. Fix: pass a whole drafter folder (the "
+                          f"final/ of a finished d3d.train or d3d.prune run).")
+    if "d3d" not in config:
+        raise ConfigError(f"{key}={path} is a plain model (its config.json has no d3d settings), not a d3d drafter. "
+                          f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or leave {key} unset to "
+                          f"build an untrained drafter from drafter.init.")
+
+
 def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto"):
+    if (Path(path) / "config.json").is_file():  # a plain model folder: one line with the fix, before it loads
+        check_is_drafter(Path(path))
     model = load_model(str(path), dtype, device)
     DrafterSettings.of(model)  # fails clearly on a non-drafter folder
     return model, load_tokenizer(str(path))
