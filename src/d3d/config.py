@@ -118,26 +118,33 @@ def to_plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
 
 
-def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differing_keys(old: dict, new: dict, prefix: str = "", grows: frozenset[str] = frozenset()) -> list[str]:
     """Dotted keys whose values differ between two nested settings dicts. Keys only one side has
-    are skipped: a result written before a key existed still resumes."""
+    are skipped: a result written before a key existed still resumes. A key in `grows` holds a set
+    (a list whose order means nothing) that may gain members but not lose them: it differs only
+    when something the old run held is gone, and says what."""
     out = []
     for k in sorted(set(old) & set(new)):
-        a, b = old[k], new[k]
+        a, b, key = old[k], new[k], f"{prefix}{k}"
         if isinstance(a, dict) and isinstance(b, dict):
-            out += differing_keys(a, b, f"{prefix}{k}.")
+            out += differing_keys(a, b, f"{key}.", grows)
+        elif key in grows and isinstance(a, list) and isinstance(b, list):
+            lost = sorted(set(a) - set(b), key=str)
+            if lost:
+                out.append(f"{key} (without {' '.join(map(str, lost))})")
         elif a != b:
-            out.append(f"{prefix}{k}")
+            out.append(key)
     return out
 
 
 def refuse_mixed_run(folder, old_key: dict | None, new_key: dict, made: str, fix: str,
-                     also: list[str] | None = None) -> None:
+                     also: list[str] | None = None, grows: frozenset[str] = frozenset()) -> None:
     """The one resume check of every job: a folder resumes only work made with the same settings,
     since a run resumed with others would be half one experiment and half another. `old_key` None
     (a folder from before resume keys existed) resumes as it did; `also` adds differences the
-    keys cannot show. The message names each differing key and the fix."""
-    differ = differing_keys(old_key or {}, new_key) + list(also or [])
+    keys cannot show; `grows` names set-valued keys that may gain members (differing_keys). The
+    message names each differing key and the fix."""
+    differ = differing_keys(old_key or {}, new_key, grows=grows) + list(also or [])
     if differ:
         raise ConfigError(f"{folder} {made} with other settings ({', '.join(differ)} differ); resuming "
                           f"would mix two runs. Fix: {fix}")

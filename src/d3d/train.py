@@ -26,7 +26,7 @@ from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
-    D3DTrainingStep, autocast, batch_at, comparable_train_key, cut_responses, drafter_state_dict,
+    D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
     make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
 )
@@ -55,8 +55,8 @@ def evaluate(model, val: list, settings: DrafterSettings, precision: str = "no")
 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
     old = state.get("resume_key")  # None: a checkpoint from before keys, no check
-    refuse_mixed_run(resume_dir, old and comparable_train_key(old), key, "was trained",
-                     "pass a new train.out_dir, or train.resume=false to start over there.")
+    refuse_mixed_run(resume_dir, old, key, "was trained",
+                     "pass a new train.out_dir, or train.resume=false to start over there.", grows=GROWING_TRAIN_KEYS)
 
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:

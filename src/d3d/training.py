@@ -90,28 +90,22 @@ RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", 
                         "gradient_checkpointing", "loss_chunk_rows"}  # memory knobs: same numbers either way
 
 
+# train resume-key entries that hold sets which may grow: adding a benchmark file adds its name to
+# data.exclude_eval (`${d3d.benchmarks:}`), and a run resumed with more exclusions trains on no prompt
+# its first part was kept from; a run that would now include an item it excluded is refused.
+GROWING_TRAIN_KEYS = frozenset({"data.exclude_eval"})
+
+
 def train_resume_key(cfg) -> dict:
     from d3d.config import to_plain
 
     plain = to_plain(cfg)
     target = {k: v for k, v in plain["target"].items() if k not in ("device", "dtype", "attn_implementation")}
-    return comparable_train_key({"target": target, "drafter": plain["drafter"], "data": plain["data"],
-                                 "seed": plain["seed"],
-                                 # what `auto` resolved to on this machine: an fp32 run resumed in bf16
-                                 # on another CPU would be half one experiment and half another
-                                 "precision": mixed_precision(str(plain["train"].get("mixed_precision", "auto"))),
-                                 "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}})
-
-
-def comparable_train_key(key: dict) -> dict:
-    """`key` with data.exclude_eval sorted. The exclusion is a set (d3d.data.prompts removes the
-    union of the subsets), so its order changes no prompt; sorting both sides lets a key written
-    when the list was typed by hand, in another order, match the list now derived from
-    conf/benchmark/ (`${d3d.benchmarks:}`)."""
-    data = key.get("data")
-    if isinstance(data, dict) and isinstance(data.get("exclude_eval"), list):
-        key = {**key, "data": {**data, "exclude_eval": sorted(data["exclude_eval"])}}
-    return key
+    return {"target": target, "drafter": plain["drafter"], "data": plain["data"], "seed": plain["seed"],
+            # what `auto` resolved to on this machine: an fp32 run resumed in bf16
+            # on another CPU would be half one experiment and half another
+            "precision": mixed_precision(str(plain["train"].get("mixed_precision", "auto"))),
+            "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}}
 
 
 # ---------------------------------------------------------------------------- the step

@@ -208,16 +208,19 @@ def test_a_new_benchmark_file_is_excluded_from_training_data(tmp_path, monkeypat
 
 
 def test_the_derived_exclusion_keeps_resume_keys_of_the_hand_typed_list(tmp_path):
-    """Its order changes no prompt, so train's resume key compares it sorted: a checkpoint written
-    with the hand-typed list (another order) resumes; one written with another set does not."""
+    """exclude_eval is a set in train's resume key (d3d.training.GROWING_TRAIN_KEYS): a checkpoint
+    written with the hand-typed list (another order) or with fewer names resumes; one written with a
+    name the run no longer excludes does not, and the message names it."""
     import copy
 
     from d3d.config import differing_keys
-    from d3d.training import comparable_train_key, train_resume_key
+    from d3d.training import GROWING_TRAIN_KEYS, train_resume_key
 
     key = train_resume_key(compose("train", [], tmp_path))
     old = copy.deepcopy(key)
     old["data"]["exclude_eval"] = HAND_TYPED_EXCLUDE_EVAL
-    assert differing_keys(comparable_train_key(old), key) == []
-    old["data"]["exclude_eval"] = HAND_TYPED_EXCLUDE_EVAL[:-1]
-    assert differing_keys(comparable_train_key(old), key) == ["data.exclude_eval"]
+    assert differing_keys(old, key, grows=GROWING_TRAIN_KEYS) == []
+    old["data"]["exclude_eval"] = HAND_TYPED_EXCLUDE_EVAL[:-1]  # a benchmark added since: resumes
+    assert differing_keys(old, key, grows=GROWING_TRAIN_KEYS) == []
+    old["data"]["exclude_eval"] = [*HAND_TYPED_EXCLUDE_EVAL, "gsm_hard"]  # one it would now train on
+    assert differing_keys(old, key, grows=GROWING_TRAIN_KEYS) == ["data.exclude_eval (without gsm_hard)"]
