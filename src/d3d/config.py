@@ -1,9 +1,5 @@
-"""Where the Hydra config tree lives, and the small helpers every job uses to read it.
-
-The tree is the top-level `conf/` of the repository. An installed wheel carries a copy as
-`d3d/conf` (pyproject maps it there); an editable install or a source checkout reads `conf/`
-two levels above this package. One function, `config_dir()`, decides, so the jobs and the tests
-always compose the same files.
+"""The small helpers every job uses to compose and read the Hydra config tree (where the tree lives:
+d3d.configdir, re-exported here), and the resume check they share.
 """
 
 from __future__ import annotations
@@ -16,9 +12,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-
-
+from d3d.configdir import PACKAGE_DIR, config_dir  # noqa: E402,F401  (re-exported, as below)
 from d3d.errors import ConfigError, UserError  # noqa: E402  (re-exported: d3d.config is where jobs look)
 
 
@@ -31,22 +25,6 @@ def verbose() -> bool:
     return any(os.environ.get(v, "") not in ("", "0") for v in ("HYDRA_FULL_ERROR", "D3D_VERBOSE"))
 
 
-def config_dir() -> Path:
-    """The conf/ folder: $D3D_CONFIG_DIR, else the wheel's copy, else the checkout's."""
-    candidates = []
-    if os.environ.get("D3D_CONFIG_DIR"):
-        candidates.append(Path(os.environ["D3D_CONFIG_DIR"]))
-    candidates += [PACKAGE_DIR / "conf", PACKAGE_DIR.parents[1] / "conf"]
-    for path in candidates:
-        if (path / "generate.yaml").is_file():
-            return path
-    raise FileNotFoundError(
-        "d3d cannot find its Hydra configs (conf/). Looked in: "
-        + ", ".join(str(p) for p in candidates)
-        + ". Reinstall the package (pip install -e . from the repository) or set D3D_CONFIG_DIR."
-    )
-
-
 def benchmark_names() -> list[str]:
     """Every benchmark shipped under conf/benchmark/, in file-name order: each file with `specs`
     (suite files such as all.yaml only compose others). The training prompt sets exclude all of
@@ -54,7 +32,8 @@ def benchmark_names() -> list[str]:
     out of the training data with no other edit."""
     names: list[str] = []
     for path in sorted((config_dir() / "benchmark").glob("*.yaml")):
-        names += list(OmegaConf.load(path).get("specs") or [])
+        node = OmegaConf.load(path)
+        names += list(node.specs) if "specs" in node else []
     return names
 
 

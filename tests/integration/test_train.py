@@ -11,6 +11,7 @@ import pytest
 from d3d.generate import run_generate
 from d3d.train import batch_at, run_train
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import CACHE_DIR, ROOT, Killed, compose, kill_on, torchrun
 
 
@@ -143,7 +144,8 @@ def test_contract9_two_processes_equal_one_process_on_the_global_batch(root, tmp
     assert all(r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
 
     cfg = compose("train", common + ["train.grad_accum=2", f"train.out_dir={tmp_path}/one"], root)
-    start, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    typed = bind_config(cfg, "train")
+    start, _ = build_drafter(typed.drafter, typed.target, typed.paths.cache_dir, dtype="float32")
     single = TrainRecipe(cfg)
     single.train()
     one = {k: v.detach() for k, v in single.drafter().state_dict().items()}
