@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -33,9 +33,12 @@ from d3d.decoding.methods import method_class
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import process_device, process_state
-from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
+from d3d.models.drafter import (
+    DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
+)
 from d3d.grading import grade, isolation, isolation_warning
-from d3d.settings import EvalSettings, bind_decode, bind_section, decode_keys
+from d3d.settings import bind_config, bind_decode, decode_keys
+from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
@@ -96,7 +99,7 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
 AUTO = "auto"
 
 
-def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: DictConfig, ev: EvalSettings,
+def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: EvalConfig, ev: EvalSettings,
                         target, tok, drafter, cache: Path, processes: int) -> dict | None:
     """Give every `<method>_auto` the budget d3d.decoding.budget chooses on this device: exact
     hit rates per (C, F) from the target's greedy responses to the last `eval.auto_budget_prompts`
@@ -156,7 +159,7 @@ def parse_budget(text) -> tuple[int, int]:
     return C, F
 
 
-def output_dir(cfg: DictConfig, ev: EvalSettings) -> Path:
+def output_dir(cfg: EvalConfig, ev: EvalSettings) -> Path:
     if ev.out_dir:
         return resolve_path(ev.out_dir)
     try:
@@ -167,20 +170,21 @@ def output_dir(cfg: DictConfig, ev: EvalSettings) -> Path:
         return resolve_path(cfg.paths.output_dir) / "eval" / cfg.run_name
 
 
-def resume_key(cfg: DictConfig, ev: EvalSettings, methods: dict[str, DecodeConfig]) -> dict:
+def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfig]) -> dict:
     """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
     Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
-    drafter = cfg.drafter.get("checkpoint")
+    drafter = cfg.drafter.checkpoint
     folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
-    return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
+    return {"target": cfg.target.name, "dtype": cfg.target.dtype,
             "drafter": str(folder) if folder else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(folder)} if folder else {}),
             "max_new_tokens": ev.max_new_tokens, "enable_thinking": ev.enable_thinking,
-            "seed": int(cfg.seed), "exec_timeout_s": ev.exec_timeout_s,
+            "seed": cfg.seed, "exec_timeout_s": ev.exec_timeout_s,
             # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
             # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
-            "benchmarks": {spec["name"]: OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
-                           else dict(spec) for spec in iter_specs(cfg.benchmark)},
+            # Optional fields the YAML leaves out are None here, keys a key written from the raw config
+            # lacks: differing_keys skips keys only one side has, so such a folder still resumes.
+            "benchmarks": {spec.name: asdict(spec) for spec in iter_specs(cfg.benchmark)},
             # each method's keys it reads (a key written when ar and sync held async's tray keys still matches:
             # keys only one side has are not compared); max_new_tokens is above
             "methods": {name: read_settings(dc) for name, dc in methods.items()}}
@@ -197,14 +201,15 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
                      "pass a new eval.out_dir, or delete that folder to start over.")
 
 
-def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, state):
+def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     _, tok, target = load_target(cfg.target, cache, process_device(state, cfg.target.device))
     drafter = None
     if any(method_class(dc.method).needs_drafter for dc in methods.values()):
-        if cfg.drafter.get("checkpoint"):
+        if cfg.drafter.checkpoint:
             drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
-                                                dtype=cfg.target.dtype)
-            for warning in check_fits_target(drafter, drafter_tok, target, tok, str(cfg.target.name)):
+                                                dtype=cfg.target.dtype,
+                                                attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+            for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
                 log.warning(warning)
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
@@ -222,7 +227,7 @@ def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompt
     """One row: a request at concurrency 1, or a batch of `concurrency` requests."""
     single = concurrency == 1
     taus = res.taus()  # one entry per request per round
-    return {"benchmark": spec["name"], "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
+    return {"benchmark": spec.name, "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
             "prompt_tokens": len(prompts[0]) if single else [len(p) for p in prompts],
             "new_tokens": res.new_tokens, "rounds": len(taus),  # request-rounds
             "prefill_s": res.prefill_s, "decode_s": res.decode_s, "hit_rate": res.hit_rate, "taus": taus,
@@ -274,11 +279,11 @@ def fail_on_real_divergence(row: dict) -> None:
                 f"{d['tolerance']:.3g} in {d['dtype']}). This is not numerics: the decoding loop is not lossless.")
 
 
-def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped) -> None:
+def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped) -> None:
     """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method.
     A prompt longer than the context is recorded in skipped.jsonl (with its reason) and that
     method's conversation ends there; the run goes on."""
-    for rec in tqdm(records, desc=spec["name"], unit="item", disable=not ev.progress):
+    for rec in tqdm(records, desc=spec.name, unit="item", disable=not ev.progress):
         history = {name: [] for name in gens}
         ended: set[str] = set()
         for turn in range(len(rec.turns)):
@@ -286,18 +291,18 @@ def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, sk
             for name, gen in gens.items():
                 if name in ended:
                     continue
-                key = (spec["name"], rec.id, turn, name, 1)
+                key = (spec.name, rec.id, turn, name, 1)
                 history[name].append({"role": "user", "content": format_turn(spec, rec, turn)})
                 row = done.get(key)
                 if row is None:
                     ids = chat_prompt_ids(tok, history[name], ev.enable_thinking)
                     reason = gen.context_problem([ids], ev.max_new_tokens)
                     if reason:
-                        skipped.write([{"benchmark": spec["name"], "id": rec.id, "turn": turn, "method": name,
+                        skipped.write([{"benchmark": spec.name, "id": rec.id, "turn": turn, "method": name,
                                         "concurrency": 1, "reason": reason}])
                         ended.add(name)
                         continue
-                    seed = item_seed(cfg.seed, spec["name"], rec.id, turn, name)
+                    seed = item_seed(cfg.seed, spec.name, rec.id, turn, name)
                     row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
@@ -312,7 +317,7 @@ def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, sk
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
-def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped, concurrency: int) -> None:
+def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped, concurrency: int) -> None:
     """Load test: first turns in batches of `concurrency` requests, every method on the same batches."""
     for start in range(0, len(records) - concurrency + 1, concurrency):
         batch = records[start : start + concurrency]
@@ -323,14 +328,14 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
         for name, gen in gens.items():
             if name == REFERENCE:  # generate's reference row times one request at a time
                 continue
-            row = done.get((spec["name"], key_id, 0, name, concurrency))
+            row = done.get((spec.name, key_id, 0, name, concurrency))
             if row is None:
                 reason = gen.context_problem(prompts, ev.max_new_tokens)
                 if reason:
-                    skipped.write([{"benchmark": spec["name"], "id": key_id, "turn": 0, "method": name,
+                    skipped.write([{"benchmark": spec.name, "id": key_id, "turn": 0, "method": name,
                                     "concurrency": concurrency, "reason": reason}])
                     continue
-                seed = item_seed(cfg.seed, spec["name"], key_id, 0, name)
+                seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
                 row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                 compare_with_references(row, gen, ar, sync, prompts)
@@ -342,7 +347,7 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
                 sync = row
 
 
-def read_benchmarks(cfg: DictConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
+def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
     """Every benchmark's items, read and checked before any model loads: a mistyped local_file or a
     malformed row fails in one line (d3d.data.benchmarks) instead of after the models load; one that
     cannot be read here is skipped, said in one line; none left is an error, not an empty report."""
@@ -351,8 +356,8 @@ def read_benchmarks(cfg: DictConfig, ev: EvalSettings, cache: Path) -> list[tupl
         try:
             out.append((spec, load_benchmark(spec, cache, n=ev.n)))
         except BenchmarkUnavailable as err:
-            print(f"[d3d.eval] skipped {spec['name']}: {err}", flush=True)
-            skipped.append(spec["name"])
+            print(f"[d3d.eval] skipped {spec.name}: {err}", flush=True)
+            skipped.append(spec.name)
     if not out:
         raise UserError(f"no benchmark of this run can be read here ({', '.join(skipped)}: each is said above), so "
                         f"nothing would run. Fix: set benchmark.specs.<name>.local_file, or choose a benchmark this "
@@ -365,28 +370,31 @@ def grading_isolation(specs) -> dict:
     code where it gets less than the namespaces and a process limit says so in one line first."""
     facts = isolation()
     warning = isolation_warning(facts)
-    if warning and any(spec["kind"] == "code" for spec in specs):
+    if warning and any(spec.kind == "code" for spec in specs):
         print(f"[d3d.eval] warning: {warning}", flush=True)
     return facts
 
 
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
-    ev = bind_section(cfg, "eval", EvalSettings)  # the typed boundary: unknown keys fail here
-    with lock_folder(output_dir(cfg, ev), "d3d.eval", process_state().process_index):
-        return _evaluate(cfg, ev)
+    typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
+    with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
+        return _evaluate(cfg, typed)
 
 
-def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
+def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
+    """`raw` keeps the composed config for the decode sections (method_configs) and the record of
+    the run (config.yaml, summary.json); everything else reads the typed `cfg`."""
+    ev = cfg.eval
     state = process_state()  # one process unless started by `accelerate launch` or torchrun
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not ev.out_dir and state.is_main_process:  # Hydra's folder is new each run: a rerun never finds these rows
         print(f"[d3d.eval] writing to {out_dir}, a new folder for each run: a killed run resumes only if rerun "
               f"with eval.out_dir={out_dir}", flush=True)
     cache = resolve_path(cfg.paths.cache_dir)
-    methods = method_configs(cfg, ev)
+    methods = method_configs(raw, ev)
     key = resume_key(cfg, ev, methods)
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
@@ -396,7 +404,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
-                                seed=int(cfg.seed))
+                                seed=cfg.seed)
             for name, dc in methods.items()}
     if ev.reference_generate:  # transformers' generate on the same items, right after our AR baseline
         gens = {BASELINE: gens.pop(BASELINE), REFERENCE: HFGenerate(target, tok, methods[BASELINE], eos), **gens}
@@ -405,7 +413,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
         for _ in range(ev.warmup):
             gen.generate([warm], max_new_tokens=8)
     if state.is_main_process:
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw, resolve=True))
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
@@ -428,11 +436,11 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                     run_single(cfg, ev, spec, mine, gens, tok, done, writer, skipped)
                 else:
                     run_batched(cfg, ev, spec, mine, gens, tok, done, writer, skipped, c)
-            print(f"[d3d.eval] {spec['name']}: {len(records)} items done (process {state.process_index})", flush=True)
+            print(f"[d3d.eval] {spec.name}: {len(records)} items done (process {state.process_index})", flush=True)
     state.wait_for_everyone()
     if not state.is_main_process:
         return out_dir
-    summary = write_report(out_dir, {"config": to_plain(cfg)})
+    summary = write_report(out_dir, {"config": to_plain(raw)})
     print(summary_markdown(summary))
     skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)), row_key)
     if skips:

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, resolve_path
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.generation import generate_batch, generation_kwargs
-from d3d.settings import GenerateSettings, bind_section
+from d3d.settings import bind_config
+from d3d.specs import GenerateConfig
 from d3d.models.target import load_model, load_tokenizer, process_device, process_state, resolve_model_path
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
@@ -64,14 +66,15 @@ def check_context(prompt_ids: dict[str, list[int]], max_new_tokens: int, max_con
 def run_generate(cfg: DictConfig) -> Path:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
     time per folder: a second writer would answer every prompt again."""
-    gen = bind_section(cfg, "generate", GenerateSettings)  # the typed boundary: unknown keys fail here
-    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", process_state().process_index):
-        return _generate(cfg, gen)
+    typed = bind_config(cfg, "generate")  # the typed boundary: unknown keys fail here
+    with lock_folder(resolve_path(typed.generate.out_dir), "d3d.generate", process_state().process_index):
+        return _generate(typed)
 
 
-def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
+def _generate(cfg: GenerateConfig) -> Path:
+    gen = cfg.generate
     state = process_state()
-    torch.manual_seed(int(cfg.seed) + state.process_index)
+    torch.manual_seed(cfg.seed + state.process_index)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
@@ -92,7 +95,7 @@ def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
     check_context({p.id: ids[p.id] for p in prompts if p.id not in done}, gen.max_new_tokens,
                   int(getattr(model.config, "max_position_embeddings", 1 << 30)))
     if state.is_main_process:
-        write_json(out_dir / "meta.json", {**header, "prompt_set": to_plain(cfg.data), "run": run_info(model.device)})
+        write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "run": run_info(model.device)})
 
     # Batches are cut from the whole prompt set, done or not, and process r takes batches r, r+n, ...:
     # a batch's members and (when sampling) its random stream are the same in a resumed run as in an
@@ -111,7 +114,7 @@ def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
     with JsonlWriter(rank_file(out_dir, state.process_index)) as writer:
         for k, members in mine:
             if gen.do_sample:  # one stream per batch, whatever ran before it in this process
-                torch.manual_seed(int(cfg.seed) * 1_000_003 + k)
+                torch.manual_seed(cfg.seed * 1_000_003 + k)
             batch = [(p, ids[p.id]) for p in members]
             results = generate_batch(model, tokenizer, batch, kwargs)
             rows = []

@@ -27,10 +27,11 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from decimal import Decimal
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from d3d.config import ConfigError
 from d3d.data.benchmarks import Record
+from d3d.specs import BenchmarkSpec
 
 
 # ---------------------------------------------------------------------------- math answers
@@ -438,13 +439,13 @@ PROGRAMS: dict[str, Callable[[Record, str], str]] = {"humaneval": humaneval_prog
 UNCHECKED = {"answer": None, "correct": None}
 
 
-def grade_math(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+def grade_math(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float) -> dict[str, Any]:
     answer, ok = math_correct(text, record.reference)
     return {"answer": answer, "correct": ok}
 
 
-def grade_code(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
-    program = PROGRAMS.get(spec["loader"])
+def grade_code(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+    program = PROGRAMS.get(spec.loader)
     if program is None:
         return dict(UNCHECKED)
     ok, err = run_python(program(record, text), timeout_s)
@@ -456,12 +457,12 @@ def grade_code(spec: Mapping[str, Any], record: Record, text: str, timeout_s: fl
 GRADERS: dict[str, Callable[..., dict[str, Any]] | None] = {"math": grade_math, "code": grade_code, "chat": None}
 
 
-def grade(spec: Mapping[str, Any], record: Record, text: str, turn: int = 0,
+def grade(spec: BenchmarkSpec, record: Record, text: str, turn: int = 0,
           timeout_s: float = 10.0) -> dict[str, Any]:
     """{"answer": ..., "correct": True/False/None} for one reply (None: not checkable)."""
-    if spec["kind"] not in GRADERS:
-        raise ConfigError(f"benchmark.specs.{spec['name']}.kind={spec['kind']!r}: use {', '.join(GRADERS)}")
-    grader = GRADERS[spec["kind"]]
+    if spec.kind not in GRADERS:
+        raise ConfigError(f"benchmark.specs.{spec.name}.kind={spec.kind!r}: use {', '.join(GRADERS)}")
+    grader = GRADERS[spec.kind]
     if grader is None or turn > 0 or record.reference is None:
         return dict(UNCHECKED)
     return grader(spec, record, text, timeout_s)

@@ -29,14 +29,15 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import (
-    DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers,
-    weights_fingerprint,
+    DrafterSettings, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter, save_drafter,
+    skipping_layers, weights_fingerprint,
 )
 from d3d.models.target import pick_device
-from d3d.settings import PruneSettings, StepSettings, bind_section, bind_step_section
+from d3d.settings import bind_config
+from d3d.specs import PruneConfig, PruneSettings, StepSettings
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (
     RESUMABLE_TRAIN_KEYS, D3DTrainingStep, autocast, batch_at, cut_responses, freeze_embeddings_except_mask,
@@ -121,7 +122,7 @@ def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
     step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows)
-    optimizer = make_optimizer(model, tc)
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.betas)
     model.train()
     device = next(model.parameters()).device
     # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
@@ -192,24 +193,26 @@ def retention(row: dict, first: dict) -> float:
 RESUMABLE_PRUNE_KEYS = {"num_layers", "min_retention", "out_dir", "stop_at_step", "progress", "device", "packed_blocks"}
 
 
-def prune_resume_key(cfg: DictConfig, tc: StepSettings) -> dict:
+def prune_resume_key(cfg: PruneConfig) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
     calibration/hold-out split and the recovery objective: the train.* keys prune reads (`tc`),
     those a resumed training may change aside, and never d3d.train's own (a key written when prune
     composed them still matches: keys only one side has are not compared)."""
-    checkpoint = cfg.drafter.get("checkpoint")
+    checkpoint = cfg.drafter.checkpoint
     if checkpoint:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
-             if checkpoint else to_plain(cfg.drafter))
-    return {"drafter": start, "seed": int(cfg.seed), "precision": mixed_precision("auto"), "train": {k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS},
-            "prune": {k: v for k, v in to_plain(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
+             if checkpoint else asdict(cfg.drafter))
+    return {"drafter": start, "seed": cfg.seed, "precision": mixed_precision("auto"),
+            "train": {k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS},
+            "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
 
 
 def run_prune(cfg: DictConfig) -> Path:
     """Prune into prune.out_dir, one run at a time per folder (two would both remove layers)."""
-    with lock_folder(resolve_path(cfg.prune.out_dir), "d3d.prune"):
-        return _prune(cfg)
+    typed = bind_config(cfg, "prune")  # the typed boundary: unknown keys fail
+    with lock_folder(resolve_path(typed.prune.out_dir), "d3d.prune"):
+        return _prune(typed)
 
 
 def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path | None]:
@@ -267,19 +270,18 @@ def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: 
     publish(out_dir, "final", want, lambda tmp: shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(MARKER)))
 
 
-def _prune(cfg: DictConfig) -> Path:
-    pc = bind_section(cfg, "prune", PruneSettings)  # the typed boundary: unknown keys fail
-    tc = bind_step_section(cfg)
-    torch.manual_seed(int(cfg.seed))
+def _prune(cfg: PruneConfig) -> Path:
+    pc, tc = cfg.prune, cfg.train
+    torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
-    train, val = split_examples(examples, tc.val_size, int(cfg.seed))
+    train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
     device = str(pick_device(pc.device))
     history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
-    key = prune_resume_key(cfg, tc)
+    key = prune_resume_key(cfg)
     if history:  # a run from before resume keys has none: resumes as it did
         refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",
                          "pass a new prune.out_dir, or delete that one.",
@@ -288,10 +290,12 @@ def _prune(cfg: DictConfig) -> Path:
     if history:
         history, last = resume_point(out_dir, history)
     if last is not None:
-        model, tok = load_drafter(last, device=device, dtype="float32")
+        model, tok = load_drafter(last, device=device, dtype="float32",
+                                  attn_implementation=drafter_attention(cfg.drafter, cfg.target))
         log.info("resuming after step %d", history[-1]["step"])
-    elif cfg.drafter.get("checkpoint"):
-        model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32")
+    elif cfg.drafter.checkpoint:
+        model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32",
+                                  attn_implementation=drafter_attention(cfg.drafter, cfg.target))
     else:
         model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
                                    dtype="float32")
@@ -321,7 +325,7 @@ def _prune(cfg: DictConfig) -> Path:
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
         s = DrafterSettings.of(model)
         before = measure(model, calib, holdout, s, "_before_recovery")
-        recover(model, train, tc, s, pc.recovery_steps, int(cfg.seed) + step, tok.pad_token_id)
+        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id)
         after = measure(model, calib, holdout, s)
         row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                "scores": scores, **before, **after, "retention": retention(after, history[0]),

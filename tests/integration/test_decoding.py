@@ -14,13 +14,14 @@ from d3d.decoding.verify import Sampling, probs, sample_verify
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target with lively random weights and a drafter copied from it, slightly perturbed."""
-    cfg = compose("train", ["+experiment=smoke", "drafter.block_size=6"])
+    cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_size=6"]), "train")
     path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
     tok = load_tokenizer(path)
     target = load_model(path, "float32", "cpu")
@@ -231,7 +232,7 @@ def test_stop_string_inside_an_accepted_run(models):
 @pytest.mark.slow
 def test_contract1_on_the_real_smollm2_target(cache_dir):
     """fp32 greedy equality with generate on the CPU default target, drafter = its untrained copy."""
-    cfg = compose("train", [])
+    cfg = bind_config(compose("train", []), "train")
     path = resolve_model_path(cfg.target, cache_dir)
     tok, target = load_tokenizer(path), load_model(path, "float32", "cpu")
     drafter, _ = build_drafter(cfg.drafter, cfg.target, cache_dir, dtype="float32")

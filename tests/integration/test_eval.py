@@ -10,6 +10,7 @@ from d3d.decoding.methods import method_class
 from d3d.eval import read_settings, run_eval
 from d3d.report import compare_markdown, main as report_main, read_rows, summarise
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 SMOKE = ["+experiment=smoke", "eval.n=2", "eval.max_new_tokens=12", "decode.C=3", "decode.F=2", "decode.block_size=4"]
@@ -18,9 +19,8 @@ SMOKE = ["+experiment=smoke", "eval.n=2", "eval.max_new_tokens=12", "decode.C=3"
 def methods_of(cfg):
     """Each method's decode config, as d3d.eval builds them from a composed config."""
     from d3d.eval import method_configs
-    from d3d.settings import EvalSettings, bind_section
 
-    return method_configs(cfg, bind_section(cfg, "eval", EvalSettings))
+    return method_configs(cfg, bind_config(cfg, "eval").eval)
 
 
 def evaluate(tmp_path, *extra):
@@ -73,7 +73,7 @@ def test_resume_refuses_a_drafter_retrained_in_place(tmp_path, monkeypatch):
     from d3d.models.drafter import build_drafter, load_drafter, save_drafter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = compose("eval", SMOKE, tmp_path)
+    cfg = bind_config(compose("eval", SMOKE, tmp_path), "eval")
     folder = save_drafter(*build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32"), tmp_path / "d")
     evaluate(tmp_path, "eval.n=1", f"drafter.checkpoint={folder}", "eval.methods=[ar,sync]")
     model, tok = load_drafter(folder, dtype="float32")
@@ -441,7 +441,7 @@ def test_an_over_long_prompt_is_skipped_with_its_reason_not_the_run(tmp_path, mo
     from d3d.data.chat import chat_prompt_ids
     from d3d.models import load_tokenizer, resolve_model_path
 
-    cfg = compose("eval", SMOKE + ["eval.n=4"], tmp_path)
+    cfg = bind_config(compose("eval", SMOKE + ["eval.n=4"], tmp_path), "eval")
     tok = load_tokenizer(resolve_model_path(cfg.target, cfg.paths.cache_dir))
     from d3d.data.benchmarks import first_turn_messages, iter_specs
 
@@ -480,7 +480,8 @@ def test_eval_loads_the_target_with_its_attention_backend(tmp_path, monkeypatch)
     from d3d.models.target import process_state
 
     cfg = compose("eval", SMOKE + ["target.attn_implementation=eager"], tmp_path)
-    _, target, _ = load_models(cfg, methods_of(cfg), resolve_path(cfg.paths.cache_dir), process_state())
+    _, target, _ = load_models(bind_config(cfg, "eval"), methods_of(cfg), resolve_path(cfg.paths.cache_dir),
+                               process_state())
     assert target.config._attn_implementation == "eager"
 
 

@@ -94,7 +94,7 @@ def test_flex_block_mask_output_equals_dense_sdpa(check):
     s = DrafterSettings.of(model)
     g = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(4, 200, (150 - 7 * i,), generator=g).tolist(), 10) for i in range(2)]
-    batch = pack(examples, ObjectiveConfig(block_size=s.block_size, anchors_per_seq=8), s.mask_token_id, 0, g)
+    batch = pack(examples, ObjectiveConfig.shipped(s.block_size, anchors_per_seq=8), s.mask_token_id, 0, g)
     step = D3DTrainingStep(model, s.vocab_size, 1.0)
     with torch.no_grad():
         model.config._attn_implementation = "sdpa"

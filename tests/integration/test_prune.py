@@ -14,6 +14,7 @@ from d3d.config import ConfigError, resolve_path
 from d3d.prune import run_prune
 from d3d.train import load_examples, split_examples
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import Killed, compose, kill_on
 
 TINY4 = ["+experiment=smoke", "target.tiny.num_hidden_layers=4", "target.name=tiny4", "data.limit=10",
@@ -46,7 +47,7 @@ def test_contract6_pruned_checkpoint_loads_plainly_and_decodes(root):
     plain = AutoModelForCausalLM.from_pretrained(out / "final")
     assert plain.config.num_hidden_layers == 2
     assert DrafterSettings.of(plain).kept_layers == rows[-1]["kept_layers"]
-    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    path = resolve_model_path(bind_config(cfg, "prune").target, cfg.paths.cache_dir)
     tok, target = load_tokenizer(path), load_model(path, "float32", "cpu")
     prompt = tok("Hello there")["input_ids"]
     res = SpecGenerator(target, tok, plain.eval(), DecodeConfig(method="sync", block_size=4, max_new_tokens=20)).generate([prompt])
@@ -178,7 +179,7 @@ def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
     from d3d.models.drafter import DrafterSettings, build_drafter
     from d3d.prune import draft_latency_ms
 
-    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
     model, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     seen = []
     model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))

@@ -118,3 +118,19 @@ def test_the_decoding_seam_has_no_import_circle_and_the_driver_names_no_method()
     driver = ast.parse((SRC / "decoding" / "engine.py").read_text())
     named = {n.value for n in ast.walk(driver) if isinstance(n, ast.Constant) and n.value in METHODS}
     assert not named, f"d3d.decoding.engine names methods {sorted(named)}"
+
+
+def test_typed_components_import_no_omegaconf():
+    """Binding (OmegaConf -> d3d.specs) happens once, in d3d.settings; the modules below the recipes
+    take typed specs and import no OmegaConf, so scripts/gpu_train_check.py runs them on a bare GPU
+    image. Run with omegaconf made unimportable: an import of it anywhere on these paths fails."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['omegaconf'] = None\n"
+            "import d3d.specs, d3d.objective, d3d.training, d3d.models.target, d3d.models.drafter, d3d.models.tiny\n"
+            "from d3d.objective import ObjectiveConfig; ObjectiveConfig.shipped(4)\n"
+            "import d3d.data.benchmarks, d3d.data.prompts")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from d3d.data.benchmarks import (
     BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
 )
 from d3d.data.prompts import benchmark_spec
+from d3d.specs import BenchmarkSpec
 from tests.conftest import FIXTURES
 
 
-def with_local(name: str, fixture: str) -> dict:
-    spec = benchmark_spec(name)
-    spec["local_file"] = str(FIXTURES / fixture)
-    spec["sources"] = ["local"]
-    return spec
+def with_local(name: str, fixture: str) -> BenchmarkSpec:
+    return replace(benchmark_spec(name), local_file=str(FIXTURES / fixture), sources=["local"])
 
 
 @pytest.mark.parametrize("name,fixture,count", [
@@ -77,12 +77,10 @@ def test_list_command(capsys, cache_dir, monkeypatch):
     assert "gsm8k" in out and "1319" in out and "skipped" in out
 
 
-def local_spec(tmp_path, text: str, name="gsm8k", filename="bench.jsonl") -> dict:
+def local_spec(tmp_path, text: str, name="gsm8k", filename="bench.jsonl"):
     path = tmp_path / filename
     path.write_text(text)
-    spec = benchmark_spec(name)
-    spec["local_file"] = str(path)  # the shipped sources stay listed after local, as in conf/
-    return spec
+    return replace(benchmark_spec(name), local_file=str(path))  # the shipped sources stay listed after local, as in conf/
 
 
 def test_a_mistyped_local_file_is_refused_not_replaced_by_the_shipped_data(cache_dir, monkeypatch, tmp_path):
@@ -90,8 +88,7 @@ def test_a_mistyped_local_file_is_refused_not_replaced_by_the_shipped_data(cache
     from d3d.config import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    spec = benchmark_spec("gsm8k")
-    spec["local_file"] = str(tmp_path / "gsm8k_typo.jsonl")
+    spec = replace(benchmark_spec("gsm8k"), local_file=str(tmp_path / "gsm8k_typo.jsonl"))
     with pytest.raises(ConfigError, match=r"^benchmark.specs.gsm8k.local_file=.*gsm8k_typo.jsonl: .* is not a file. Fix"):
         load_records(spec, cache_dir)
 

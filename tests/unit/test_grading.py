@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from d3d.data.benchmarks import Record, load_benchmark
@@ -29,7 +31,7 @@ def test_normalised_answers_match(a, b):
 
 def test_different_answers_do_not_match():
     assert normalise_answer("12") != normalise_answer("1.2")
-    spec = {"name": "gsm8k", "kind": "math", "loader": "gsm8k"}
+    spec = benchmark_spec("gsm8k")
     rec = Record("gsm8k/0", ["q"], "18")
     assert grade(spec, rec, "... so \\boxed{18}")["correct"] is True
     assert grade(spec, rec, "... so \\boxed{19}")["correct"] is False
@@ -65,7 +67,7 @@ def test_code_that_hangs_times_out(humaneval):
 
 
 def test_mbpp_tests_run():
-    spec = {"name": "mbpp", "kind": "code", "loader": "mbpp"}
+    spec = benchmark_spec("mbpp")
     rec = Record("mbpp/1", ["Write add."], {"tests": ["assert add(1, 2) == 3"], "setup": ""})
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a + b\n```")["correct"] is True
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a - b\n```")["correct"] is False
@@ -228,14 +230,14 @@ def test_the_grader_is_chosen_by_the_specs_kind():
     from d3d.config import ConfigError
 
     rec = Record("gsm8k/0", ["q"], "18")
-    assert grade({"name": "gsm8k", "kind": "math", "loader": "gsm8k"}, rec, "\\boxed{18}")["correct"] is True
-    assert grade({"name": "gsm8k", "kind": "chat", "loader": "gsm8k"}, rec, "\\boxed{18}")["correct"] is None
+    assert grade(replace(benchmark_spec("gsm8k"), kind="math"), rec, "\\boxed{18}")["correct"] is True
+    assert grade(replace(benchmark_spec("gsm8k"), kind="chat"), rec, "\\boxed{18}")["correct"] is None
     with pytest.raises(ConfigError, match=r"benchmark.specs.gsm8k.kind='poetry'"):
-        grade({"name": "gsm8k", "kind": "poetry", "loader": "gsm8k"}, rec, "\\boxed{18}")
+        grade(replace(benchmark_spec("gsm8k"), kind="poetry"), rec, "\\boxed{18}")
     # a new benchmark of a known kind needs no code: every shipped spec's kind has a grader
     from d3d.config import config_dir
 
-    kinds = {benchmark_spec(p.stem)["kind"] for p in (config_dir() / "benchmark").glob("*.yaml")
+    kinds = {benchmark_spec(p.stem).kind for p in (config_dir() / "benchmark").glob("*.yaml")
              if p.stem not in ("all", "all_plus")}
     assert kinds <= set(GRADERS), kinds
 

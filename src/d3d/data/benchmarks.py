@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from d3d.errors import ConfigError
 from d3d.fetch import PackageUnavailableError, package_file
+from d3d.specs import BenchmarkSpec, BenchmarkSuite
 
 
 class BenchmarkUnavailable(RuntimeError):
@@ -191,43 +192,42 @@ def _filter(rows: Located, where: Mapping[str, Any] | None) -> Located:
     return [(at, r) for at, r in rows if all(r.get(k) == v for k, v in where.items())]
 
 
-def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> Located:
-    off = spec["offline"]
+def _load_offline(spec: BenchmarkSpec, cache_dir: Path) -> Located:
+    off = spec.offline
     rows: Located = []
-    for relpath in off["files"]:
-        rows += read_located(package_file(off["package"], relpath, cache_dir))
-    return _filter(rows, off.get("where"))
+    for relpath in off.files:
+        rows += read_located(package_file(off.package, relpath, cache_dir))
+    return _filter(rows, off.where)
 
 
-def _load_hub(spec: Mapping[str, Any]) -> Located:
+def _load_hub(spec: BenchmarkSpec) -> Located:
     from d3d.models.target import hub_reachable
 
-    hub = spec["hub"]
+    hub = spec.hub
     if not hub_reachable():
         raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
     import datasets
 
-    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "test"),
-                               **dict(hub.get("kwargs") or {}))
-    return _filter([(f"{hub['path']} row {i}", dict(r)) for i, r in enumerate(ds)], hub.get("where"))
+    ds = datasets.load_dataset(hub.path, hub.name, split=hub.split, **(hub.kwargs or {}))
+    return _filter([(f"{hub.path} row {i}", dict(r)) for i, r in enumerate(ds)], hub.where)
 
 
-def local_file(spec: Mapping[str, Any]) -> Path | None:
+def local_file(spec: BenchmarkSpec) -> Path | None:
     """The spec's `local_file`, checked: a path that does not exist is a typo, not a reason to fall
     through to the shipped data (whose results would then be reported as the file's)."""
-    if not spec.get("local_file"):
+    if not spec.local_file:
         return None
-    path = Path(os.path.expanduser(str(spec["local_file"]))).resolve()
+    path = Path(os.path.expanduser(str(spec.local_file))).resolve()
     if not path.is_file():
-        raise ConfigError(f"benchmark.specs.{spec['name']}.local_file={spec['local_file']}: {path} is not a file. "
+        raise ConfigError(f"benchmark.specs.{spec.name}.local_file={spec.local_file}: {path} is not a file. "
                           f"Fix: correct the path, or drop the key to use the shipped data.")
     return path
 
 
-def parse_rows(spec: Mapping[str, Any], rows: Located) -> list[Record]:
+def parse_rows(spec: BenchmarkSpec, rows: Located) -> list[Record]:
     """The spec's loader on every row, each row checked first, so that a row the schema cannot read
     (a field misnamed or missing) fails naming its file and line and the field, not as a KeyError."""
-    loader = spec["loader"]
+    loader = spec.loader
     parse = LOADERS[loader]
     for at, row in rows:
         try:
@@ -239,27 +239,27 @@ def parse_rows(spec: Mapping[str, Any], rows: Located) -> list[Record]:
             problem = f"cannot be read ({type(err).__name__}: {err})"
         if problem:
             raise MalformedFile(f"{at}: as a {loader} item this row {problem}; its fields are {sorted(row)}. Fix: "
-                                f"rename the field in that file, or set benchmark.specs.{spec['name']}.loader to the "
+                                f"rename the field in that file, or set benchmark.specs.{spec.name}.loader to the "
                                 f"parser of its schema ({', '.join(LOADERS)}).")
     return parse([row for _, row in rows])
 
 
-def load_records(spec: Mapping[str, Any], cache_dir: str | Path) -> tuple[list[Record], str]:
+def load_records(spec: BenchmarkSpec, cache_dir: str | Path) -> tuple[list[Record], str]:
     """All items of a benchmark and the name of the source they came from."""
     cache_dir = Path(cache_dir)
     reasons = []
     local = local_file(spec)
-    for source in spec.get("sources", ["local", "offline", "hub"]):
+    for source in spec.sources:
         try:
             if source == "local" and local is not None:
                 rows = read_located(local)
                 if not rows:
-                    raise MalformedFile(f"benchmark.specs.{spec['name']}.local_file={spec['local_file']}: {local} holds "
+                    raise MalformedFile(f"benchmark.specs.{spec.name}.local_file={spec.local_file}: {local} holds "
                                         f"no rows. Fix: point it at the benchmark's file, or drop the key to use the "
                                         f"shipped data.")
-            elif source == "offline" and spec.get("offline"):
+            elif source == "offline" and spec.offline:
                 rows = _load_offline(spec, cache_dir)
-            elif source == "hub" and spec.get("hub"):
+            elif source == "hub" and spec.hub:
                 rows = _load_hub(spec)
             else:
                 continue
@@ -268,13 +268,13 @@ def load_records(spec: Mapping[str, Any], cache_dir: str | Path) -> tuple[list[R
             continue
         records = parse_rows(spec, rows)
         if not records:
-            raise BenchmarkUnavailable(f"{spec['name']}: source {source!r} holds no items")
+            raise BenchmarkUnavailable(f"{spec.name}: source {source!r} holds no items")
         return records, source
     why = "; ".join(reasons) or "no source is configured that can work offline"
     raise BenchmarkUnavailable(
-        f"benchmark {spec['name']!r} is unavailable here ({why}). It needs the Hugging Face Hub "
-        f"({(spec.get('hub') or {}).get('path')}) or a local copy: set "
-        f"benchmark.specs.{spec['name']}.local_file=/path/to/file.jsonl"
+        f"benchmark {spec.name!r} is unavailable here ({why}). It needs the Hugging Face Hub "
+        f"({spec.hub.path if spec.hub else None}) or a local copy: set "
+        f"benchmark.specs.{spec.name}.local_file=/path/to/file.jsonl"
     )
 
 
@@ -286,20 +286,20 @@ def seeded_subset(records: list[Record], n: int | None, seed: int) -> list[Recor
     return [r for i, r in enumerate(records) if i in keep]
 
 
-def load_benchmark(spec: Mapping[str, Any], cache_dir: str | Path, n: int | None = None) -> list[Record]:
+def load_benchmark(spec: BenchmarkSpec, cache_dir: str | Path, n: int | None = None) -> list[Record]:
     """The evaluation subset of a benchmark (spec n, or a smaller cap `n`)."""
     records, _ = load_records(spec, cache_dir)
-    subset = seeded_subset(records, spec.get("n"), int(spec.get("seed", 0)))
+    subset = seeded_subset(records, spec.n, spec.seed)
     return subset if n is None else subset[:n]
 
 
 # ---------------------------------------------------------------------------- prompt formatting
 
 
-def format_turn(spec: Mapping[str, Any], record: Record, turn: int = 0) -> str:
+def format_turn(spec: BenchmarkSpec, record: Record, turn: int = 0) -> str:
     """The user message of one turn: the spec's template applied to the first turn."""
     text = record.turns[turn]
-    template = spec.get("template")
+    template = spec.template
     if turn > 0 or not template:
         return text
     fields = {"question": text, "tests": record.metadata.get("tests_shown", ""),
@@ -307,7 +307,7 @@ def format_turn(spec: Mapping[str, Any], record: Record, turn: int = 0) -> str:
     return template.format(**fields).strip()
 
 
-def first_turn_messages(spec: Mapping[str, Any], record: Record) -> list[dict]:
+def first_turn_messages(spec: BenchmarkSpec, record: Record) -> list[dict]:
     return [{"role": "user", "content": format_turn(spec, record, 0)}]
 
 
@@ -316,11 +316,11 @@ def normalise_text(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def iter_specs(benchmark_cfg: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+def iter_specs(benchmark: BenchmarkSuite) -> Iterable[BenchmarkSpec]:
     """The specs of a composed `benchmark` config, in suite order. No suite (null) = every spec
     composed, in the order of the defaults that composed them: a suite file lists its members once."""
-    specs = benchmark_cfg["specs"]
-    for name in benchmark_cfg.get("suite") or list(specs):
+    specs = benchmark.specs
+    for name in benchmark.suite or list(specs):
         if name not in specs:
             raise KeyError(f"benchmark {name!r} is in the suite but has no spec; add conf/benchmark/{name}.yaml")
         yield specs[name]
