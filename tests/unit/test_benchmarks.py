@@ -8,14 +8,7 @@ from d3d.data.benchmarks import (
     BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
 )
 from d3d.data.prompts import benchmark_spec
-from tests.conftest import FIXTURES
-
-
-def with_local(name: str, fixture: str) -> dict:
-    spec = benchmark_spec(name)
-    spec["local_file"] = str(FIXTURES / fixture)
-    spec["sources"] = ["local"]
-    return spec
+from tests.unit.conftest import with_local
 
 
 @pytest.mark.parametrize("name,fixture,count", [
