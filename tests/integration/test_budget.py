@@ -11,7 +11,7 @@ from d3d.models.drafter import DrafterSettings
 from tests.integration.conftest import PROMPTS
 
 
-# F = all packs a tray for every alternative: a huge packed pass, about a minute on 2 cores
+# F = all packs a tray for every alternative: a huge packed pass, 1 to 2.5 minutes on 2 cores
 @pytest.mark.parametrize("C,F", [(3, 1), (4, 2), (6, 3), pytest.param(3, "all", marks=pytest.mark.heavy)])
 def test_offline_hit_rates_equal_the_async_loop(models, C, F):
     """Contract-4 style: on the target's own greedy output, the offline outcome of every round

@@ -59,7 +59,7 @@ def test_json_is_written_after_each_stage(script, tmp_path, monkeypatch):
     assert saved["stages_done"] == ["verify_ms", "sync_draft_ms", "packed_ms"] and "loops" not in saved
 
 
-@pytest.mark.heavy  # every stage of the GPU check in a subprocess: about 100 s on 2 cores
+@pytest.mark.heavy  # every stage of the GPU check in a subprocess: 100 to 185 s on 2 cores
 def test_gpu_check_end_to_end_on_cpu(tmp_path):
     """The prepared GPU check at toy size on the CPU, in a process that cannot import Hydra,
     OmegaConf, datasets or DeepSpeed (the GPU machines have none of them): every stage passes,

@@ -140,9 +140,7 @@ def test_holdout_measures_the_retention_on_responses_the_choice_did_not_see(root
         prune(root, "too_few", "prune.holdout_size=1")
 
 
-# a kill before the row is written reruns the whole step: the slowest window (about 35 s on 2 cores)
-@pytest.mark.parametrize("window", ["writing", pytest.param("before_row", marks=pytest.mark.heavy), "before_promotion",
-                                    "between_renames"])
+@pytest.mark.parametrize("window", ["writing", "before_row", "before_promotion", "between_renames"])
 def test_a_kill_anywhere_in_a_step_resumes_to_the_same_rows_and_weights(root, monkeypatch, window):
     """Killed while finishing step 2: the rerun's rows equal an uninterrupted run's, and last/ holds
     as many layers as the last row says (before: the unpruned drafter, or one removal unrecorded)."""

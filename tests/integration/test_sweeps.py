@@ -36,7 +36,7 @@ def run_claim(sweep, root, claim, monkeypatch, *flags):
     return result["rows"]
 
 
-@pytest.mark.heavy  # each sweep runs d3d.eval (and d3d.prune) in subprocesses: 15 to 40 s a claim on 2 cores
+@pytest.mark.heavy  # each sweep runs d3d.eval (and d3d.prune) in subprocesses: 5 to 40 s a claim on 2 cores
 @pytest.mark.parametrize("claim", ["budget", "pruning", "async_vs_sync", "load"])
 def test_eval_sweeps(sweep, root, claim, monkeypatch):
     rows = run_claim(sweep, root, claim, monkeypatch)
