@@ -10,7 +10,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup demo demo-fast test test-unit test-slow test-all clean-outputs
+.PHONY: setup demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed
 
@@ -33,8 +33,8 @@ demo: setup
 demo-fast: setup
 	$(PY) -m d3d.pipeline +experiment=pipeline_fast
 
-# Unit tests first (seconds: configs, masks, objective, grading, the import rule), then the
-# integration tests (recipes end to end on tiny models, CLIs, sweeps, the wheel, the notebook).
+# What CI runs. Unit tests first (seconds: tests that build or load no model), then the integration
+# tests that are not marked heavy, slow or gpu (each recipe end to end on tiny models, the CLIs).
 test: setup
 	$(PY) -m pytest -q tests/unit
 	$(PY) -m pytest -q tests --ignore=tests/unit
@@ -43,8 +43,14 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
+# The heavy integration items alone: the wheel, the notebook, torchrun, the GPU check on CPU,
+# inductor compiles, the sweeps (pyproject.toml's markers say what each marker means).
+test-heavy: setup
+	$(PY) -m pytest -q -m heavy
+
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
+# Everything this machine can run: the default suite, heavy and slow.
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"

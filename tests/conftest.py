@@ -45,6 +45,12 @@ def load_script(name: str):
     return module
 
 
+@pytest.fixture(scope="module")
+def sweep():
+    """scripts/sweep.py as a module: its dry runs (tests/unit) and its claims end to end (tests/integration)."""
+    return load_script("sweep")
+
+
 def free_port() -> int:
     import socket
 

@@ -10,44 +10,13 @@ import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.methods import Async, Method
-from d3d.decoding.verify import Sampling, probs, sample_verify
+from d3d.decoding.verify import Sampling, probs
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter
 from d3d.settings import bind_config
 from tests.conftest import compose
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny target with lively random weights and a drafter copied from it, slightly perturbed."""
-    cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_size=6"]), "train")
-    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
-    tok = load_tokenizer(path)
-    target = load_model(path, "float32", "cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    out = tmp_path_factory.mktemp("tgt")
-    target.save_pretrained(out)
-    tok.save_pretrained(out)
-    cfg.target.tiny = None
-    cfg.target.path = str(out)
-    drafter, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return target, drafter, tok
-
-
-PROMPTS = ["Hello there, how are you?", "2+2=", "def f(x):\n    return", "Once upon a time"]
-
-
-def reference(target, tok, prompt_ids, n, eos):
-    out = target.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                          eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+from tests.integration.conftest import PROMPTS, reference
 
 
 CASES = [("ar", 1, 1, 0), ("sync", 2, 1, 0), ("sync", 6, 1, 0), ("async", 6, 3, 2), ("async", 4, 4, 1),
@@ -170,28 +139,6 @@ def test_contract4_estimator_equals_loop_tau(models):
         ids = prompt + res.token_ids[0]
         m = match_lengths(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size)
         assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus()
-
-
-def test_contract2_one_verification_step_is_lossless():
-    """Toy vocabulary of 6: the first token out of a verification step follows p exactly."""
-    torch.manual_seed(0)
-    V, B, n = 6, 3, 60000
-    p_logits = torch.randn(1, B, V).expand(n, B, V).clone() * 1.5
-    q_logits = torch.randn(1, B - 1, V).expand(n, B - 1, V).clone() * 1.5
-    s = Sampling(temperature=1.0)
-    q = probs(q_logits, s)
-    g = torch.Generator().manual_seed(1)
-    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, B - 1)
-    accepted, token = sample_verify(p_logits, drafts, q, s, g)
-    first = torch.where(accepted > 0, drafts[:, 0], token)
-    emp = torch.bincount(first, minlength=V).float() / n
-    exact = probs(p_logits[0, 0], s)
-    tv = 0.5 * (emp - exact).abs().sum().item()
-    # TV of n=60000 samples from the right law is ~0.005; a wrong residual (e.g. sampling the
-    # correction from p instead of norm(max(0, p - q))) shifts it by > 0.05 here.
-    assert tv < 0.015, tv
-    wrong = torch.where(accepted > 0, drafts[:, 0], torch.multinomial(exact.expand(n, V), 1, generator=g)[:, 0])
-    assert 0.5 * ((torch.bincount(wrong, minlength=V).float() / n) - exact).abs().sum().item() > 0.03
 
 
 def test_contract2_end_to_end_two_tokens(models):
@@ -355,17 +302,6 @@ def test_one_token_prompts_and_a_row_that_ends_in_round_one(models, method):
     for p, got in zip(prompts, res.token_ids):
         assert got == reference(target, tok, p, 12, eos)
     assert res.finish_reasons[0] == "stop" and len(res.token_ids[0]) == 1
-
-
-def test_sample_draws_from_p():
-    """The sync-free sampler (exponential race) against the exact law on a toy vocabulary."""
-    from d3d.decoding.verify import sample
-
-    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
-    g = torch.Generator().manual_seed(0)
-    draws = sample(p.expand(60000, 5).clone(), g)
-    emp = torch.bincount(draws, minlength=5).float() / 60000
-    assert emp[4] == 0 and 0.5 * (emp - p).abs().sum() < 0.01  # noise ~0.004 at n = 60000
 
 
 # ---- the seam: a new method is its class (and its config), nothing else

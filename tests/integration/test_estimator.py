@@ -9,7 +9,7 @@ from d3d.models.drafter import DrafterSettings
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example
-from tests.integration.test_drafter import tiny_drafter
+from tests.integration.conftest import tiny_drafter
 
 
 def test_greedy_rounds_hand_case():

@@ -1,7 +1,7 @@
 """scripts/gpu_check.py's own checks on the CPU: the race check passes on a correct loop and fails
 on a broken hand-off; async against sync holds what each dtype allows (DESIGN §10); the runner
-skips what its budget cannot hold, keeps every finished sub-step when killed, and its H200
-estimate (graphs counted with a counting compile backend) fits 6 minutes."""
+keeps every finished sub-step when killed, and its H200 estimate's graphs are the ones a counting
+compile backend counts (its budget bookkeeping, which runs no stage, is in tests/unit/test_gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -66,31 +66,6 @@ def test_async_against_sync_holds_tau_in_fp32_and_tokens_in_bf16(check):
     assert res["ok"]
 
 
-def test_a_stage_the_budget_cannot_hold_is_recorded_as_skipped(check, tmp_path, monkeypatch):
-    """--budget-s: a stage whose H200 estimate (async_sync: 5 s) does not fit in what is left is
-    not started but recorded skipped, with its reason; the run does not count it as a failure.
-    A fake clock: the first stage (race, stubbed) takes 46 of the 50 s."""
-    import json
-    from types import SimpleNamespace
-
-    clock = [0.0]
-    monkeypatch.setattr(check, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-
-    def race(*args, **kw):
-        clock[0] = 46.0
-        return {"ok": True}
-
-    monkeypatch.setattr(check, "stage_race", race)
-    report = check.main(["--device", "cpu", "--out-dir", str(tmp_path), "--stages", "race", "async_sync",
-                         "--budget-s", "50"])
-    saved = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert saved["stages"]["race"]["status"] == "ok"
-    late = saved["stages"]["async_sync"]
-    assert late["status"] == "skipped" and late["steps"] == {}
-    assert late["reason"] == "budget: 5 s estimated, 4 s of --budget-s 50 left"
-    assert saved["skipped"] == ["async_sync"] and report["ok"]
-
-
 def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
     """SIGKILL the toy run once a few sub-steps have landed: every sub-step it reported written
     (it reports only after the file is replaced) is in gpu_check.json, which still parses."""
@@ -122,13 +97,6 @@ def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
     on_disk = {f"{stage}/{step}" for stage, rec in saved["stages"].items() for step in rec["steps"]}
     assert len(written) >= 3 and set(written) <= on_disk, (written, on_disk)
     assert saved["stages"]["greedy"]["status"] == "running"  # killed inside it: no verdict, its steps kept
-
-
-def test_the_default_run_fits_six_minutes_on_an_h200_by_its_estimate(check):
-    plan = check.ESTIMATE.table(check.STAGES)
-    assert set(plan["seconds"]) == {"startup", *check.STAGES}
-    assert plan["total_s"] <= 360, plan
-    assert plan["total_s"] < 420 < 480  # the default --budget-s, inside the README's `timeout 480`
 
 
 @pytest.mark.slow

@@ -6,9 +6,12 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.heavy  # builds and installs the wheel with pip
 def test_wheel_carries_configs_and_jobs_find_them(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
                    check=True, capture_output=True, text=True)

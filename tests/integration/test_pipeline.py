@@ -1,4 +1,5 @@
-"""d3d.pipeline: the four stages wired together on the smoke setup, overrides routed per stage."""
+"""d3d.pipeline: the four stages wired together on the smoke setup (the routing of overrides per stage
+is in tests/unit/test_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from d3d.pipeline import main, stage_overrides
+from d3d.pipeline import main
 from d3d.utils.io import read_jsonl
 from tests.conftest import CACHE_DIR
-
-
-def test_overrides_go_only_to_stages_that_have_the_key():
-    ov = ["+experiment=smoke", "prune.num_layers=1", "eval.n=1", "seed=3", "target=tiny_random"]
-    assert stage_overrides("generate", ov) == ["+experiment=smoke", "seed=3", "target=tiny_random"]
-    assert stage_overrides("prune", ov) == ["+experiment=smoke", "prune.num_layers=1", "seed=3", "target=tiny_random"]
-    assert "eval.n=1" in stage_overrides("eval", ov) and "prune.num_layers=1" not in stage_overrides("eval", ov)
-    # prune composes only the training step's train.* keys (conf/training/): d3d.train's own stay with train
-    ov = ["train.lr=1e-4", "train.warmup_steps=2"]
-    assert stage_overrides("train", ov) == ov and stage_overrides("prune", ov) == ["train.lr=1e-4"]
 
 
 def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch, capsys):

@@ -192,19 +192,6 @@ def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
     assert set(seen) == {torch.float32}
 
 
-def test_a_new_pruning_criterion_is_one_registry_entry(tmp_path, monkeypatch):
-    """choose_layer dispatches on prune.method through SCORERS: a criterion registered there is
-    used with no other change, and an unknown name is refused naming the ones there are."""
-    import d3d.prune as p
-    from d3d.config import ConfigError
-
-    monkeypatch.setitem(p.SCORERS, "first", lambda model, calib, s, progress, record: [1.0] + [0.0] * 9)
-    layer, scores = p.choose_layer("first", None, [], None)
-    assert layer == 0 and scores[0] == 1.0
-    with pytest.raises(ConfigError, match="prune.method='nope': use acceptance, first, last, similarity"):
-        p.choose_layer("nope", None, [], None)
-
-
 def _cut_save(model, tok, folder):
     """save_drafter killed after it made the folder and an empty config.json (as a SIGKILL can)."""
     from pathlib import Path

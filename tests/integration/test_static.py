@@ -8,7 +8,7 @@ import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.kv import StaticKVState
-from tests.integration.test_decoding import PROMPTS, models, reference  # noqa: F401 (a fixture)
+from tests.integration.conftest import PROMPTS, reference
 
 CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 6, 3, 2), ("async", 4, 4, 1)]
 
@@ -67,6 +67,7 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.heavy  # inductor compiles every batch size: 20 s on 2 idle cores, 70 s on busy ones
 def test_compiled_backend_equals_eager_and_reuses_its_graphs(models):
     """torch.compile over the static passes (inductor on CPU; CUDA graphs on a GPU): the eager
     loop's tokens with a ragged batch whose rows retire (new batch sizes), and later calls with
@@ -86,6 +87,7 @@ def test_compiled_backend_equals_eager_and_reuses_its_graphs(models):
             assert graphs_compiled() == before, "a call of shapes already compiled compiled again"
 
 
+@pytest.mark.heavy  # inductor with the weights frozen in, for two models: 12 s on 2 idle cores, 50 s on busy ones
 def test_frozen_backend_keeps_each_models_own_weights(models):
     """backend=frozen folds the weights into the graph. The target and its drafter (a perturbed copy)
     have the same shapes, so a graph reused across them would draft with the target's weights:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from d3d.generate import run_generate
-from d3d.train import batch_at, run_train
+from d3d.train import run_train
 from d3d.utils.io import read_jsonl
 from d3d.settings import bind_config
 from tests.conftest import CACHE_DIR, ROOT, Killed, compose, kill_on, torchrun
@@ -108,22 +108,7 @@ def test_train_cli_saves_a_loadable_drafter(root):
     assert "held-out τ" in proc.stdout
 
 
-def test_each_rank_and_micro_batch_reads_its_own_slice():
-    """Data-parallel training: the ranks x micro-batches of one step partition that step's global
-    batch (on one process it is the same sequence), and consecutive steps do not overlap."""
-    train_set = list(range(100))  # stand-ins for examples: batch_at only indexes
-    bs, accum, ranks = 2, 3, 4
-    per_step = bs * accum * ranks
-    seen = []
-    for step in range(4):  # 96 of the 100 examples: one epoch, no example twice
-        parts = [batch_at(train_set, step, m, per_step, bs, 0, r, ranks) for m in range(accum) for r in range(ranks)]
-        flat = [x for p in parts for x in p]
-        one_process = [x for m in range(accum * ranks) for x in batch_at(train_set, step, m, per_step, bs, 0)]
-        assert sorted(flat) == sorted(one_process)
-        seen += flat
-    assert len(set(seen)) == len(seen) == 4 * per_step
-
-
+@pytest.mark.heavy  # torchrun: two real processes and a gloo process group
 def test_contract9_two_processes_equal_one_process_on_the_global_batch(root, tmp_path):
     """Two real processes (DDP, gloo), one sequence each per step, end every step with the same
     weights as each other and as one process that takes the same two sequences as two micro-batches

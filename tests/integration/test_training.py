@@ -1,6 +1,7 @@
-"""d3d.training: the DeepSpeed plugin carries train.*, bf16 autocast reaches the drafter's matmuls
-through the prepared step, the chunked loss equals the whole-batch loss, memory switches keep the
-numbers, and the flex mask rule equals build_mask (CPU; the flex output equality is a gpu test)."""
+"""d3d.training on a tiny drafter: bf16 autocast reaches the drafter's matmuls through the prepared
+step, the chunked loss equals the whole-batch loss, memory switches keep the numbers (the DeepSpeed
+plugin and the flex mask rule, which need no model, are in tests/unit/test_training.py; the flex
+output equality is a gpu test)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import pytest
 import torch
 
 from d3d.models.drafter import DrafterSettings, build_drafter
-from d3d.models.masks import block_layout, build_mask, clean_layout, concat, mask_mod_for, pad_layout
 from d3d.objective import ObjectiveConfig, loss_from_hidden, metrics_to_floats, pack
-from d3d.training import D3DTrainingStep, deepspeed_plugin, enable_activation_checkpointing, make_accelerator
+from d3d.training import D3DTrainingStep, enable_activation_checkpointing, make_accelerator
 from d3d.settings import bind_config
 from tests.conftest import compose
 
@@ -41,27 +41,6 @@ def a_batch(model, tok, n=2, length=40, anchors=5, seed=0):
     examples = [Example(torch.randint(4, 200, (length - 7 * i,), generator=g).tolist(), 10) for i in range(n)]
     return pack(examples, ObjectiveConfig.shipped(s.block_size, anchors_per_seq=anchors), s.mask_token_id,
                 tok.pad_token_id, g)
-
-
-def test_deepspeed_plugin_carries_train_settings(monkeypatch):
-    """accelerate launch with deepspeed_zero2.yaml: the engine's micro-batch, accumulation, clipping
-    and precision are train.*'s, even where the yaml's env says otherwise (it said GA=1)."""
-    cfg = bind_config(compose("train", ["+experiment=qwen3_8b"]), "train")
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
-    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "0.5")
-    plugin = deepspeed_plugin(cfg.train, "bf16")
-    ds = plugin.deepspeed_config
-    tc = cfg.train
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == \
-        (tc.batch_size, tc.grad_accum, tc.clip) == (8, 4, 1.0)
-    assert (plugin.gradient_accumulation_steps, plugin.gradient_clipping, plugin.zero_stage) == (4, 1.0, 2)
-    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
-    assert ds["zero_optimization"]["stage"] == 2
-    assert "auto" not in str(ds)  # "auto" is filled only from a prepared DataLoader, which d3d has not
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
-    assert deepspeed_plugin(cfg.train, "bf16") is None
 
 
 def test_bf16_autocast_reaches_the_drafter_matmuls(tmp_path, fresh_accelerate_state):
@@ -137,22 +116,6 @@ def test_loss_from_hidden_takes_no_full_vocabulary_tensor(tmp_path):
     assert max(shapes) == 16 and len(batch.dn_rows) > 16
 
 
-def test_mask_mod_equals_build_mask():
-    """The flex_attention rule (evaluated per (q, kv) index) is build_mask's, on a packed training
-    layout with padding and on a decoding layout after a cache."""
-    anchors = torch.tensor([[3, 6, 9]])
-    train = pad_layout(concat(clean_layout(12), block_layout(anchors, 4)), 30)
-    short = pad_layout(concat(clean_layout(7), block_layout(torch.tensor([[2, 5, 6]]), 4)), 30)
-    both = type(train)(*(torch.cat([getattr(train, f), getattr(short, f)]) for f in ("pos", "block", "limit")))
-    decode = block_layout(torch.tensor([[5, 8]]), 4)
-    for layout, cache_len in ((both, 0), (decode, 5)):
-        dense = build_mask(layout, cache_len)[:, 0]
-        b, t, k = dense.shape
-        mod = mask_mod_for(layout, cache_len)
-        bi, qi, ki = torch.meshgrid(torch.arange(b), torch.arange(t), torch.arange(k), indexing="ij")
-        assert torch.equal(mod(bi, torch.zeros_like(bi), qi, ki), dense)
-
-
 def test_attention_mask_for_refuses_a_tensor_under_flex(tmp_path):
     from d3d.models.forward import attention_mask_for
 
@@ -162,7 +125,7 @@ def test_attention_mask_for_refuses_a_tensor_under_flex(tmp_path):
         attention_mask_for(model, torch.ones(1, 1, 4, 4, dtype=torch.bool))
 
 
-
+@pytest.mark.heavy  # the GPU training check in a subprocess
 def test_gpu_train_check_runs_on_cpu_without_hydra_or_deepspeed(tmp_path):
     """scripts/gpu_train_check.py at toy size, in a process where hydra, omegaconf, datasets and
     deepspeed cannot be imported (the GPU image has none of them): loss finite and falling, JSON written."""

@@ -1,5 +1,5 @@
 """One rank of a real multi-process training run, started by `torchrun --nproc_per_node N` (gloo on
-CPU) from tests/test_train.py. Trains through d3d.train's recipe, then writes what the test checks:
+CPU) from tests/integration/test_train.py. Trains through d3d.train's recipe, then writes what the test checks:
 the world size this rank saw and its own copy of the trained weights.
 
     torchrun --nproc_per_node 2 tests/multiproc/train_worker.py OUT_DIR ROOT_DIR [hydra overrides]

@@ -10,12 +10,8 @@ from d3d.data.benchmarks import (
     BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
 )
 from d3d.data.prompts import benchmark_spec
-from d3d.specs import BenchmarkSpec
 from tests.conftest import FIXTURES
-
-
-def with_local(name: str, fixture: str) -> BenchmarkSpec:
-    return replace(benchmark_spec(name), local_file=str(FIXTURES / fixture), sources=["local"])
+from tests.unit.conftest import with_local
 
 
 @pytest.mark.parametrize("name,fixture,count", [

@@ -251,7 +251,7 @@ def test_training_prompts_exclude_every_benchmark_file(data, tmp_path):
     """exclude_eval is derived from conf/benchmark/: every spec there, suites (all, all_plus) aside."""
     shipped = {name for option in options("benchmark")
                for name in OmegaConf.load(config_dir() / "benchmark" / f"{option}.yaml").get("specs") or []}
-    assert shipped == set(HAND_TYPED_EXCLUDE_EVAL)
+    assert shipped >= set(HAND_TYPED_EXCLUDE_EVAL)  # at least: a new benchmark file adds to it
     excluded = compose("generate", [f"data={data}"], tmp_path).data.exclude_eval
     assert list(excluded) == sorted(shipped)
     # an explicit list still wins

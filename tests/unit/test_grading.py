@@ -75,7 +75,7 @@ def test_mbpp_tests_run():
 
 def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
     from d3d.data.benchmarks import load_records
-    from tests.unit.test_benchmarks import with_local
+    from tests.unit.conftest import with_local
 
     spec = with_local("mbpp", "mbpp.jsonl")
     records, _ = load_records(spec, cache_dir)

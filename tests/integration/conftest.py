@@ -1,0 +1,61 @@
+"""Fixtures and helpers that several integration modules share: the tiny decoding pair (`models`)
+with its prompts and transformers' greedy reference, and a tiny drafter with lively weights.
+Imported by pytest, and on the GPU machines too: nothing here may import Hydra or OmegaConf at
+module level (tests/gpu_machine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.models import load_model, load_tokenizer, resolve_model_path
+from d3d.models.drafter import build_drafter
+from tests.conftest import compose
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target with lively random weights and a drafter copied from it, slightly perturbed."""
+    from d3d.settings import bind_config  # imports OmegaConf: not at module level (see above)
+
+    cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_size=6"]), "train")
+    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    tok = load_tokenizer(path)
+    target = load_model(path, "float32", "cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    out = tmp_path_factory.mktemp("tgt")
+    target.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg.target.tiny = None
+    cfg.target.path = str(out)
+    drafter, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return target, drafter, tok
+
+
+PROMPTS = ["Hello there, how are you?", "2+2=", "def f(x):\n    return", "Once upon a time"]
+
+
+def reference(target, tok, prompt_ids, n, eos):
+    out = target.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def tiny_drafter(tmp_path, arch="llama", layers=2, block=4, init="target"):
+    from d3d.settings import bind_config
+
+    cfg = bind_config(compose("train", ["+experiment=smoke", f"drafter.block_size={block}", f"drafter.init={init}",
+                                        f"target.tiny.model_type={arch}", f"target.tiny.num_hidden_layers={layers}",
+                                        f"target.name=tiny_{arch}_{layers}"], tmp_path), "train")
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    torch.manual_seed(0)
+    with torch.no_grad():  # random weights, so the test would notice any mixing of positions
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval(), tok, cfg
