@@ -35,6 +35,9 @@ class GenerateSettings:
     limit: Optional[int] = None  # answer only the first N prompts of the set
     sort_by_length: bool = True  # less padding, same outputs
     progress: bool = True
+    backend: str = "hf"  # hf | vllm | sglang (d3d.models.engines)
+    vllm: dict[str, Any] = field(default_factory=dict)  # LLM(**vllm) when backend=vllm
+    sglang: dict[str, Any] = field(default_factory=dict)  # Engine(**sglang) when backend=sglang
 
 
 @dataclass
@@ -72,6 +75,7 @@ class StepSettings(ObjectiveKnobs):
     clip: Optional[float] = 1.0
     freeze_embeddings: bool = True
     loss_chunk_rows: int = 4096
+    allow_mixed_backends: bool = False  # train on a folder whose rows come from several generate.backend
 
 
 @dataclass
