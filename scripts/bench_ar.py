@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
+from d3d.settings import bind_config
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.engine import BACKENDS
+from d3d.decoding.methods import BACKENDS
 from d3d.models import load_target
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
-    cfg = compose("eval", args.overrides)
+    cfg = bind_config(compose("eval", args.overrides), "eval")
     cache = resolve_path(cfg.paths.cache_dir)
     _, tok, target = load_target(cfg.target, cache)
     spec = benchmark_spec(args.benchmark)

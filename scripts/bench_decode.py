@@ -27,11 +27,12 @@ import torch
 from tqdm.auto import tqdm
 
 from d3d.config import compose, resolve_path
+from d3d.settings import bind_config
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.engine import BACKENDS
+from d3d.decoding.methods import BACKENDS
 from d3d.models import load_model, load_target, resolve_model_path
 from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
@@ -90,11 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
-    cfg = compose("eval", args.overrides)
+    cfg = bind_config(compose("eval", args.overrides), "eval")
     cache = resolve_path(cfg.paths.cache_dir)
     path, tok, target = load_target(cfg.target, cache)
     drafter, drafter_tok = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
-    for warning in check_fits_target(drafter, drafter_tok, target, tok, str(cfg.target.name)):
+    for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
         print(f"warning: {warning}", flush=True)
     eos = eos_ids(tok, target)
     spec = benchmark_spec(args.benchmark)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_hf_baselines:
         methods["hf_generate"] = hf_call(target, tok, eos)
         if args.assistant:  # an AR assistant of about the drafter's cost (e.g. the 0.5B for the 1.5B)
-            a_cfg = compose("eval", [f"target={args.assistant}"]).target
+            a_cfg = bind_config(compose("eval", [f"target={args.assistant}"]), "eval").target
             assistant, a_name = load_model(resolve_model_path(a_cfg, cache), a_cfg.dtype, "auto"), args.assistant
         else:  # an AR copy of the target: a full-copy drafter's cost
             assistant, a_name = load_model(path, cfg.target.dtype, "auto"), "copy"

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
+from d3d.settings import bind_config
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.models.generation import generate_batch
@@ -37,7 +38,7 @@ def main() -> None:
 
     from transformers import GenerationConfig
 
-    cfg = compose("generate", args.overrides)
+    cfg = bind_config(compose("generate", args.overrides), "generate")
     cache = resolve_path(cfg.paths.cache_dir)
     path = resolve_model_path(cfg.target, cache)
     tok = load_tokenizer(path)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
+from d3d.settings import bind_config
 from d3d.models.drafter import DrafterSettings, build_drafter
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import D3DTrainingStep, load_examples
@@ -40,13 +41,13 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/bench/train.json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    cfg = compose("train", args.overrides)
+    cfg = bind_config(compose("train", args.overrides), "train")
     torch.manual_seed(0)
     model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), dtype="float32")
     s = DrafterSettings.of(model)
     model.train()
     examples = load_examples(resolve_path(cfg.train.responses_dir), args.max_len)[: args.batch_size]
-    ocfg = ObjectiveConfig(block_size=s.block_size, anchors_per_seq=args.anchors)
+    ocfg = ObjectiveConfig.shipped(s.block_size, anchors_per_seq=args.anchors)
     batch = pack(examples, ocfg, s.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
 
     step = D3DTrainingStep(model, s.vocab_size, 1.0)  # the module d3d.train runs

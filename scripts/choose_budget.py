@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
+from d3d.settings import bind_config
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.decoding.budget import calibrate, greedy_pairs, packed_blocks
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
-    cfg = compose("generate", args.overrides)
+    cfg = bind_config(compose("generate", args.overrides), "generate")
     _, tok, target = load_target(cfg.target, resolve_path(cfg.paths.cache_dir))
     drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
     s = DrafterSettings.of(drafter)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['packed_ms']:.1f} | {r['hit_rate']:.3f} | {r['round_ms']:.1f} | {r['projected_speedup']:.3f}×{mark} |")
     print(f"| no trays (sync) | | 0 | 0.0 | — | {costs['draft_ms'] + costs['verify_ms']:.1f} | "
           f"{best.sync_speedup:.3f}×{'' if best.trays else ' **chosen**'} |")
-    result = {"target": str(cfg.target.name), "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
+    result = {"target": cfg.target.name, "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
               "rounds": rounds, "responses": len(pairs), "overlap": overlap, "costs": costs,
               "choice": best.as_dict(), "dtype": str(target.dtype), "run": run_info(target.device)}
     out = Path(args.out or f"outputs/bench/budget_{cfg.target.name}.json")

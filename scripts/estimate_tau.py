@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from d3d.config import compose, resolve_path
+from d3d.settings import bind_config
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, load_drafter
 from d3d.training import cut_responses, load_examples, split_examples
@@ -24,9 +25,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="score the first N response tokens")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    cfg = compose("train", args.overrides)
-    examples = load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len))
-    _, val = split_examples(examples, int(cfg.train.val_size), int(cfg.seed))
+    cfg = bind_config(compose("train", args.overrides), "train")
+    examples = load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len)
+    _, val = split_examples(examples, cfg.train.val_size, cfg.seed)
     val = cut_responses(val, args.max_new_tokens)
     model, _ = load_drafter(args.drafter, dtype="float32")
     s = DrafterSettings.of(model)

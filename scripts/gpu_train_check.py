@@ -18,7 +18,6 @@ import resource
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -80,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(1, mask_id, (args.seq_len,), generator=g).tolist(), args.seq_len // 4)
                 for _ in range(args.batch_size)]
-    objective = ObjectiveConfig(block_size=args.block_size, anchors_per_seq=args.anchors)
+    objective = ObjectiveConfig.shipped(args.block_size, anchors_per_seq=args.anchors)
     batch = pack(examples, objective, mask_id, 0, g)
     step = D3DTrainingStep(model, args.vocab, objective.ar_weight, loss_chunk_rows=1024)
     # d3d.train's optimizer groups: no weight decay on the (frozen but for one row) embeddings
-    optimizer = make_optimizer(step, SimpleNamespace(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01))
+    optimizer = make_optimizer(step, lr=1e-3, weight_decay=0.01, betas=[0.9, 0.95])
     step, optimizer = accelerator.prepare(step, optimizer)
     step.train()
 

@@ -79,18 +79,20 @@ def estimate(s: Shape, config: str, gpus: int, batch: int, seq: int, rows: int, 
 
 def overlay_plan(name: str, gpus: int) -> list[dict]:
     from d3d.config import compose
+    from d3d.settings import bind_config
 
-    cfg = compose("train", [f"+experiment={name}"])
+    cfg = bind_config(compose("train", [f"+experiment={name}"]), "train")
     tc = cfg.train
-    B = int(cfg.drafter.block_size)
-    seq = int(tc.max_len) + int(tc.anchors_per_seq) * B
-    rows = int(tc.batch_size) * (int(tc.anchors_per_seq) * B + int(tc.max_len))  # denoise + AR rows, at most
-    s = SHAPES[str(cfg.drafter.name)]
+    B = cfg.drafter.block_size
+    seq = tc.max_len + tc.anchors_per_seq * B
+    rows = tc.batch_size * (tc.anchors_per_seq * B + tc.max_len)  # denoise + AR rows, at most
+    s = SHAPES[cfg.drafter.name]
+    flex = (cfg.drafter.model or cfg.target).attn_implementation == "flex_attention"  # d3d.models.drafter.drafter_attention
     out = []
     for config in CONFIGS:
-        est = estimate(s, config, gpus, int(tc.batch_size), seq, rows, int(tc.loss_chunk_rows),
-                       bool(tc.gradient_checkpointing), flex=cfg.drafter.model.attn_implementation == "flex_attention")
-        out.append({"overlay": name, "config": config, "micro_batch": int(tc.batch_size), "packed_len": seq, **est})
+        est = estimate(s, config, gpus, tc.batch_size, seq, rows, tc.loss_chunk_rows, tc.gradient_checkpointing,
+                       flex=flex)
+        out.append({"overlay": name, "config": config, "micro_batch": tc.batch_size, "packed_len": seq, **est})
     return out
 
 
@@ -160,7 +162,7 @@ def validate(checkpointing: bool) -> dict:
     batch_size, length, anchors, B, chunk = 2, 768, 16, 16, 512
     g = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(1, s.vocab - 1, (length,), generator=g).tolist(), 64) for _ in range(batch_size)]
-    batch = pack(examples, ObjectiveConfig(block_size=B, anchors_per_seq=anchors), s.vocab - 1, 0, g)
+    batch = pack(examples, ObjectiveConfig.shipped(B, anchors_per_seq=anchors), s.vocab - 1, 0, g)
     step = D3DTrainingStep(model, s.vocab, 1.0, loss_chunk_rows=chunk)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with TensorPeak() as tp:  # forward + backward: activations, loss, gradients

@@ -1,9 +1,5 @@
-"""Where the Hydra config tree lives, and the small helpers every job uses to read it.
-
-The tree is the top-level `conf/` of the repository. An installed wheel carries a copy as
-`d3d/conf` (pyproject maps it there); an editable install or a source checkout reads `conf/`
-two levels above this package. One function, `config_dir()`, decides, so the jobs and the tests
-always compose the same files.
+"""The small helpers every job uses to compose and read the Hydra config tree (where the tree lives:
+d3d.configdir, re-exported here), and the resume check they share.
 """
 
 from __future__ import annotations
@@ -16,9 +12,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-
-
+from d3d.configdir import PACKAGE_DIR, config_dir  # noqa: E402,F401  (re-exported, as below)
 from d3d.errors import ConfigError, UserError  # noqa: E402  (re-exported: d3d.config is where jobs look)
 
 
@@ -31,22 +25,6 @@ def verbose() -> bool:
     return any(os.environ.get(v, "") not in ("", "0") for v in ("HYDRA_FULL_ERROR", "D3D_VERBOSE"))
 
 
-def config_dir() -> Path:
-    """The conf/ folder: $D3D_CONFIG_DIR, else the wheel's copy, else the checkout's."""
-    candidates = []
-    if os.environ.get("D3D_CONFIG_DIR"):
-        candidates.append(Path(os.environ["D3D_CONFIG_DIR"]))
-    candidates += [PACKAGE_DIR / "conf", PACKAGE_DIR.parents[1] / "conf"]
-    for path in candidates:
-        if (path / "generate.yaml").is_file():
-            return path
-    raise FileNotFoundError(
-        "d3d cannot find its Hydra configs (conf/). Looked in: "
-        + ", ".join(str(p) for p in candidates)
-        + ". Reinstall the package (pip install -e . from the repository) or set D3D_CONFIG_DIR."
-    )
-
-
 def benchmark_names() -> list[str]:
     """Every benchmark shipped under conf/benchmark/, in file-name order: each file with `specs`
     (suite files such as all.yaml only compose others). The training prompt sets exclude all of
@@ -54,7 +32,8 @@ def benchmark_names() -> list[str]:
     out of the training data with no other edit."""
     names: list[str] = []
     for path in sorted((config_dir() / "benchmark").glob("*.yaml")):
-        names += list(OmegaConf.load(path).get("specs") or [])
+        node = OmegaConf.load(path)
+        names += list(node.specs) if "specs" in node else []
     return names
 
 
@@ -118,26 +97,33 @@ def to_plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
 
 
-def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differing_keys(old: dict, new: dict, prefix: str = "", grows: frozenset[str] = frozenset()) -> list[str]:
     """Dotted keys whose values differ between two nested settings dicts. Keys only one side has
-    are skipped: a result written before a key existed still resumes."""
+    are skipped: a result written before a key existed still resumes. A key in `grows` holds a set
+    (a list whose order means nothing) that may gain members but not lose them: it differs only
+    when something the old run held is gone, and says what."""
     out = []
     for k in sorted(set(old) & set(new)):
-        a, b = old[k], new[k]
+        a, b, key = old[k], new[k], f"{prefix}{k}"
         if isinstance(a, dict) and isinstance(b, dict):
-            out += differing_keys(a, b, f"{prefix}{k}.")
+            out += differing_keys(a, b, f"{key}.", grows)
+        elif key in grows and isinstance(a, list) and isinstance(b, list):
+            lost = sorted(set(a) - set(b), key=str)
+            if lost:
+                out.append(f"{key} (without {' '.join(map(str, lost))})")
         elif a != b:
-            out.append(f"{prefix}{k}")
+            out.append(key)
     return out
 
 
 def refuse_mixed_run(folder, old_key: dict | None, new_key: dict, made: str, fix: str,
-                     also: list[str] | None = None) -> None:
+                     also: list[str] | None = None, grows: frozenset[str] = frozenset()) -> None:
     """The one resume check of every job: a folder resumes only work made with the same settings,
     since a run resumed with others would be half one experiment and half another. `old_key` None
     (a folder from before resume keys existed) resumes as it did; `also` adds differences the
-    keys cannot show. The message names each differing key and the fix."""
-    differ = differing_keys(old_key or {}, new_key) + list(also or [])
+    keys cannot show; `grows` names set-valued keys that may gain members (differing_keys). The
+    message names each differing key and the fix."""
+    differ = differing_keys(old_key or {}, new_key, grows=grows) + list(also or [])
     if differ:
         raise ConfigError(f"{folder} {made} with other settings ({', '.join(differ)} differ); resuming "
                           f"would mix two runs. Fix: {fix}")

@@ -17,14 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import ConfigError, UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.decoding import DecodeConfig, SpecGenerator
@@ -33,9 +33,12 @@ from d3d.decoding.methods import method_class
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import process_device, process_state
-from d3d.models.drafter import DrafterSettings, build_drafter, check_fits_target, load_drafter, weights_fingerprint
-from d3d.grading import grade
-from d3d.settings import TRAY_KEYS, EvalSettings, bind_section, decode_keys
+from d3d.models.drafter import (
+    DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
+)
+from d3d.grading import grade, isolation, isolation_warning
+from d3d.settings import bind_config, bind_decode, decode_keys
+from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
@@ -51,6 +54,11 @@ log = logging.getLogger("d3d.eval")
 # in fp32, because the two loops' drafter passes lay the same keys out differently and bf16 SDPA
 # moves by an ulp with the layout (DESIGN §10), which can flip a near-tie draft.
 BITWISE_REFERENCE = {"async": "sync"}
+# What the composed `decode` group lends to every method that reads the key: every method takes the
+# run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
+# backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
+# other keys (async's tray budget) stay its own.
+LENT_KEYS = ("temperature", "top_p", "top_k", "backend", "block_size")
 
 
 def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:
@@ -60,20 +68,17 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     in sync and async alike.
     `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
     check_eval_settings(ev)
-    composed = decode_config(cfg.decode, "decode")
+    composed = bind_decode(cfg.decode, "decode")
     out = {}
     for name in ev.methods:
         if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
             raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml is not composed under "
                               f"`methods` (add it there, and `- decode@methods.{name}: {name}` to conf/eval.yaml)")
-        own = decode_config(cfg.methods[name], f"methods.{name}")
+        own = bind_decode(cfg.methods[name], f"methods.{name}")
         if composed.method == own.method:
             dc = replace(composed)
-        else:  # lent: the keys both methods read, but the method and its tray budget. Every method
-            # takes the run's sampling and backend (the AR baseline decodes as the others do, so a
-            # speedup is never the backend's); a drafting method takes a drafting group's block size
-            keys = [k for k in decode_keys(own.method)
-                    if k in decode_keys(composed.method) and k not in ("method", *TRAY_KEYS)]
+        else:  # lent: LENT_KEYS both methods read
+            keys = [k for k in LENT_KEYS if k in decode_keys(own.method) and k in decode_keys(composed.method)]
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
         # the budget study: a method with drafter work beside verification (async) gets one per C x F
@@ -94,7 +99,7 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
 AUTO = "auto"
 
 
-def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: DictConfig, ev: EvalSettings,
+def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: EvalConfig, ev: EvalSettings,
                         target, tok, drafter, cache: Path, processes: int) -> dict | None:
     """Give every `<method>_auto` the budget d3d.decoding.budget chooses on this device: exact
     hit rates per (C, F) from the target's greedy responses to the last `eval.auto_budget_prompts`
@@ -116,8 +121,9 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
         pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
                              min(ev.max_new_tokens, 128), eos_ids(tok, target))
         # packed pass beside verification (a side stream) or after it: as the loop will run it
-        overlap = SpecGenerator.overlap_mode(methods[names[0]], target.device) == "stream"
-        pick, basis = calibrate(target, drafter, pairs, methods[names[0]].block_size, overlap=overlap)
+        first = methods[names[0]]
+        overlap = method_class(first.method).overlap_mode(first, target.device) == "stream"
+        pick, basis = calibrate(target, drafter, pairs, first.block_size, overlap=overlap)
         earlier = {**pick.as_dict(), **basis}
         log.info("eval.async_budgets=auto: %s", pick.why)
     for name in names:
@@ -131,16 +137,6 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Di
 def read_settings(dc: DecodeConfig) -> dict:
     """The settings of `dc` its method reads (d3d.settings.decode_keys): sync's record holds no tray budget."""
     return {k: getattr(dc, k) for k in decode_keys(dc.method)}
-
-
-def decode_config(node, where: str) -> DecodeConfig:
-    """A decode file's section as a DecodeConfig: a key that is none of its fields fails (DecodeConfig
-    would drop it), as unknown keys do at every other section's typed boundary."""
-    plain = OmegaConf.to_container(node, resolve=True)
-    unknown = sorted(set(plain) - {"name"} - set(DecodeConfig.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: not a decode setting (d3d.decoding.DecodeConfig has no such field)")
-    return DecodeConfig.from_cfg(plain)
 
 
 def check_eval_settings(ev: EvalSettings) -> None:
@@ -163,7 +159,7 @@ def parse_budget(text) -> tuple[int, int]:
     return C, F
 
 
-def output_dir(cfg: DictConfig, ev: EvalSettings) -> Path:
+def output_dir(cfg: EvalConfig, ev: EvalSettings) -> Path:
     if ev.out_dir:
         return resolve_path(ev.out_dir)
     try:
@@ -174,20 +170,21 @@ def output_dir(cfg: DictConfig, ev: EvalSettings) -> Path:
         return resolve_path(cfg.paths.output_dir) / "eval" / cfg.run_name
 
 
-def resume_key(cfg: DictConfig, ev: EvalSettings, methods: dict[str, DecodeConfig]) -> dict:
+def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfig]) -> dict:
     """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
     Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
-    drafter = cfg.drafter.get("checkpoint")
+    drafter = cfg.drafter.checkpoint
     folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
-    return {"target": cfg.target.name, "dtype": str(cfg.target.dtype),
+    return {"target": cfg.target.name, "dtype": cfg.target.dtype,
             "drafter": str(folder) if folder else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(folder)} if folder else {}),
             "max_new_tokens": ev.max_new_tokens, "enable_thinking": ev.enable_thinking,
-            "seed": int(cfg.seed), "exec_timeout_s": ev.exec_timeout_s,
+            "seed": cfg.seed, "exec_timeout_s": ev.exec_timeout_s,
             # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
             # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
-            "benchmarks": {spec["name"]: OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
-                           else dict(spec) for spec in iter_specs(cfg.benchmark)},
+            # Optional fields the YAML leaves out are None here, keys a key written from the raw config
+            # lacks: differing_keys skips keys only one side has, so such a folder still resumes.
+            "benchmarks": {spec.name: asdict(spec) for spec in iter_specs(cfg.benchmark)},
             # each method's keys it reads (a key written when ar and sync held async's tray keys still matches:
             # keys only one side has are not compared); max_new_tokens is above
             "methods": {name: read_settings(dc) for name, dc in methods.items()}}
@@ -204,14 +201,15 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
                      "pass a new eval.out_dir, or delete that folder to start over.")
 
 
-def load_models(cfg: DictConfig, methods: dict[str, DecodeConfig], cache: Path, state):
+def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     _, tok, target = load_target(cfg.target, cache, process_device(state, cfg.target.device))
     drafter = None
     if any(method_class(dc.method).needs_drafter for dc in methods.values()):
-        if cfg.drafter.get("checkpoint"):
+        if cfg.drafter.checkpoint:
             drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
-                                                dtype=cfg.target.dtype)
-            for warning in check_fits_target(drafter, drafter_tok, target, tok, str(cfg.target.name)):
+                                                dtype=cfg.target.dtype,
+                                                attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+            for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
                 log.warning(warning)
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
@@ -229,7 +227,7 @@ def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompt
     """One row: a request at concurrency 1, or a batch of `concurrency` requests."""
     single = concurrency == 1
     taus = res.taus()  # one entry per request per round
-    return {"benchmark": spec["name"], "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
+    return {"benchmark": spec.name, "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
             "prompt_tokens": len(prompts[0]) if single else [len(p) for p in prompts],
             "new_tokens": res.new_tokens, "rounds": len(taus),  # request-rounds
             "prefill_s": res.prefill_s, "decode_s": res.decode_s, "hit_rate": res.hit_rate, "taus": taus,
@@ -281,11 +279,11 @@ def fail_on_real_divergence(row: dict) -> None:
                 f"{d['tolerance']:.3g} in {d['dtype']}). This is not numerics: the decoding loop is not lossless.")
 
 
-def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped) -> None:
+def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped) -> None:
     """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method.
     A prompt longer than the context is recorded in skipped.jsonl (with its reason) and that
     method's conversation ends there; the run goes on."""
-    for rec in tqdm(records, desc=spec["name"], unit="item", disable=not ev.progress):
+    for rec in tqdm(records, desc=spec.name, unit="item", disable=not ev.progress):
         history = {name: [] for name in gens}
         ended: set[str] = set()
         for turn in range(len(rec.turns)):
@@ -293,18 +291,18 @@ def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, sk
             for name, gen in gens.items():
                 if name in ended:
                     continue
-                key = (spec["name"], rec.id, turn, name, 1)
+                key = (spec.name, rec.id, turn, name, 1)
                 history[name].append({"role": "user", "content": format_turn(spec, rec, turn)})
                 row = done.get(key)
                 if row is None:
                     ids = chat_prompt_ids(tok, history[name], ev.enable_thinking)
                     reason = gen.context_problem([ids], ev.max_new_tokens)
                     if reason:
-                        skipped.write([{"benchmark": spec["name"], "id": rec.id, "turn": turn, "method": name,
+                        skipped.write([{"benchmark": spec.name, "id": rec.id, "turn": turn, "method": name,
                                         "concurrency": 1, "reason": reason}])
                         ended.add(name)
                         continue
-                    seed = item_seed(cfg.seed, spec["name"], rec.id, turn, name)
+                    seed = item_seed(cfg.seed, spec.name, rec.id, turn, name)
                     row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
@@ -319,7 +317,7 @@ def run_single(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, sk
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
-def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, skipped, concurrency: int) -> None:
+def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped, concurrency: int) -> None:
     """Load test: first turns in batches of `concurrency` requests, every method on the same batches."""
     for start in range(0, len(records) - concurrency + 1, concurrency):
         batch = records[start : start + concurrency]
@@ -330,14 +328,14 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
         for name, gen in gens.items():
             if name == REFERENCE:  # generate's reference row times one request at a time
                 continue
-            row = done.get((spec["name"], key_id, 0, name, concurrency))
+            row = done.get((spec.name, key_id, 0, name, concurrency))
             if row is None:
                 reason = gen.context_problem(prompts, ev.max_new_tokens)
                 if reason:
-                    skipped.write([{"benchmark": spec["name"], "id": key_id, "turn": 0, "method": name,
+                    skipped.write([{"benchmark": spec.name, "id": key_id, "turn": 0, "method": name,
                                     "concurrency": concurrency, "reason": reason}])
                     continue
-                seed = item_seed(cfg.seed, spec["name"], key_id, 0, name)
+                seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
                 row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                 compare_with_references(row, gen, ar, sync, prompts)
@@ -349,28 +347,64 @@ def run_batched(cfg, ev: EvalSettings, spec, records, gens, tok, done, writer, s
                 sync = row
 
 
+def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
+    """Every benchmark's items, read and checked before any model loads: a mistyped local_file or a
+    malformed row fails in one line (d3d.data.benchmarks) instead of after the models load; one that
+    cannot be read here is skipped, said in one line; none left is an error, not an empty report."""
+    out, skipped = [], []
+    for spec in iter_specs(cfg.benchmark):
+        try:
+            out.append((spec, load_benchmark(spec, cache, n=ev.n)))
+        except BenchmarkUnavailable as err:
+            print(f"[d3d.eval] skipped {spec.name}: {err}", flush=True)
+            skipped.append(spec.name)
+    if not out:
+        raise UserError(f"no benchmark of this run can be read here ({', '.join(skipped)}: each is said above), so "
+                        f"nothing would run. Fix: set benchmark.specs.<name>.local_file, or choose a benchmark this "
+                        f"machine has (python -m d3d.data lists them).")
+    return out
+
+
+def grading_isolation(specs) -> dict:
+    """What graded code gets on this machine (d3d.grading.isolation), for run.json; a run that grades
+    code where it gets less than the namespaces and a process limit says so in one line first."""
+    facts = isolation()
+    warning = isolation_warning(facts)
+    if warning and any(spec.kind == "code" for spec in specs):
+        print(f"[d3d.eval] warning: {warning}", flush=True)
+    return facts
+
+
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
-    ev = bind_section(cfg, "eval", EvalSettings)  # the typed boundary: unknown keys fail here
-    with lock_folder(output_dir(cfg, ev), "d3d.eval", process_state().process_index):
-        return _evaluate(cfg, ev)
+    typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
+    with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
+        return _evaluate(cfg, typed)
 
 
-def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
+def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
+    """`raw` keeps the composed config for the decode sections (method_configs) and the record of
+    the run (config.yaml, summary.json); everything else reads the typed `cfg`."""
+    ev = cfg.eval
     state = process_state()  # one process unless started by `accelerate launch` or torchrun
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not ev.out_dir and state.is_main_process:  # Hydra's folder is new each run: a rerun never finds these rows
+        print(f"[d3d.eval] writing to {out_dir}, a new folder for each run: a killed run resumes only if rerun "
+              f"with eval.out_dir={out_dir}", flush=True)
     cache = resolve_path(cfg.paths.cache_dir)
-    methods = method_configs(cfg, ev)
+    methods = method_configs(raw, ev)
     key = resume_key(cfg, ev, methods)
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
+    benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
+    grading = grading_isolation([spec for spec, _ in benchmarks]) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
-                                seed=int(cfg.seed))
+                                seed=cfg.seed)
             for name, dc in methods.items()}
     if ev.reference_generate:  # transformers' generate on the same items, right after our AR baseline
         gens = {BASELINE: gens.pop(BASELINE), REFERENCE: HFGenerate(target, tok, methods[BASELINE], eos), **gens}
@@ -379,7 +413,7 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
         for _ in range(ev.warmup):
             gen.generate([warm], max_new_tokens=8)
     if state.is_main_process:
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw, resolve=True))
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
@@ -387,18 +421,13 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                         for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {}),
-            "resume_key": key, **({"auto_budget": auto_budget} if auto_budget else {})})
+            "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
     skipped_file = out_dir / ("skipped.jsonl" if state.num_processes == 1 else f"skipped.rank{state.process_index}.jsonl")
     with JsonlWriter(rows_file) as writer, JsonlWriter(skipped_file) as skipped:
-        for spec in iter_specs(cfg.benchmark):
-            try:
-                records = load_benchmark(spec, cache, n=ev.n)
-            except BenchmarkUnavailable as err:
-                print(f"[d3d.eval] skipped {spec['name']}: {err}", flush=True)
-                continue
+        for spec, records in benchmarks:
             for c in ev.concurrency:
                 # Round-robin shards of whole units (items, or batches of c items) across processes.
                 units = [records[i : i + c] for i in range(0, len(records) - c + 1, c)]
@@ -407,11 +436,11 @@ def _evaluate(cfg: DictConfig, ev: EvalSettings) -> Path:
                     run_single(cfg, ev, spec, mine, gens, tok, done, writer, skipped)
                 else:
                     run_batched(cfg, ev, spec, mine, gens, tok, done, writer, skipped, c)
-            print(f"[d3d.eval] {spec['name']}: {len(records)} items done (process {state.process_index})", flush=True)
+            print(f"[d3d.eval] {spec.name}: {len(records)} items done (process {state.process_index})", flush=True)
     state.wait_for_everyone()
     if not state.is_main_process:
         return out_dir
-    summary = write_report(out_dir, {"config": to_plain(cfg)})
+    summary = write_report(out_dir, {"config": to_plain(raw)})
     print(summary_markdown(summary))
     skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)), row_key)
     if skips:

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, resolve_path
 from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.engines import check_backend, engine_version, open_backend
-from d3d.settings import GenerateSettings, bind_section
+from d3d.settings import bind_config
+from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, pick_device, process_device, process_state,
                                resolve_model_path, torch_dtype)
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
@@ -84,15 +86,16 @@ def dtype_name(dtype: str | None, device: str) -> str:
 def run_generate(cfg: DictConfig) -> Path:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
     time per folder: a second writer would answer every prompt again."""
-    gen = bind_section(cfg, "generate", GenerateSettings)  # the typed boundary: unknown keys fail here
-    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", process_state().process_index):
-        return _generate(cfg, gen)
+    typed = bind_config(cfg, "generate")  # the typed boundary: unknown keys fail here
+    with lock_folder(resolve_path(typed.generate.out_dir), "d3d.generate", process_state().process_index):
+        return _generate(typed)
 
 
-def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
+def _generate(cfg: GenerateConfig) -> Path:
+    gen = cfg.generate
     state = process_state()
     check_backend(gen.backend, state.num_processes)  # before the prompts and the model load
-    torch.manual_seed(int(cfg.seed) + state.process_index)
+    torch.manual_seed(cfg.seed + state.process_index)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
@@ -115,12 +118,12 @@ def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
     device = process_device(state, cfg.target.device)
     backend = open_backend(
         gen.backend, model_path, gen, tokenizer, stop_ids(tokenizer, model_path),
-        dtype_name(cfg.target.dtype, device), int(cfg.seed),
+        dtype_name(cfg.target.dtype, device), cfg.seed,
         lambda: load_model(model_path, cfg.target.dtype, device, cfg.target.attn_implementation))
     if state.is_main_process:
         engine = {"backend": gen.backend, "version": engine_version(gen.backend),
                   "options": dict(getattr(gen, gen.backend, None) or {})}
-        write_json(out_dir / "meta.json", {**header, "prompt_set": to_plain(cfg.data), "engine": engine,
+        write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "engine": engine,
                                            "run": run_info(pick_device(device))})
 
     # Batches are cut from the whole prompt set, done or not, and process r takes batches r, r+n, ...:
@@ -140,7 +143,7 @@ def _generate(cfg: DictConfig, gen: GenerateSettings) -> Path:
         for k, members in mine:
             batch = [(p, ids[p.id]) for p in members]
             # sampling seed: one stream per batch (hf) / per prompt from it (engines), whatever ran before
-            results = backend.generate(batch, int(cfg.seed) * 1_000_003 + k)
+            results = backend.generate(batch, cfg.seed * 1_000_003 + k)
             rows = []
             for (prompt, prompt_ids), (resp_ids, reason) in zip(batch, results):
                 if prompt.id in done:  # a batch a kill cut short: its written rows stay as they are

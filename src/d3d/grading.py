@@ -11,7 +11,9 @@ Other benchmarks (MT-Bench, LiveCodeBench, Alpaca) get `None`: no cheap referenc
 
 from __future__ import annotations
 
+import atexit
 import functools
+import json
 import math
 import os
 import re
@@ -22,12 +24,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import threading
+from dataclasses import asdict, dataclass
 from decimal import Decimal
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from d3d.config import ConfigError
 from d3d.data.benchmarks import Record
+from d3d.specs import BenchmarkSpec
 
 
 # ---------------------------------------------------------------------------- math answers
@@ -110,21 +114,28 @@ def extract_code(text: str) -> str:
 # security sandbox for hostile code: a program that sets out to escape (reads the evidence pipe,
 # calls setsid from outside a PID namespace, exploits the kernel) may succeed. Layers:
 #   - always: a fresh `python -I`, its own session (process group) killed whole on timeout and after
-#     it exits; resource limits (address space, CPU seconds, file size, open files, processes);
-#     stdin closed; stdout/stderr into files whose size the file-size limit caps (only their tails
-#     are read back); cwd, HOME and TMPDIR in a temporary directory;
+#     it exits, and by a guardian process if the grader itself dies mid-grade (killed eval: the
+#     program and its temporary directory go too); resource limits (address space, CPU seconds,
+#     file size, open files, processes); stdin closed; stdout/stderr into files whose size the
+#     file-size limit caps (only their tails are read back); cwd, HOME and TMPDIR in a temporary
+#     directory;
+#   - as root, where RLIMIT_NPROC does not bind: the program runs with real uid `nobody` and without
+#     CAP_SYS_ADMIN / CAP_SYS_RESOURCE (the capabilities that lift the limit), so the kernel counts
+#     and caps its processes; the effective uid stays 0, so it still reads the interpreter wherever
+#     it is installed (under /root, say) — and, without the namespaces below, still writes as root;
 #   - where `unshare` is permitted (root, or user namespaces): new network namespace (no network,
 #     not even the host's localhost), new PID namespace (the grader and every other process are
 #     invisible to kill(); when the program exits the kernel kills whatever it left behind), and a
 #     new mount namespace in which every mount is read-only but the temporary directory.
-# `isolation()` says which layers this machine gives (probed once per process); `run_python` uses
-# it to choose the chain. Nothing records it yet: call it to see what a machine gives.
+# `isolation()` says which layers this machine gives (probed once per process, through the real
+# chain); `run_python` uses it to choose the chain, and d3d.eval records it in run.json and warns
+# in one line when the namespaces are missing.
 # A pass needs exit status 0 AND the per-call sentinel that the runner prints after the program
 # returned: exiting early (sys.exit(0), os._exit(0), a killed interpreter) is a failure.
 
 _BOOT = r"""
 import ctypes, os, sys
-path, work, fs, evidence = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+path, work, fs, evidence, run_as = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 if fs == "readonly":
     # Private mount namespace (unshare --mount): keep the work dir writable, make the rest read-only.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -144,6 +155,28 @@ if fs == "readonly":
             flags |= KEEP.get(o, 0)
         libc.mount(None, point.encode(), None, flags, None)  # a mount that refuses stays as it was
     os.chdir(work)  # the cwd still pointed into the mount under the bind, now read-only
+if run_as != "-":
+    # Root: RLIMIT_NPROC binds only a real uid other than 0 without CAP_SYS_ADMIN/CAP_SYS_RESOURCE.
+    # Drop both (from the bounding set too, so an exec does not give them back), then take the real
+    # uid `run_as`; the effective uid stays 0 (files are read as before).
+    class Head(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class Caps(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    lift = (1 << 21) | (1 << 24)  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE (both in the first 32 bits)
+    for cap in (21, 24):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    head, caps = Head(0x20080522, 0), (Caps * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(head), caps) == 0:
+        caps[0].effective &= ~lift
+        caps[0].permitted &= ~lift
+        caps[0].inheritable &= ~lift
+        libc.capset(ctypes.byref(head), caps)
+    try:
+        os.setresuid(int(run_as), 0, 0)
+    except OSError:
+        pass  # a container without CAP_SETUID: no process limit, which isolation() reports (never a failed grade)
 os.set_inheritable(evidence, False)  # children of the program do not get the pipe
 sys.argv = [path]
 with open(path, encoding="utf-8") as f:
@@ -162,8 +195,11 @@ class Limits:
 
     memory_mb: int = 2048  # address space: HumanEval/MBPP solutions need tens of MB
     file_mb: int = 16  # largest file it may write, its captured output included
-    processes: int = 64  # beyond those the user already runs (root ignores this limit)
+    processes: int = 64  # beyond those its user already runs (as root: real uid nobody, see above)
     open_files: int = 256
+
+
+NOBODY = 65534  # the real uid a root grader's programs run with, so that RLIMIT_NPROC binds them
 
 
 def _unshare_prefix(as_root: bool) -> list[str]:
@@ -171,33 +207,68 @@ def _unshare_prefix(as_root: bool) -> list[str]:
     return base if as_root else base[:1] + ["--map-root-user"] + base[1:]
 
 
+_PROBE = """import json, os, socket, sys
+s = socket.socket(); s.settimeout(1)
+try:
+    s.connect(('127.0.0.1', 9)); net = 'shared'
+except ConnectionRefusedError:
+    net = 'shared'
+except OSError:
+    net = 'unshared'
+try:
+    open(os.path.join(sys.argv[0].rsplit('/', 2)[0], 'outside'), 'w').close(); fs = 'writable'
+except OSError:
+    fs = 'readonly'
+caps = int(next(l for l in open('/proc/self/status') if l.startswith('CapEff')).split()[1], 16)
+uid, mapped = os.getuid(), False  # the kernel counts the uid outside a user namespace (--map-root-user)
+for line in open('/proc/self/uid_map'):
+    inner, outer, count = map(int, line.split())
+    if inner <= uid < inner + count and (inner, outer) != (0, 0):
+        uid, mapped = outer + uid - inner, True
+        break
+binds = uid != 0 and (mapped or not caps & (1 << 21 | 1 << 24))  # a user namespace's caps do not lift it
+print(json.dumps({"network": net, "filesystem": fs, "pids": "namespace" if os.getpid() == 1 else "shared",
+                  "uid": uid, "nproc_binds": binds}))
+"""
+
+
 @functools.lru_cache(maxsize=1)
 def isolation() -> dict:
     """Which layers this machine gives graded code, found by running a probe through the real chain:
-    it tries to reach the network and to write outside its directory."""
-    facts = {"session": True, "rlimits": True, "namespaces": None, "network": "shared", "pids": "shared",
-             "filesystem": "writable"}
-    if shutil.which("unshare") is None:
-        return facts
-    probe = ("import os, socket, sys\n"
-             "s = socket.socket(); s.settimeout(1)\n"
-             "try:\n    s.connect(('127.0.0.1', 9)); net = 'shared'\n"
-             "except ConnectionRefusedError:\n    net = 'shared'\n"
-             "except OSError:\n    net = 'unshared'\n"
-             "try:\n    open(os.path.join(sys.argv[0].rsplit('/', 2)[0], 'outside'), 'w').close(); fs = 'writable'\n"
-             "except OSError:\n    fs = 'readonly'\n"
-             "print(net, fs, os.getpid() == 1)\n")
-    for prefix in (_unshare_prefix(os.geteuid() == 0), _unshare_prefix(False)):
+    it tries to reach the network and to write outside its directory, and reports whether the
+    process limit binds it. d3d.eval records this dict in run.json."""
+    facts = {"session": True, "rlimits": True, "guardian": True, "namespaces": None, "network": "shared",
+             "pids": "shared", "filesystem": "writable", "processes": "unknown", "limits": asdict(Limits())}
+    chains = [(_unshare_prefix(os.geteuid() == 0), "readonly"), (_unshare_prefix(False), "readonly")]
+    for prefix, fs in [*(chains if shutil.which("unshare") else []), ([], "writable")]:
         try:
-            ok, out = _run_contained(probe, 10.0, Limits(), prefix, "readonly")
-        except OSError:
+            ok, out = _run_contained(_PROBE, 10.0, Limits(), prefix, fs)
+            seen = json.loads(out.strip().splitlines()[-1]) if ok else None
+        except (OSError, ValueError, IndexError):
             continue
-        words = out.split()
-        if ok and len(words) >= 3:
-            facts.update(namespaces=prefix, network=words[-3], filesystem=words[-2],
-                         pids="namespace" if words[-1] == "True" else "shared")
+        if seen:
+            facts.update(namespaces=prefix or None, network=seen["network"], filesystem=seen["filesystem"],
+                         pids=seen["pids"],
+                         processes=(f"RLIMIT_NPROC for real uid {seen['uid']}" if seen["nproc_binds"] else
+                                    "unlimited (root with CAP_SYS_ADMIN/CAP_SYS_RESOURCE: RLIMIT_NPROC does not bind)"))
             break
     return facts
+
+
+def isolation_warning(facts: dict) -> str | None:
+    """One line for a machine that gives graded code less than the full isolation, else None."""
+    missing = [what for what, ok in [("a network namespace", facts["network"] == "unshared"),
+                                     ("a PID namespace", facts["pids"] == "namespace"),
+                                     ("read-only mounts", facts["filesystem"] == "readonly"),
+                                     ("a process limit", facts["processes"].startswith("RLIMIT"))] if not ok]
+    if not missing:
+        return None
+    return (f"graded code runs without {', '.join(missing)} here (unshare {'missing or refused' if not facts['namespaces'] else 'partial'}): "
+            f"it can {'use the network, ' if 'a network namespace' in missing else ''}"
+            f"{'write files as this user, ' if 'read-only mounts' in missing else ''}"
+            f"{'signal the grader, ' if 'a PID namespace' in missing else ''}"
+            f"{'fork without bound, ' if 'a process limit' in missing else ''}"
+            f"and keeps its time, memory and file-size limits (run.json records what it had)")
 
 
 def _preexec(limits: Limits, timeout_s: float, extra_processes: int):
@@ -212,16 +283,67 @@ def _preexec(limits: Limits, timeout_s: float, extra_processes: int):
     return apply
 
 
-def _user_processes() -> int:
-    """Processes of this user now: RLIMIT_NPROC counts them all, not only the program's."""
-    uid, n = os.getuid(), 0
+def _user_processes(uid: int) -> int:
+    """Processes whose real uid is `uid` now: RLIMIT_NPROC counts them all, not only the program's."""
+    n = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                n += entry.stat().st_uid == uid
-            except OSError:
+                with open(f"/proc/{entry.name}/status") as f:
+                    n += next(int(line.split()[1]) for line in f if line.startswith("Uid:")) == uid
+            except (OSError, StopIteration, ValueError):
                 pass
     return n
+
+
+# The guardian: one small process per grading process, in a session of its own. The grader tells it
+# each program's process group and temporary directory as it starts it and forgets it when done;
+# when its stdin closes without that (the grader was killed mid-grade), it kills what is left and
+# removes the directories. Without it a killed eval left its graded programs running (reparented
+# to init) and their directories behind. Its stdin's write end is only the grader's (close-on-exec).
+_GUARD = r"""
+import os, shutil, signal, sys, time
+live = {}
+for line in sys.stdin:
+    op, pgid, tmp = line.rstrip("\n").split(" ", 2)
+    if op == "+":
+        live[pgid] = tmp
+    else:
+        live.pop(pgid, None)
+for pgid, tmp in live.items():
+    try:
+        os.killpg(int(pgid), signal.SIGKILL)
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            os.killpg(int(pgid), 0)  # ProcessLookupError once the group is empty
+            time.sleep(0.02)
+    except OSError:
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+"""
+_guardian: subprocess.Popen | None = None
+_guardian_lock = threading.Lock()
+
+
+def _guard(line: str) -> None:
+    global _guardian
+    with _guardian_lock:
+        if _guardian is None or _guardian.poll() is not None:
+            _guardian = subprocess.Popen([sys.executable, "-I", "-c", _GUARD], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                                         start_new_session=True)  # not in the terminal's group: Ctrl-C reaches the grader only
+            atexit.register(_release_guardian, _guardian)
+        _guardian.stdin.write(line + "\n")
+        _guardian.stdin.flush()
+
+
+def _release_guardian(proc: subprocess.Popen) -> None:
+    """At a normal exit nothing is registered: closing its stdin ends it."""
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
 def _tail(path: str, n: int = 4000) -> str:
@@ -243,15 +365,19 @@ def _run_contained(program: str, timeout_s: float, limits: Limits, prefix: list[
         os.write(write_end, sentinel)
         os.close(write_end)
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        run_as = NOBODY if os.geteuid() == 0 else None  # root is not bound by RLIMIT_NPROC (see above)
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
             try:
-                proc = subprocess.Popen([*prefix, sys.executable, "-I", "-c", _BOOT, path, work, fs, str(read_end)], cwd=work,
+                proc = subprocess.Popen([*prefix, sys.executable, "-I", "-c", _BOOT, path, work, fs, str(read_end),
+                                         "-" if run_as is None else str(run_as)], cwd=work,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                         pass_fds=(read_end,), start_new_session=True,
-                                        preexec_fn=_preexec(limits, timeout_s, _user_processes()))
+                                        preexec_fn=_preexec(limits, timeout_s,
+                                                            _user_processes(os.getuid() if run_as is None else run_as)))
             finally:
                 os.close(read_end)
+            _guard(f"+ {proc.pid} {tmp}")  # its session id is its pid (start_new_session)
             try:
                 code = proc.wait(timeout=timeout_s)
                 timed_out = False
@@ -262,6 +388,7 @@ def _run_contained(program: str, timeout_s: float, limits: Limits, prefix: list[
             code = proc.wait()
         stdout, stderr = _tail(out_path), _tail(err_path)
         flooded = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.file_mb << 20
+    _guard(f"- {proc.pid} -")  # its group is dead and its directory removed: nothing left to guard
     if timed_out:
         return False, "timeout"
     if flooded or code == -signal.SIGXFSZ:  # Python ignores SIGXFSZ and raises "File too large" instead
@@ -312,13 +439,13 @@ PROGRAMS: dict[str, Callable[[Record, str], str]] = {"humaneval": humaneval_prog
 UNCHECKED = {"answer": None, "correct": None}
 
 
-def grade_math(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+def grade_math(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float) -> dict[str, Any]:
     answer, ok = math_correct(text, record.reference)
     return {"answer": answer, "correct": ok}
 
 
-def grade_code(spec: Mapping[str, Any], record: Record, text: str, timeout_s: float) -> dict[str, Any]:
-    program = PROGRAMS.get(spec["loader"])
+def grade_code(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+    program = PROGRAMS.get(spec.loader)
     if program is None:
         return dict(UNCHECKED)
     ok, err = run_python(program(record, text), timeout_s)
@@ -330,12 +457,12 @@ def grade_code(spec: Mapping[str, Any], record: Record, text: str, timeout_s: fl
 GRADERS: dict[str, Callable[..., dict[str, Any]] | None] = {"math": grade_math, "code": grade_code, "chat": None}
 
 
-def grade(spec: Mapping[str, Any], record: Record, text: str, turn: int = 0,
+def grade(spec: BenchmarkSpec, record: Record, text: str, turn: int = 0,
           timeout_s: float = 10.0) -> dict[str, Any]:
     """{"answer": ..., "correct": True/False/None} for one reply (None: not checkable)."""
-    if spec["kind"] not in GRADERS:
-        raise ConfigError(f"benchmark.specs.{spec['name']}.kind={spec['kind']!r}: use {', '.join(GRADERS)}")
-    grader = GRADERS[spec["kind"]]
+    if spec.kind not in GRADERS:
+        raise ConfigError(f"benchmark.specs.{spec.name}.kind={spec.kind!r}: use {', '.join(GRADERS)}")
+    grader = GRADERS[spec.kind]
     if grader is None or turn > 0 or record.reference is None:
         return dict(UNCHECKED)
     return grader(spec, record, text, timeout_s)

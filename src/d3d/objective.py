@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from d3d.models.masks import Layout, block_layout, clean_layout, concat, pad_layout
+from d3d.specs import ObjectiveKnobs
 
 
 @dataclass
@@ -27,26 +28,25 @@ class Example:
 
 
 @dataclass
-class ObjectiveKnobs:
-    """The objective's settings as `train.*` names them (d3d.settings.TrainSettings extends this)."""
-
-    anchors_per_seq: int = 32  # noisy blocks per sequence
-    block_aligned: bool = False  # anchors at multiples of B in the response; else random
-    gamma: float = 7.0  # slot weights exp(-(k-1)/gamma)
-    uniform_weights: bool = False
-    partial_mask: float = 0.0  # probability that a block slot shows its clean token
-    ar_weight: float = 1.0  # λ of the auxiliary AR loss
-    predict_bonus: bool = True  # train slot B-1 on x_{a+B} (the all-accepted tray's anchor guess)
-
-
-@dataclass
 class ObjectiveConfig(ObjectiveKnobs):
-    block_size: int = 16
+    block_size: int
 
     @classmethod
-    def from_cfg(cls, train_cfg, block_size: int) -> "ObjectiveConfig":
-        """From `train.*` (d3d.settings.TrainSettings, or the raw section in scripts)."""
-        return cls(block_size=block_size, **{f.name: getattr(train_cfg, f.name) for f in fields(ObjectiveKnobs)})
+    def from_cfg(cls, knobs: ObjectiveKnobs, block_size: int) -> "ObjectiveConfig":
+        """From `train.*` (d3d.specs.StepSettings) and the drafter's block size."""
+        return cls(block_size=block_size, **{f.name: getattr(knobs, f.name) for f in fields(ObjectiveKnobs)})
+
+    @classmethod
+    def shipped(cls, block_size: int, **overrides) -> "ObjectiveConfig":
+        """The objective of conf/training/default.yaml (the one home of its defaults) with `overrides`,
+        for scripts and tests that build one without composing a config. Read with PyYAML: no OmegaConf
+        on a bare GPU image (scripts/gpu_train_check.py)."""
+        import yaml
+
+        from d3d.configdir import config_dir
+
+        train = yaml.safe_load((config_dir() / "training" / "default.yaml").read_text())
+        return cls(block_size=block_size, **{**{f.name: train[f.name] for f in fields(ObjectiveKnobs)}, **overrides})
 
 
 @dataclass

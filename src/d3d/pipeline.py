@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from d3d.config import compose, resolve_path, stage_overrides
+from d3d.settings import bind_config
 from d3d.utils.io import write_json
 
 STAGES = ("generate", "train", "prune", "eval")
@@ -58,9 +59,10 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}: choose from {list(STAGES)}")
-    train_cfg = stage_config("train", overrides, {})
+    # bound (d3d.settings) as the stages will bind them: a bad key fails here, before any stage runs
+    train_cfg = bind_config(stage_config("train", overrides, {}), "train")
     trained = resolve_path(train_cfg.train.out_dir) / "final"
-    prune_cfg = stage_config("prune", overrides, {"drafter.checkpoint": str(trained)})
+    prune_cfg = bind_config(stage_config("prune", overrides, {"drafter.checkpoint": str(trained)}), "prune")
     pruned = resolve_path(prune_cfg.prune.out_dir) / "final"
     drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
     wiring = {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},

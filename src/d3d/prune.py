@@ -29,22 +29,25 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import (
-    DrafterSettings, build_drafter, decoder_layers, keep_layers, load_drafter, save_drafter, skipping_layers,
-    weights_fingerprint,
+    DrafterSettings, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter, save_drafter,
+    skipping_layers, weights_fingerprint,
 )
 from d3d.models.target import pick_device
-from d3d.settings import PruneSettings, StepSettings, bind_section, bind_step_section
+from d3d.settings import bind_config
+from d3d.specs import PruneConfig, PruneSettings, StepSettings
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (
     RESUMABLE_TRAIN_KEYS, D3DTrainingStep, autocast, batch_at, cut_responses, freeze_embeddings_except_mask,
     load_examples, make_optimizer, mixed_precision, optimizer_step, split_examples,
 )
-from d3d.utils.checkpoints import drafter_folder, mark_complete, promote, saved_step, trim_rows
+from d3d.utils.checkpoints import (
+    MARKER, check_record_reaches, drafter_folder, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
+)
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import CorruptFile, JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
 log = logging.getLogger("d3d.prune")
@@ -119,7 +122,7 @@ def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
     step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows)
-    optimizer = make_optimizer(model, tc)
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.betas)
     model.train()
     device = next(model.parameters()).device
     # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
@@ -190,24 +193,26 @@ def retention(row: dict, first: dict) -> float:
 RESUMABLE_PRUNE_KEYS = {"num_layers", "min_retention", "out_dir", "stop_at_step", "progress", "device", "packed_blocks"}
 
 
-def prune_resume_key(cfg: DictConfig, tc: StepSettings) -> dict:
+def prune_resume_key(cfg: PruneConfig) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
     calibration/hold-out split and the recovery objective: the train.* keys prune reads (`tc`),
     those a resumed training may change aside, and never d3d.train's own (a key written when prune
     composed them still matches: keys only one side has are not compared)."""
-    checkpoint = cfg.drafter.get("checkpoint")
+    checkpoint = cfg.drafter.checkpoint
     if checkpoint:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
-             if checkpoint else to_plain(cfg.drafter))
-    return {"drafter": start, "seed": int(cfg.seed), "precision": mixed_precision("auto"), "train": {k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS},
-            "prune": {k: v for k, v in to_plain(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
+             if checkpoint else asdict(cfg.drafter))
+    return {"drafter": start, "seed": cfg.seed, "precision": mixed_precision("auto"),
+            "train": {k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS},
+            "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
 
 
 def run_prune(cfg: DictConfig) -> Path:
     """Prune into prune.out_dir, one run at a time per folder (two would both remove layers)."""
-    with lock_folder(resolve_path(cfg.prune.out_dir), "d3d.prune"):
-        return _prune(cfg)
+    typed = bind_config(cfg, "prune")  # the typed boundary: unknown keys fail
+    with lock_folder(resolve_path(typed.prune.out_dir), "d3d.prune"):
+        return _prune(typed)
 
 
 def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path | None]:
@@ -221,22 +226,62 @@ def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path |
             raise ConfigError(f"{out_dir / 'steps.jsonl'} records {len(history) - 1} removals but {out_dir} has no "
                               f"last/ checkpoint to continue from. Fix: delete {out_dir} to start over.")
         return history, last  # step 0 only, or a folder from before steps were recorded in last/
+    check_record_reaches(last, step, history[-1]["step"], out_dir / "steps.jsonl",
+                         f"delete {out_dir} to start over (its step_<k>/ folders hold each step's drafter).")
     return trim_rows(out_dir / "steps.jsonl", lambda r: r["step"] <= step), last
 
 
-def _prune(cfg: DictConfig) -> Path:
-    pc = bind_section(cfg, "prune", PruneSettings)  # the typed boundary: unknown keys fail
-    tc = bind_step_section(cfg)
-    torch.manual_seed(int(cfg.seed))
+def publish_drafter(model, tok, out_dir: Path, name: str, step: int) -> Path:
+    """out_dir/<name> (final, step_<k>) written aside and renamed into place whole, marked with its
+    step: a kill while saving never leaves a folder with an empty config.json behind."""
+    return publish(out_dir, name, step, lambda tmp: save_drafter(model, tok, tmp))
+
+
+def final_step(history: list[dict], min_retention: float) -> int:
+    """The step final/ holds: the last one that kept the retention (step 0 keeps it by definition)."""
+    return next(r["step"] for r in reversed(history) if r["retention"] >= min_retention or r["step"] == 0)
+
+
+def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: float) -> None:
+    """On resume, make final/ the whole drafter of final_step(): a run killed while saving it (in
+    place, before final/ was published; or between the two renames) used to finish with rc 0 and a
+    summary.json naming a folder with an empty config.json. Redone from the drafter in memory (the
+    checkpoint the run resumes from) or copied from that step's step_<k>/; else refused in one line."""
+    want = final_step(history, min_retention)
+    final = out_dir / "final"
+    try:
+        recover_checkpoint(out_dir, "final", upto=history[-1]["step"])  # finish or undo an interrupted publish
+        step = saved_step(final) if final.is_dir() else None
+        problem = None if step == want else drafter_problem(final) if step is None else f"{final} holds step {step}"
+    except CorruptFile as err:
+        problem = str(err).split(". Fix")[0]
+    if problem is None:
+        return
+    if want == history[-1]["step"]:
+        log.warning("%s: saving final/ again (step %d)", problem, want)
+        publish_drafter(model, tok, out_dir, "final", want)
+        return
+    source = out_dir / f"step_{want}"
+    why = drafter_problem(source)
+    if why is not None:
+        raise ConfigError(f"{problem}, and the drafter of step {want} that final/ should hold is not whole either "
+                          f"({why}). Fix: delete {out_dir} to start over.")
+    log.warning("%s: copying %s to final/", problem, source.name)
+    publish(out_dir, "final", want, lambda tmp: shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(MARKER)))
+
+
+def _prune(cfg: PruneConfig) -> Path:
+    pc, tc = cfg.prune, cfg.train
+    torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
-    train, val = split_examples(examples, tc.val_size, int(cfg.seed))
+    train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
     device = str(pick_device(pc.device))
     history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
-    key = prune_resume_key(cfg, tc)
+    key = prune_resume_key(cfg)
     if history:  # a run from before resume keys has none: resumes as it did
         refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",
                          "pass a new prune.out_dir, or delete that one.",
@@ -245,10 +290,12 @@ def _prune(cfg: DictConfig) -> Path:
     if history:
         history, last = resume_point(out_dir, history)
     if last is not None:
-        model, tok = load_drafter(last, device=device, dtype="float32")
+        model, tok = load_drafter(last, device=device, dtype="float32",
+                                  attn_implementation=drafter_attention(cfg.drafter, cfg.target))
         log.info("resuming after step %d", history[-1]["step"])
-    elif cfg.drafter.get("checkpoint"):
-        model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32")
+    elif cfg.drafter.checkpoint:
+        model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32",
+                                  attn_implementation=drafter_attention(cfg.drafter, cfg.target))
     else:
         model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
                                    dtype="float32")
@@ -264,9 +311,11 @@ def _prune(cfg: DictConfig) -> Path:
         row = {"step": 0, "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
+        publish_drafter(model, tok, out_dir, "final", 0)  # before the row: a recorded step 0 has its final/
         writer.write([row])
         history.append(row)
-        save_drafter(model, tok, out_dir / "final")
+    else:
+        ensure_final(out_dir, model, tok, history, pc.min_retention)
     tau_full = history[0]["tau"]
     step = history[-1]["step"]
     while step < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
@@ -276,14 +325,14 @@ def _prune(cfg: DictConfig) -> Path:
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
         s = DrafterSettings.of(model)
         before = measure(model, calib, holdout, s, "_before_recovery")
-        recover(model, train, tc, s, pc.recovery_steps, int(cfg.seed) + step, tok.pad_token_id)
+        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id)
         after = measure(model, calib, holdout, s)
         row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc)}
-        save_drafter(model, tok, out_dir / f"step_{step}")
+        publish_drafter(model, tok, out_dir, f"step_{step}", step)
         if row["retention"] >= pc.min_retention:
-            save_drafter(model, tok, out_dir / "final")
+            publish_drafter(model, tok, out_dir, "final", step)
         shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
         save_drafter(model, tok, out_dir / "last.partial")
         mark_complete(out_dir / "last.partial", step)
@@ -298,7 +347,8 @@ def _prune(cfg: DictConfig) -> Path:
     writer.close()
     write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full,
                                           "holdout_tau_full": history[0].get("holdout_tau"), "steps": history,
-                                          "final": str(out_dir / "final")})
+                                          "final": str(out_dir / "final"),
+                                          "final_step": final_step(history, pc.min_retention)})
     (out_dir / "steps.md").write_text(steps_markdown(history))
     plot_steps(history, out_dir / "pruning.png")
     print(steps_markdown(history), flush=True)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
+from d3d.errors import UserError
 from d3d.utils.io import read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
@@ -284,12 +286,26 @@ def auto_budget_info(folder: Path) -> dict | None:
     return {k: choice.get(k) for k in ("C", "F", "trays", "why", "projected_speedup", "sync_speedup")} if choice else None
 
 
+def result_rows(folder: str | Path) -> list[dict]:
+    """The rows of a result folder; a missing folder, or one where no row was finished, is one line
+    with the fix (a missing folder used to compare as an empty column, exit status 0)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such folder. Fix: pass d3d.eval result folders (each run's eval.out_dir, or "
+                        f"its outputs/eval/runs/<run>/<time> folder).")
+    rows = read_rows(folder)
+    if not rows:
+        made = "rows*.jsonl files with no finished row" if any(folder.glob("rows*.jsonl")) else "no rows*.jsonl"
+        raise UserError(f"{folder} holds {made}: no d3d.eval run finished a row there (killed before its first, "
+                        f"or every request skipped: see its skipped*.jsonl). Fix: run or resume d3d.eval into it "
+                        f"(eval.out_dir={folder}), or pass another result folder.")
+    return rows
+
+
 def write_report(folder: str | Path, extra: dict | None = None) -> dict:
     """(Re)compute summary.json, summary.md and the plots of a result folder from its rows."""
     folder = Path(folder)
-    rows = read_rows(folder)
-    if not rows:
-        raise FileNotFoundError(f"{folder} holds no rows*.jsonl: is it a d3d.eval result folder?")
+    rows = result_rows(folder)
     summary = summarise(rows)
     summary["methods"] = methods_info(folder)
     if auto_budget_info(folder):
@@ -304,7 +320,7 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
 def compare_markdown(folders: list[Path], labels: list[str] | None = None) -> str:
     """One row per (benchmark, method), one column pair (speedup, τ) per result folder."""
     labels = labels or [f.parent.name if f.name[:4].isdigit() else f.name for f in folders]
-    summaries = [summarise(read_rows(f)) for f in folders]
+    summaries = [summarise(result_rows(f)) for f in folders]
     keys = sorted({(b, m) for s in summaries for b, per in s["benchmarks"].items() for m in per})
     head = "| benchmark | method | " + " | ".join(f"{lab} speedup | {lab} τ" for lab in labels) + " |"
     lines = [head, "|---|---|" + "---|---|" * len(folders)]
@@ -323,6 +339,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--labels", nargs="*", help="column labels for compare (default: folder names)")
     parser.add_argument("--out", help="compare: also write the table to this file")
     args = parser.parse_args(argv)
+    try:
+        _main(parser, args)
+    except UserError as err:  # what and the fix are in the message; a traceback would bury it
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.folders[0] == "compare":
         folders = [Path(f) for f in args.folders[1:]]
         if len(folders) < 2:

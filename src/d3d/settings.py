@@ -1,130 +1,44 @@
-"""Typed settings at the boundary (lingua's dataclass args): a recipe turns its own section of the
-Hydra config into one of these in `run_*`, with a strict merge, so a misspelt or unread key fails
-there with its name instead of being ignored, and nothing below reads the raw config or keeps a
-second default in `.get(key, default)`. The YAML files keep the documented defaults; the fields
-here say which keys exist and their types (tests/unit/test_configs.py binds every root x experiment).
+"""Binding at the boundary (lingua's dataclass args): each recipe turns the composed Hydra config into
+its root config of d3d.specs in `run_*`, once, with a strict merge, so a misspelt or unread key fails
+there with its dotted name instead of being ignored, and nothing below reads the raw config or keeps
+a second default in `.get(key, default)`. The YAML files keep the documented defaults; the dataclasses
+say which keys exist and their types (tests/unit/test_configs.py binds every root x experiment).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional, TypeVar
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from d3d.config import ConfigError
-from d3d.objective import ObjectiveKnobs
+from d3d.config import ConfigError, config_dir
+from d3d.specs import (
+    BenchmarkSpec, EvalConfig, GenerateConfig, PruneConfig, StepSettings, TrainConfig, TrainSettings,
+)
+
+if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the models
+    from d3d.decoding import DecodeConfig
 
 T = TypeVar("T")
 
-
-@dataclass
-class GenerateSettings:
-    """`generate.*` (conf/generate.yaml): how the target answers the prompt set."""
-
-    out_dir: str = MISSING  # the responses folder (one target and one set of settings per folder)
-    batch_size: int = 16  # prompts per batched generate call (left padding)
-    max_new_tokens: int = 256
-    do_sample: bool = False  # greedy: the offline acceptance estimator needs greedy responses
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    enable_thinking: bool = False  # passed to chat templates that know it (Qwen3)
-    system_prompt: Optional[str] = None  # None = the template's own default
-    limit: Optional[int] = None  # answer only the first N prompts of the set
-    sort_by_length: bool = True  # less padding, same outputs
-    progress: bool = True
-    backend: str = "hf"  # hf | vllm | sglang (d3d.models.engines)
-    vllm: dict[str, Any] = field(default_factory=dict)  # LLM(**vllm) when backend=vllm
-    sglang: dict[str, Any] = field(default_factory=dict)  # Engine(**sglang) when backend=sglang
-
-
-@dataclass
-class EvalSettings:
-    """`eval.*` (conf/eval.yaml): which methods run, on how much, and how it is measured."""
-
-    methods: list[str] = field(default_factory=lambda: ["ar", "sync", "async"])  # names under `methods`
-    n: Optional[int] = None  # cap items per benchmark (a nested prefix of the seeded subset)
-    max_new_tokens: int = 256
-    warmup: int = 1
-    async_budgets: Optional[list[str]] = None  # budget study: [CxF, ...]; `auto` = chosen on this device
-    auto_budget_prompts: int = 4  # `auto`: target greedy responses to the data set's last prompts, for hit rates
-    concurrency: list[int] = field(default_factory=lambda: [1])  # load test: batches of c requests
-    reference_generate: bool = False  # also time transformers' generate on each item (row method `generate`)
-    exec_timeout_s: float = 10.0  # HumanEval/MBPP checks, per program
-    progress: bool = True
-    enable_thinking: bool = False
-    out_dir: Optional[str] = None  # None = this run's folder under outputs/eval/
-
-
-@dataclass
-class StepSettings(ObjectiveKnobs):
-    """`train.*` keys of the training step and its data (conf/training/default.yaml): d3d.train reads
-    them, and d3d.prune reads them for calibration and recovery. The objective's own keys come from
-    d3d.objective.ObjectiveKnobs."""
-
-    responses_dir: str = MISSING  # written by d3d.generate
-    val_size: int = 12  # held-out responses for the offline τ estimator (and prune's calibration)
-    val_max_new_tokens: Optional[int] = 96  # score τ on the first N response tokens only
-    max_len: int = 384  # prompt + response tokens per sequence
-    lr: float = 3e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    batch_size: int = 2  # sequences per micro-batch
-    clip: Optional[float] = 1.0
-    freeze_embeddings: bool = True
-    loss_chunk_rows: int = 4096
-    allow_mixed_backends: bool = False  # train on a folder whose rows come from several generate.backend
-
-
-@dataclass
-class TrainSettings(StepSettings):
-    """`train.*` of d3d.train (conf/train.yaml): the step's keys plus the run's own schedule,
-    budget, cadence and distribution, which d3d.prune does not compose."""
-
-    out_dir: str = MISSING
-    warmup_steps: int = 10
-    max_steps: int = 200
-    max_minutes: Optional[float] = 35.0  # None = no wall-time budget
-    grad_accum: int = 1
-    trainable_from_layer: Optional[int] = None
-    gradient_checkpointing: bool = False
-    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
-    eval_every: int = 50  # 0 = never
-    save_every: int = 10
-    log_every: int = 1
-    resume: bool = True
-    progress: bool = True
-    stop_at_step: Optional[int] = None  # debugging: stop (after saving) at this step, as if killed
-
-
 # d3d.train's own train.* keys. An experiment overlays every job alike, so the ones it sets (max_steps,
 # eval_every, ...) land in prune's `train` section too: they are d3d.train's, and prune skips them by
-# name (bind_step_section); any other key prune does not know still fails.
+# name (bind_config); any other key prune does not know still fails.
 TRAIN_ONLY_KEYS = frozenset(f.name for f in fields(TrainSettings)) - frozenset(f.name for f in fields(StepSettings))
 
-
-@dataclass
-class PruneSettings:
-    """`prune.*` (conf/prune.yaml): acceptance-guided layer pruning."""
-
-    method: str = "acceptance"  # a key of d3d.prune.SCORERS
-    num_layers: int = 6
-    min_retention: float = 0.99
-    calib_size: int = 12
-    holdout_size: int = 0
-    recovery_steps: int = 20
-    out_dir: str = MISSING
-    device: str = "auto"
-    packed_blocks: int = 24
-    stop_at_step: Optional[int] = None
-    progress: bool = True
+# Each root config by the name of its YAML (conf/<name>.yaml).
+ROOT_CONFIGS: dict[str, type] = {"generate": GenerateConfig, "train": TrainConfig, "prune": PruneConfig,
+                                 "eval": EvalConfig}
+# Top-level sections bound elsewhere: eval's decode settings, per method (d3d.eval.method_configs).
+BOUND_ELSEWHERE = frozenset({"decode", "methods"})
+EVERY_SECTION = frozenset(f.name for schema in ROOT_CONFIGS.values() for f in fields(schema)) | BOUND_ELSEWHERE
 
 
 def bind(schema: type[T], node: Any, where: str) -> T:
-    """`node` (a section of the composed config) as a `schema` object: unknown keys and values of
-    the wrong type fail here, named by their dotted key (`where.key`)."""
+    """`node` (a section of the composed config, or plain data) as a `schema` object: unknown keys,
+    missing ones and values of the wrong type fail here, named by their dotted key (`where.key`)."""
     try:
         if OmegaConf.is_config(node):  # interpolations reach outside the section: resolve them first
             node = OmegaConf.to_container(node, resolve=True)
@@ -133,38 +47,66 @@ def bind(schema: type[T], node: Any, where: str) -> T:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or ""
         msg = str(getattr(err, "msg", None) or err).splitlines()[0]
-        raise ConfigError(f"{where}.{key}: {msg}" if key else f"{where}: {msg}") from None
+        dotted = ".".join(k for k in (where, key) if k)
+        raise ConfigError(f"{dotted}: {msg}" if dotted else msg) from None
 
 
-def bind_section(cfg: DictConfig, name: str, schema: type[T]) -> T:
-    return bind(schema, cfg[name], name)
+def bind_config(cfg: DictConfig, name: str):
+    """The root config of recipe `name` (d3d.specs.<Name>Config) from its composed config. Sections
+    other recipes own, which experiment overlays put in every job, are left out; a top-level key no
+    recipe has fails. prune's `train` skips d3d.train's own keys (TRAIN_ONLY_KEYS)."""
+    schema = ROOT_CONFIGS[name]
+    unknown = sorted(set(cfg) - EVERY_SECTION)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: no d3d recipe has this top-level key. Fix: check its spelling, or "
+                          f"put it in a section ({', '.join(sorted(f.name for f in fields(schema)))})")
+    node = {}
+    for f in fields(schema):
+        if f.name not in cfg:
+            continue  # a missing section fails in bind, by its name
+        value = cfg[f.name]
+        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        if (name, f.name) == ("prune", "train"):
+            value = {k: v for k, v in value.items() if k not in TRAIN_ONLY_KEYS}
+        node[f.name] = value
+    return bind(schema, node, "")
 
 
-def bind_step_section(cfg: DictConfig) -> StepSettings:
-    """d3d.prune's view of `train.*`: the step's keys, without d3d.train's own that an experiment
-    overlay put there (TRAIN_ONLY_KEYS)."""
-    node = OmegaConf.to_container(cfg["train"], resolve=True)
-    return bind(StepSettings, {k: v for k, v in node.items() if k not in TRAIN_ONLY_KEYS}, "train")
+def shipped_benchmark(name: str) -> BenchmarkSpec:
+    """The shipped spec of one benchmark, read from conf/benchmark/<name>.yaml."""
+    path = config_dir() / "benchmark" / f"{name}.yaml"
+    if not path.is_file():
+        raise KeyError(f"no benchmark named {name!r} (no {path}); see `python -m d3d.data` for the list")
+    specs = OmegaConf.load(path).specs
+    return bind(BenchmarkSpec, specs[name], f"benchmark.specs.{name}")
 
 
-# `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig; which
-# of its fields a file holds depends on its method, since DecodeConfig serves every method:
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # every method samples (0 = greedy)
-EVERY_METHOD_KEYS = (*SAMPLING_KEYS, "backend")  # ... and runs its passes on a backend (eager | static | compiled | frozen)
-TRAY_KEYS = ("C", "F", "coverage", "overlap", "cpu_threads_drafter")  # drafter work beside verification
-# `name` names the run (run_name: ${decode.name}); `max_new_tokens` comes from eval.max_new_tokens and
+# `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig, here and
+# nowhere else. Which of its fields a file holds is its method class's to say (Method.reads()): `name` names
+# the run (run_name: ${decode.name}) besides; `max_new_tokens` comes from eval.max_new_tokens and
 # `stop_strings` is for callers of the engine, so neither is a decode file's key.
 
 
-def decode_keys(method: str) -> tuple[str, ...]:
-    """The DecodeConfig fields `method` reads: the sampling keys and the backend; the block size if it drafts; the
-    tray budget, coverage and overlap if it works beside verification (async). Asked of the method's
-    class in d3d.decoding.methods, never of its name, so a new method needs no line here. A decode
-    file holds exactly these and `name` (tests/unit/test_configs.py); eval's resume key and run.json
-    record only these."""
-    from d3d.decoding import DecodeConfig
+def decode_keys(method: str, where: str = "decode") -> tuple[str, ...]:
+    """The DecodeConfig fields `method` reads, as its class in d3d.decoding.methods declares them. A decode
+    file holds exactly these and `name`; eval's resume key and run.json record only these."""
     from d3d.decoding.methods import method_class
 
-    cls = method_class(method)
-    return ("method", *EVERY_METHOD_KEYS, *(("block_size",) if cls.needs_drafter else ()),
-            *(TRAY_KEYS if cls.budget(DecodeConfig(method=method)) else ()))
+    return method_class(method, where).reads()
+
+
+def bind_decode(node: Any, where: str) -> DecodeConfig:
+    """A decode file's section (`decode`, `methods.<name>`) as a d3d.decoding.DecodeConfig: a key its
+    method does not read fails, named, as do a wrong type and a bad value."""
+    from d3d.decoding import DecodeConfig
+
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    plain.pop("name", None)
+    if "method" not in plain:  # which keys the file may hold is the method's to say
+        raise ConfigError(f"{where}.method: missing; a decode file names its method (conf/decode/<name>.yaml)")
+    method = plain["method"]
+    reads = decode_keys(method, where)
+    unread = [k for k in plain if k not in reads]
+    if unread:
+        raise ConfigError(f"{where}.{unread[0]}: method {method} does not read it (it reads {', '.join(reads)})")
+    return bind(DecodeConfig, plain, where)

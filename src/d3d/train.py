@@ -26,14 +26,15 @@ from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
-    D3DTrainingStep, autocast, batch_at, comparable_train_key, cut_responses, drafter_state_dict,
+    D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
     make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
 )
-from d3d.utils.checkpoints import mark_complete, promote, trim_rows
+from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
-from d3d.settings import TrainSettings, bind_section
+from d3d.settings import bind_config
+from d3d.specs import TrainConfig
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.train")
@@ -55,8 +56,8 @@ def evaluate(model, val: list, settings: DrafterSettings, precision: str = "no")
 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
     old = state.get("resume_key")  # None: a checkpoint from before keys, no check
-    refuse_mixed_run(resume_dir, old and comparable_train_key(old), key, "was trained",
-                     "pass a new train.out_dir, or train.resume=false to start over there.")
+    refuse_mixed_run(resume_dir, old, key, "was trained",
+                     "pass a new train.out_dir, or train.resume=false to start over there.", grows=GROWING_TRAIN_KEYS)
 
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:
@@ -80,17 +81,20 @@ class TrainRecipe:
     optimizer, scheduler, resumed state); `train` runs the loop and writes final/ and summary.json.
     After `train`, `self.step_module` is the prepared step (the multi-process test reads its weights)."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, raw: DictConfig, cfg: TrainConfig | None = None):
+        """`raw`: the composed config (written to config.yaml and summary.json as the record of the
+        run); `cfg`: its typed form, bound here unless run_train already did."""
         from accelerate.utils import set_seed
 
-        self.cfg = cfg
-        tc = self.tc = bind_section(cfg, "train", TrainSettings)  # the typed boundary: unknown keys fail
+        self.raw = raw
+        self.cfg = cfg = cfg or bind_config(raw, "train")  # the typed boundary: unknown keys fail
+        tc = self.tc = cfg.train
         self.accelerator = accelerator = make_accelerator(tc)
         self.precision = accelerator.mixed_precision  # what accelerate autocasts the step in (auto resolved)
-        set_seed(int(cfg.seed))
+        set_seed(cfg.seed)
         self.out_dir = out_dir = resolve_path(tc.out_dir)
         examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
-        self.train_set, val = split_examples(examples, tc.val_size, int(cfg.seed))
+        self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
 
         resume_dir = out_dir / "last"
@@ -110,8 +114,8 @@ class TrainRecipe:
         self.objective = ObjectiveConfig.from_cfg(tc, settings.block_size)
         step_module = D3DTrainingStep(drafter, settings.vocab_size, self.objective.ar_weight,
                                       tc.loss_chunk_rows)
-        optimizer = make_optimizer(step_module, tc)
-        scheduler = make_scheduler(optimizer, tc)
+        optimizer = make_optimizer(step_module, tc.lr, tc.weight_decay, tc.betas)
+        scheduler = make_scheduler(optimizer, tc.warmup_steps, tc.max_steps)
         self.step_module, self.optimizer, self.scheduler = accelerator.prepare(step_module, optimizer, scheduler)
 
         self.key = train_resume_key(cfg)
@@ -121,13 +125,19 @@ class TrainRecipe:
             check_same_run(resume_dir, self.state, self.key)
             accelerator.load_state(str(resume_dir))
             if accelerator.is_main_process:  # rows of steps after the checkpoint are redone, not doubled
-                trim_rows(out_dir / "metrics.jsonl", lambda r: r["step"] <= int(self.state["step"]))
+                kept = trim_rows(out_dir / "metrics.jsonl", lambda r: r["step"] <= int(self.state["step"]))
+                check_record_reaches(resume_dir, self.state.get("logged_step"), max((r["step"] for r in kept), default=None),
+                                     out_dir / "metrics.jsonl", "restore that file, or train.resume=false to start over.")
             log.info("resumed from %s at step %d", resume_dir, self.state["step"])
         elif accelerator.is_main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            # an earlier run's checkpoint goes with its rows: else a kill before this run's first save
+            # and a resume would continue the old run on top of this run's rows
+            for stale in ("last", "last.partial", "last.old"):
+                shutil.rmtree(out_dir / stale, ignore_errors=True)
         if accelerator.is_main_process:
-            (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw, resolve=True))
 
     def drafter(self):
         return self.accelerator.unwrap_model(self.step_module).drafter
@@ -141,20 +151,23 @@ class TrainRecipe:
         per_step = tc.batch_size * tc.grad_accum * ranks  # the global batch of one optimizer step
         for micro in range(tc.grad_accum):
             piece = micro * ranks + rank  # batch_at's slice index within the step
-            gen = torch.Generator().manual_seed((int(cfg.seed) * 1_000_003 + step) * 4_099 + piece)
-            yield pack(batch_at(self.train_set, step, micro, per_step, tc.batch_size, int(cfg.seed), rank, ranks),
+            gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 4_099 + piece)
+            yield pack(batch_at(self.train_set, step, micro, per_step, tc.batch_size, cfg.seed, rank, ranks),
                        self.objective, self.settings.mask_token_id, self.tokenizer.pad_token_id, gen)
 
     def train(self) -> Path:
         cfg, tc, accelerator, out_dir = self.cfg, self.tc, self.accelerator, self.out_dir
         model, optimizer, scheduler, settings, val = self.step_module, self.optimizer, self.scheduler, self.settings, self.val
         metrics = JsonlWriter(out_dir / "metrics.jsonl") if accelerator.is_main_process else None
-        wandb_run = start_wandb(cfg, accelerator)
+        wandb_run = start_wandb(cfg, self.raw, accelerator)
         max_steps, step = tc.max_steps, int(self.state["step"])
         budget_s = tc.max_minutes * 60 if tc.max_minutes else None
         bar = tqdm(total=max_steps, initial=step, desc="train", disable=not tc.progress or not accelerator.is_main_process)
 
+        logged = {"step": self.state.get("logged_step")}  # the last step in metrics.jsonl, kept in each checkpoint
+
         def log_row(row: dict) -> None:
+            logged["step"] = row["step"]
             if metrics is not None:
                 metrics.write([row])
             if wandb_run is not None:
@@ -183,7 +196,8 @@ class TrainRecipe:
                 model.train()
             if step % tc.log_every == 0 or "val_tau" in row or step == max_steps:
                 log_row(row)
-            self.state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": self.key}
+            self.state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": self.key,
+                          "logged_step": logged["step"]}
             if step % tc.save_every == 0 or step == max_steps or out_of_time:
                 save_checkpoint(accelerator, model, self.tokenizer, out_dir, self.state)
             if out_of_time or (tc.stop_at_step and step >= tc.stop_at_step):
@@ -192,7 +206,8 @@ class TrainRecipe:
 
         weights = drafter_state_dict(accelerator, model)
         if accelerator.is_main_process:
-            final = save_drafter(self.drafter(), self.tokenizer, out_dir / "final", weights)
+            # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
+            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
             history = unique(read_jsonl(out_dir / "metrics.jsonl"), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {
@@ -200,7 +215,7 @@ class TrainRecipe:
                 "val_tau_first": evals[0]["val_tau"] if evals else None,
                 "val_tau_last": evals[-1]["val_tau"] if evals else None,
                 "train_examples": len(self.train_set), "val_examples": len(val), "drafter": str(final),
-                "run": run_info(accelerator.device), "config": to_plain(cfg),
+                "run": run_info(accelerator.device), "config": to_plain(self.raw),
             })
             print(f"[d3d.train] {out_dir}: {step} steps; held-out τ "
                   f"{evals[0]['val_tau'] if evals else float('nan'):.3f} -> {evals[-1]['val_tau'] if evals else float('nan'):.3f}")
@@ -216,11 +231,12 @@ def run_train(cfg: DictConfig) -> Path:
     checkpoints). Each process of `accelerate launch` holds its rank's lock."""
     import os
 
-    with lock_folder(resolve_path(cfg.train.out_dir), "d3d.train", int(os.environ.get("RANK", 0))):
-        return TrainRecipe(cfg).train()
+    typed = bind_config(cfg, "train")
+    with lock_folder(resolve_path(typed.train.out_dir), "d3d.train", int(os.environ.get("RANK", 0))):
+        return TrainRecipe(cfg, typed).train()
 
 
-def start_wandb(cfg: DictConfig, accelerator):
+def start_wandb(cfg: TrainConfig, raw: DictConfig, accelerator):
     """wandb when asked for: online with an API key, offline without one; never required."""
     if not cfg.logger.wandb or not accelerator.is_main_process:
         return None
@@ -229,7 +245,7 @@ def start_wandb(cfg: DictConfig, accelerator):
     import wandb
 
     mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return wandb.init(project=cfg.logger.project, name=cfg.run_name, config=to_plain(cfg), mode=mode,
+    return wandb.init(project=cfg.logger.project, name=cfg.run_name, config=to_plain(raw), mode=mode,
                       dir=str(resolve_path(cfg.train.out_dir)))
 
 

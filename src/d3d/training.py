@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaCon
 from d3d.models.forward import packed_attention_mask
 from d3d.models.masks import Layout
 from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_floats
+from d3d.specs import TrainConfig, TrainSettings
 
 # ---------------------------------------------------------------------------- data
 
@@ -85,7 +87,7 @@ def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[E
     prefix of each held-out response keeps validation and pruning's calibration cheap."""
     if not max_new_tokens:
         return examples
-    return [Example(e.ids[: e.prompt_len + int(max_new_tokens)], e.prompt_len) for e in examples]
+    return [Example(e.ids[: e.prompt_len + max_new_tokens], e.prompt_len) for e in examples]
 
 
 # train.* keys a resumed run may change: budgets, cadence, where things go. Anything else changes the
@@ -95,28 +97,22 @@ RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", 
                         "gradient_checkpointing", "loss_chunk_rows"}  # memory knobs: same numbers either way
 
 
-def train_resume_key(cfg) -> dict:
-    from d3d.config import to_plain
-
-    plain = to_plain(cfg)
-    target = {k: v for k, v in plain["target"].items() if k not in ("device", "dtype", "attn_implementation")}
-    return comparable_train_key({"target": target, "drafter": plain["drafter"], "data": plain["data"],
-                                 "seed": plain["seed"],
-                                 # what `auto` resolved to on this machine: an fp32 run resumed in bf16
-                                 # on another CPU would be half one experiment and half another
-                                 "precision": mixed_precision(str(plain["train"].get("mixed_precision", "auto"))),
-                                 "train": {k: v for k, v in plain["train"].items() if k not in RESUMABLE_TRAIN_KEYS}})
+# train resume-key entries that hold sets which may grow: adding a benchmark file adds its name to
+# data.exclude_eval (`${d3d.benchmarks:}`), and a run resumed with more exclusions trains on no prompt
+# its first part was kept from; a run that would now include an item it excluded is refused.
+GROWING_TRAIN_KEYS = frozenset({"data.exclude_eval"})
 
 
-def comparable_train_key(key: dict) -> dict:
-    """`key` with data.exclude_eval sorted. The exclusion is a set (d3d.data.prompts removes the
-    union of the subsets), so its order changes no prompt; sorting both sides lets a key written
-    when the list was typed by hand, in another order, match the list now derived from
-    conf/benchmark/ (`${d3d.benchmarks:}`)."""
-    data = key.get("data")
-    if isinstance(data, dict) and isinstance(data.get("exclude_eval"), list):
-        key = {**key, "data": {**data, "exclude_eval": sorted(data["exclude_eval"])}}
-    return key
+def train_resume_key(cfg: TrainConfig) -> dict:
+    """What a training run's steps depend on. Optional sub-specs the YAML leaves out (a single-file
+    GGUF's `parts`) are None here: keys only one side of a comparison has are skipped, so a key
+    written from the raw config before the specs were typed still matches."""
+    target = {k: v for k, v in asdict(cfg.target).items() if k not in ("device", "dtype", "attn_implementation")}
+    return {"target": target, "drafter": asdict(cfg.drafter), "data": asdict(cfg.data), "seed": cfg.seed,
+            # what `auto` resolved to on this machine: an fp32 run resumed in bf16
+            # on another CPU would be half one experiment and half another
+            "precision": mixed_precision(cfg.train.mixed_precision),
+            "train": {k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS}}
 
 
 # ---------------------------------------------------------------------------- the step
@@ -132,9 +128,9 @@ class D3DTrainingStep(nn.Module):
     def __init__(self, drafter: nn.Module, vocab_size: int, ar_weight: float, loss_chunk_rows: int = 4096):
         super().__init__()
         self.drafter = drafter
-        self.vocab_size = int(vocab_size)
-        self.ar_weight = float(ar_weight)
-        self.loss_chunk_rows = int(loss_chunk_rows)
+        self.vocab_size = vocab_size
+        self.ar_weight = ar_weight
+        self.loss_chunk_rows = loss_chunk_rows
         # FSDP's transformer-based auto-wrap reads the wrapped module's _no_split_modules: without the
         # drafter's, no decoder layer becomes its own unit and the whole model is gathered at once.
         self._no_split_modules = list(getattr(drafter, "_no_split_modules", None) or [])
@@ -176,7 +172,7 @@ def optimizer_step(step_module, optimizer, batches, clip: float | None, accelera
             (loss / len(batches)).backward()
             last = batch is batches[-1]
             if last and clip:
-                m["grad_norm"] = torch.nn.utils.clip_grad_norm_(step_module.parameters(), float(clip)).detach()
+                m["grad_norm"] = torch.nn.utils.clip_grad_norm_(step_module.parameters(), clip).detach()
             if last:
                 optimizer.step()
                 optimizer.zero_grad()
@@ -185,7 +181,7 @@ def optimizer_step(step_module, optimizer, batches, clip: float | None, accelera
                 loss, m = step_module(batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and clip:
-                    norm = accelerator.clip_grad_norm_(step_module.parameters(), float(clip))
+                    norm = accelerator.clip_grad_norm_(step_module.parameters(), clip)
                     if norm is not None:  # DeepSpeed clips inside its engine and may not report it
                         m["grad_norm"] = torch.as_tensor(norm).detach()
                 optimizer.step()
@@ -227,18 +223,19 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def make_optimizer(model, tc):
+def make_optimizer(model, lr: float, weight_decay: float, betas: list[float]):
+    """AdamW with weight decay on the matrices only (not norms, biases or embeddings)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": float(tc.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=float(tc.lr), betas=tuple(tc.betas))
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
 
 
-def make_scheduler(optimizer, tc):
-    warmup, total = int(tc.warmup_steps), int(tc.max_steps)
+def make_scheduler(optimizer, warmup: int, total: int):
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at step `total`."""
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -273,23 +270,23 @@ def autocast(precision: str, device: torch.device | str):
     return contextlib.nullcontext()
 
 
-def deepspeed_config(tc, precision: str, zero_stage: int) -> dict:
+def deepspeed_config(tc: TrainSettings, precision: str, zero_stage: int) -> dict:
     """The DeepSpeed config, every value from train.* (one source of truth): the accelerate yaml's
     deepspeed_config only chooses the ZeRO stage and offloading. Explicit values, never "auto":
     accelerate fills "auto" only from a prepared DataLoader, and d3d reads its own batches."""
     return {
-        "train_micro_batch_size_per_gpu": int(tc.batch_size),
-        "gradient_accumulation_steps": int(tc.grad_accum),
-        "gradient_clipping": float(tc.clip or 0.0),
+        "train_micro_batch_size_per_gpu": tc.batch_size,
+        "gradient_accumulation_steps": tc.grad_accum,
+        "gradient_clipping": tc.clip or 0.0,
         # bf16 weights and activations, fp32 master weights in the optimizer (DeepSpeed's bf16 mode)
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
-        "zero_optimization": {"stage": int(zero_stage)},
+        "zero_optimization": {"stage": zero_stage},
         "steps_per_print": 2**31 - 1,
     }
 
 
-def deepspeed_plugin(tc, precision: str):
+def deepspeed_plugin(tc: TrainSettings, precision: str):
     """A DeepSpeedPlugin from train.* when `accelerate launch` asked for DeepSpeed, else None. The
     plugin's own fields are set too: accelerate would otherwise fill them from the yaml's env vars
     (ACCELERATE_GRADIENT_ACCUMULATION_STEPS=1 used to override train.grad_accum)."""
@@ -303,23 +300,23 @@ def deepspeed_plugin(tc, precision: str):
         device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none")
         if device != "none":
             config["zero_optimization"][f"offload_{kind}"] = {"device": device}
-    return DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=int(tc.grad_accum),
-                           gradient_clipping=float(tc.clip or 0.0), zero_stage=stage)
+    return DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=tc.grad_accum,
+                           gradient_clipping=tc.clip or 0.0, zero_stage=stage)
 
 
-def make_accelerator(tc, cpu: bool | None = None):
+def make_accelerator(tc: TrainSettings, cpu: bool | None = None):
     """The Accelerator of a training run, configured from train.* (micro-batch, accumulation,
     clipping, precision). The scheduler is stepped by hand once per optimizer step: accelerate would
     otherwise step it once per process (it assumes a sharded dataloader shortened the epoch)."""
     from accelerate import Accelerator
 
-    precision = mixed_precision(str(tc.mixed_precision))
+    precision = mixed_precision(tc.mixed_precision)
     if torch.cuda.is_available():
         # TF32 for the fp32 matmuls that remain (loss, fp32 master copies): ~8x faster on H100/H200.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return Accelerator(mixed_precision=precision, step_scheduler_with_optimizer=False,
-                       gradient_accumulation_steps=int(tc.grad_accum),
+                       gradient_accumulation_steps=tc.grad_accum,
                        deepspeed_plugin=deepspeed_plugin(tc, precision),
                        cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 from d3d.models.drafter import build_drafter, save_drafter
+from d3d.settings import bind_config
 from tests.conftest import compose, load_script
 
 
 def smoke_drafter(tmp_path):
-    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     return cfg, save_drafter(model, tok, tmp_path / "drafter")
 

@@ -54,9 +54,10 @@ def test_choose_budget_script_on_the_smoke_setup(tmp_path):
     import json
 
     from d3d.models.drafter import build_drafter, save_drafter
+    from d3d.settings import bind_config
     from tests.conftest import compose, load_script
 
-    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
     drafter, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     save_drafter(drafter, tok, tmp_path / "drafter")
     out = tmp_path / "budget.json"

@@ -3,21 +3,25 @@ async == sync, hits and misses."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.methods import Async, Method
 from d3d.decoding.verify import Sampling, probs, sample_verify
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target with lively random weights and a drafter copied from it, slightly perturbed."""
-    cfg = compose("train", ["+experiment=smoke", "drafter.block_size=6"])
+    cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_size=6"]), "train")
     path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
     tok = load_tokenizer(path)
     target = load_model(path, "float32", "cpu")
@@ -114,21 +118,27 @@ def test_async_returns_the_sync_tokens_and_rounds(models, overlap):
     assert asyn.token_ids == sync.token_ids
     assert asyn.taus() == sync.taus()  # a hit serves exactly the block a synchronous draft would
     # the worker thread is gone and the process keeps all its cores for what runs next
-    assert gen.pool is None and torch.get_num_threads() == threads
+    assert gen.passes.pool is None and torch.get_num_threads() == threads
 
 
 def test_overlap_mode_resolution():
+    """The overlap mode is asked of the method's class: async resolves decode.overlap per device,
+    a method that does not overlap (sync) runs serially whatever decode.overlap says. A value
+    outside auto | stream | thread | none never reaches this: DecodeConfig refuses it
+    (test_bad_decode_settings_are_refused_at_construction)."""
+    from d3d.config import ConfigError
+    from d3d.decoding.methods import Async, Sync
+
     cpu, cfg = torch.device("cpu"), lambda **kw: DecodeConfig(method="async", **kw)
-    assert SpecGenerator.overlap_mode(cfg(overlap="auto"), cpu) == "none"  # serial on CPU (measured faster)
-    assert SpecGenerator.overlap_mode(cfg(overlap="auto"), torch.device("cuda")) == "stream"
-    assert SpecGenerator.overlap_mode(cfg(overlap="thread"), cpu) == "thread"
-    assert SpecGenerator.overlap_mode(DecodeConfig(method="sync", overlap="thread"), cpu) == "none"
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        SpecGenerator.overlap_mode(cfg(overlap="stream"), cpu)
-    with pytest.raises(ValueError, match="for CPUs; on CUDA use stream"):  # its worker would use the default stream
-        SpecGenerator.overlap_mode(cfg(overlap="thread"), torch.device("cuda"))
-    with pytest.raises(ValueError, match="use auto, stream, thread or none"):
-        SpecGenerator.overlap_mode(cfg(overlap="threads"), cpu)
+    assert Async.overlap_mode(cfg(overlap="auto"), cpu) == "none"  # serial on CPU (measured faster)
+    assert Async.overlap_mode(cfg(overlap="auto"), torch.device("cuda")) == "stream"
+    assert Async.overlap_mode(cfg(overlap="thread"), cpu) == "thread"
+    assert Async.overlap_mode(cfg(overlap="none"), torch.device("cuda")) == "none"
+    assert Sync.overlap_mode(DecodeConfig(method="sync", overlap="thread"), cpu) == "none"
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        Async.overlap_mode(cfg(overlap="stream"), cpu)
+    with pytest.raises(ConfigError, match="for CPUs; on CUDA use stream"):  # its worker would use the default stream
+        Async.overlap_mode(cfg(overlap="thread"), torch.device("cuda"))
 
 
 def test_hits_and_misses_on_a_constructed_case(models):
@@ -222,7 +232,7 @@ def test_stop_string_inside_an_accepted_run(models):
 @pytest.mark.slow
 def test_contract1_on_the_real_smollm2_target(cache_dir):
     """fp32 greedy equality with generate on the CPU default target, drafter = its untrained copy."""
-    cfg = compose("train", [])
+    cfg = bind_config(compose("train", []), "train")
     path = resolve_model_path(cfg.target, cache_dir)
     tok, target = load_tokenizer(path), load_model(path, "float32", "cpu")
     drafter, _ = build_drafter(cfg.drafter, cfg.target, cache_dir, dtype="float32")
@@ -318,8 +328,9 @@ def test_batched_async_serves_each_row_that_hit(models):
     ("block_size", 0, r"decode.block_size=0: an integer in \[2, 256\]"), ("block_size", -1, "block_size=-1"),
     ("block_size", 1000, r"block_size=1000: an integer in \[2, 256\]"), ("temperature", -1, "temperature=-1: a number >= 0"),
     ("top_p", 2, r"top_p=2: a number in \(0, 1\]"), ("top_p", 0, "top_p=0"), ("top_k", -1, "top_k=-1: an integer >= 0"),
-    ("method", "nonsense", "method='nonsense': use ar, sync or async"), ("max_new_tokens", 0, "max_new_tokens=0"),
+    ("method", "nonsense", "method='nonsense': use ar, sync"), ("max_new_tokens", 0, "max_new_tokens=0"),
     ("C", 0, "C=0"), ("F", -1, "F=-1"), ("coverage", "most", "coverage='most'"),
+    ("overlap", "threads", "overlap='threads': use auto, stream, thread or none"),
     ("backend", "jit", "backend='jit': use eager, static, compiled or frozen"),
 ])
 def test_bad_decode_settings_are_refused_at_construction(key, value, message):
@@ -355,3 +366,80 @@ def test_sample_draws_from_p():
     draws = sample(p.expand(60000, 5).clone(), g)
     emp = torch.bincount(draws, minlength=5).float() / 60000
     assert emp[4] == 0 and 0.5 * (emp - p).abs().sum() < 0.01  # noise ~0.004 at n = 60000
+
+
+# ---- the seam: a new method is its class (and its config), nothing else
+
+
+class PromptLookup(Method):
+    """Prompt-lookup drafts (drafter-free): what followed the latest earlier occurrence of the row's
+    last n tokens (n = 3, 2, 1) in its own prompt and output, the pending token repeated where none
+    occurred. Written against the seam only: its keys, its class attributes and the hooks."""
+
+    keys = ("block_size",)
+    needs_drafter = False
+    NGRAM = 3
+
+    def begin(self, prompts):
+        self.text = [list(p) for p in prompts]  # each row's tokens so far, the pending one last
+
+    def propose(self, r):
+        n = self.p.B - 1
+        r.drafts = torch.tensor([self.lookup(t, n) for t in self.text], dtype=torch.long, device=self.p.device)
+
+    @classmethod
+    def lookup(cls, text: list[int], n: int) -> list[int]:
+        for size in range(min(cls.NGRAM, len(text) - 1), 0, -1):
+            for start in range(len(text) - size - 1, -1, -1):
+                if text[start : start + size] == text[-size:]:
+                    follow = text[start + size : start + size + n]
+                    return follow + [text[-1]] * (n - len(follow))
+        return [text[-1]] * n
+
+    def commit(self, r, host, most):
+        for text, (a, tok, _, *drafted) in zip(self.text, host):
+            text.extend(drafted[:a] + [tok])
+
+    def retire(self, keep, keep_list):
+        self.text = [self.text[i] for i in keep_list]
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_a_chain_method_registered_in_a_test_decodes_losslessly(models, monkeypatch, backend):
+    """A new chain method is one class and one registry entry: its decode file binds with the keys
+    its class declares, and the driver runs it unchanged: greedy output equals generate on a
+    ragged batch, and it samples (T > 0) with its drafts verified as certain (q one-hot)."""
+    from d3d.decoding.methods import METHODS
+    from d3d.settings import bind_decode, decode_keys
+
+    monkeypatch.setitem(METHODS, "lookup", PromptLookup)
+    target, _, tok = models
+    assert set(decode_keys("lookup")) == {"method", "temperature", "top_p", "top_k", "backend", "block_size"}
+    cfg = bind_decode({"name": "lookup_b5", "method": "lookup", "block_size": 5, "temperature": 0.0, "top_p": 1.0,
+                       "top_k": 0, "backend": backend}, "methods.lookup")
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    res = SpecGenerator(target, tok, None, replace(cfg, max_new_tokens=40)).generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 40, tok.eos_token_id), row
+    assert sum(res.taus()) == res.new_tokens and max(res.taus()) > 1  # some lookups were accepted
+    sampled = SpecGenerator(target, tok, None, replace(cfg, temperature=1.0, max_new_tokens=20), eos_token_ids=[])
+    assert [len(t) for t in sampled.generate(prompts, seed=1).token_ids] == [20] * 3
+
+
+def test_an_async_subclass_under_a_new_name_keeps_its_overlap(models, monkeypatch):
+    """The driver asks the class whether it overlaps, not the name: an Async subclass registered as
+    `trays` keeps the side stream on CUDA and the worker thread on CPU (before: overlap was decided
+    by `method == "async"`, so it silently ran serially), and returns the sync tokens and rounds."""
+    from d3d.decoding.methods import METHODS
+
+    monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
+    target, drafter, tok = models
+    trays = lambda **kw: DecodeConfig(method="trays", block_size=6, C=4, F=2, max_new_tokens=30, **kw)  # noqa: E731
+    assert METHODS["trays"].overlap_mode(trays(), torch.device("cuda")) == "stream"
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    sync = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=6, max_new_tokens=30)).generate(prompts)
+    gen = SpecGenerator(target, tok, drafter, trays(overlap="thread", cpu_threads_drafter=1))
+    assert gen.passes.overlap == "thread"
+    res = gen.generate(prompts)
+    assert res.token_ids == sync.token_ids and res.taus() == sync.taus()
+    assert all("tray_wait_s" in r for r in res.rounds)  # the tray pass ran in the worker thread, every round

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from d3d.decoding.divergence import RealDivergence, classify, first_difference, tolerance
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 
@@ -25,7 +26,7 @@ def test_tolerance_scales_with_the_dtype_and_the_logit():
 def target():
     from d3d.models import load_model, load_tokenizer, resolve_model_path
 
-    cfg = compose("train", ["+experiment=smoke"])
+    cfg = bind_config(compose("train", ["+experiment=smoke"]), "train")
     path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
     model = load_model(path, "float32", "cpu")
     torch.manual_seed(0)

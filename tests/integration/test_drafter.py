@@ -13,13 +13,14 @@ from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example, ObjectiveConfig, pack
 from d3d.training import D3DTrainingStep
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 
 def tiny_drafter(tmp_path, arch="llama", layers=2, block=4, init="target"):
-    cfg = compose("train", ["+experiment=smoke", f"drafter.block_size={block}", f"drafter.init={init}",
+    cfg = bind_config(compose("train", ["+experiment=smoke", f"drafter.block_size={block}", f"drafter.init={init}",
                             f"target.tiny.model_type={arch}", f"target.tiny.num_hidden_layers={layers}",
-                            f"target.name=tiny_{arch}_{layers}"], tmp_path)
+                            f"target.name=tiny_{arch}_{layers}"], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     torch.manual_seed(0)
     with torch.no_grad():  # random weights, so the test would notice any mixing of positions
@@ -37,7 +38,7 @@ def test_contract3_training_forward_equals_inference_forward(arch, tmp_path):
     ids = torch.randint(4, 200, (40,), generator=g).tolist()
     ex = Example(ids, prompt_len=12)
     anchors = torch.tensor([11, 15, 20, 33, 38])
-    batch = pack([ex], ObjectiveConfig(block_size=B, anchors_per_seq=5), s.mask_token_id, 0, g, [anchors])
+    batch = pack([ex], ObjectiveConfig.shipped(B, anchors_per_seq=5), s.mask_token_id, 0, g, [anchors])
     with torch.no_grad():
         # The training path proper: the module d3d.train prepares (mask built where the model is).
         h = D3DTrainingStep(model, s.vocab_size, ar_weight=1.0).hidden(batch)[0]
@@ -94,7 +95,7 @@ def test_save_and_load_keeps_settings(tmp_path):
 
 def test_mask_token_is_added_with_mean_embedding(tmp_path):
     """SmolLM2-like case: no free row, so the token is added and its row starts at the mean."""
-    cfg = compose("train", ["+experiment=smoke", "drafter.mask_token='<|brand_new_mask|>'"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.mask_token='<|brand_new_mask|>'"], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     s = DrafterSettings.of(model)
     emb = model.get_input_embeddings().weight
@@ -108,7 +109,7 @@ def test_mask_token_in_a_padded_embedding_starts_at_the_mean(tmp_path):
     from d3d.models import load_model, load_tokenizer, resolve_model_path
     from d3d.models.drafter import _add_mask_token
 
-    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
     path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
     model, tok = load_model(path, "float32", "cpu"), load_tokenizer(path)
     n_real = len(tok)
@@ -168,9 +169,9 @@ def test_a_drafter_checkpoint_is_checked_against_the_target_it_meets(tmp_path):
     # through d3d.eval's loader: a checkpoint whose vocabulary differs is refused
     tok.add_tokens(["<|not_in_the_target|>"])
     folder = save_drafter(model, tok, tmp_path / "foreign")
-    ev = compose("eval", ["+experiment=smoke", f"target.name={cfg.target.name}",
+    ev = bind_config(compose("eval", ["+experiment=smoke", f"target.name={cfg.target.name}",
                           f"target.tiny.num_hidden_layers={cfg.target.tiny.num_hidden_layers}",
-                          f"drafter.checkpoint={folder}"], tmp_path)
+                          f"drafter.checkpoint={folder}"], tmp_path), "eval")
     with pytest.raises(TokenizerMismatchError, match="does not match"):
         load_models(ev, {"sync": DecodeConfig(method="sync")}, cfg.paths.cache_dir, PartialState())
 
@@ -182,7 +183,7 @@ def test_a_truncated_weight_file_is_named(tmp_path):
     from d3d.models.drafter import build_drafter, load_drafter, save_drafter
     from tests.conftest import compose
 
-    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     save_drafter(model, tok, tmp_path / "d")
     weights = next((tmp_path / "d").glob("*.safetensors"))

@@ -10,6 +10,7 @@ from d3d.decoding.methods import method_class
 from d3d.eval import read_settings, run_eval
 from d3d.report import compare_markdown, main as report_main, read_rows, summarise
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 SMOKE = ["+experiment=smoke", "eval.n=2", "eval.max_new_tokens=12", "decode.C=3", "decode.F=2", "decode.block_size=4"]
@@ -18,9 +19,8 @@ SMOKE = ["+experiment=smoke", "eval.n=2", "eval.max_new_tokens=12", "decode.C=3"
 def methods_of(cfg):
     """Each method's decode config, as d3d.eval builds them from a composed config."""
     from d3d.eval import method_configs
-    from d3d.settings import EvalSettings, bind_section
 
-    return method_configs(cfg, bind_section(cfg, "eval", EvalSettings))
+    return method_configs(cfg, bind_config(cfg, "eval").eval)
 
 
 def evaluate(tmp_path, *extra):
@@ -73,7 +73,7 @@ def test_resume_refuses_a_drafter_retrained_in_place(tmp_path, monkeypatch):
     from d3d.models.drafter import build_drafter, load_drafter, save_drafter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = compose("eval", SMOKE, tmp_path)
+    cfg = bind_config(compose("eval", SMOKE, tmp_path), "eval")
     folder = save_drafter(*build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32"), tmp_path / "d")
     evaluate(tmp_path, "eval.n=1", f"drafter.checkpoint={folder}", "eval.methods=[ar,sync]")
     model, tok = load_drafter(folder, dtype="float32")
@@ -117,6 +117,8 @@ def test_eval_cli_writes_into_its_run_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "eval" / "runs").glob("*/*/summary.md"))
     assert len(runs) == 1 and "| gsm8k | ar |" in runs[0].read_text()
+    # Hydra's folder is new each run, so a rerun never resumes it: the start message says how to
+    assert f"a new folder for each run: a killed run resumes only if rerun with eval.out_dir={runs[0].parent}" in proc.stdout
 
 
 def test_load_test_and_budget_study(tmp_path, monkeypatch):
@@ -214,7 +216,7 @@ def test_methods_share_sampling_and_block_size(tmp_path):
     # method-specific keys stay with their own method: C and F set on the composed async group only
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
     assert (methods["async"].C, methods["async"].F) == (3, 1)
-    # sync reads no tray keys (d3d.settings.decode_keys): no packed budget, and its record holds none
+    # sync reads no tray keys (its class's `keys`): no packed budget, and its record holds none
     assert method_class("sync").budget(methods["sync"]) == 0 and not {"C", "F"} & set(read_settings(methods["sync"]))
     # an AR group lends sampling, not its B = 1
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
@@ -273,10 +275,63 @@ def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch)
 
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
     for bad, message in [("eval.max_new_tokens=0", "eval.max_new_tokens=0: an integer >= 1"),
-                         ("decode.top_p=0", r"decode.top_p=0: a number in \(0, 1\]"),
+                         ("decode.top_p=0", r"decode.top_p=0(\.0)?: a number in \(0, 1\]"),
                          ("decode.block_size=0", "decode.block_size=0"), ("eval.n=0", "eval.n=0")]:
         with pytest.raises(ConfigError, match=message):
             evaluate(tmp_path, bad)
+
+
+@pytest.mark.parametrize("local, match", [
+    ("typo.jsonl", r"benchmark.specs.gsm8k.local_file=.*typo.jsonl: .* is not a file"),  # used to run the shipped data
+    ("broken.jsonl", r"broken.jsonl:2 is not JSON"),  # a traceback after the models loaded
+    ("renamed.jsonl", r"renamed.jsonl:1: as a gsm8k item this row needs the field 'question'"),
+])
+def test_benchmark_files_are_checked_before_any_model_loads(tmp_path, monkeypatch, local, match):
+    import d3d.eval
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "broken.jsonl").write_text('{"question": "a", "answer": "1"}\n{"question": \n')
+    (tmp_path / "renamed.jsonl").write_text('{"q": "a", "answer": "1"}\n')
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
+    with pytest.raises(ConfigError, match=match):
+        evaluate(tmp_path, "benchmark=gsm8k", f"benchmark.specs.gsm8k.local_file={tmp_path / local}")
+
+
+def test_nothing_to_run_is_one_line_before_any_model_loads(tmp_path, monkeypatch):
+    """Every benchmark unavailable here: the models used to load, then "holds no rows" as a traceback."""
+    import d3d.eval
+    from d3d.config import UserError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded with nothing to run"))
+    with pytest.raises(UserError, match=r"no benchmark of this run can be read here \(mbpp: .*\. Fix: set benchmark"):
+        evaluate(tmp_path, "benchmark=mbpp")
+
+
+def test_the_targets_own_folder_as_drafter_is_one_line_with_the_fix(tmp_path):
+    """A plain HF model (no config.d3d) given as the drafter: a ValueError traceback before."""
+    from d3d.config import ConfigError, compose as d3d_compose
+    from d3d.models import resolve_model_path
+
+    cfg = compose("eval", SMOKE, tmp_path)
+    target = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    with pytest.raises(ConfigError, match=r"is a plain model \(its config.json has no d3d settings\), not a d3d drafter\. Fix"):
+        evaluate(tmp_path, f"drafter.checkpoint={target}")
+
+
+def test_run_json_records_the_graders_isolation_and_a_fallback_warns(tmp_path, monkeypatch, capsys):
+    """Nothing recorded which protections graded code had, and a machine without unshare said nothing."""
+    import d3d.eval
+    from d3d.grading import isolation
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    weaker = {**isolation(), "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable"}
+    monkeypatch.setattr(d3d.eval, "isolation", lambda: weaker)
+    out = evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]")
+    assert json.loads((out / "run.json").read_text())["grading"] == json.loads(json.dumps(weaker))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning: graded code runs without" in line]
+    assert len(warnings) == 1 and "use the network" in warnings[0]
 
 
 def test_a_run_folder_given_as_drafter_names_its_final(tmp_path):
@@ -307,23 +362,33 @@ def test_cli_user_error_is_one_line_and_exit_2_traceback_when_verbose(tmp_path):
     assert loud.returncode != 0 and "Traceback" in loud.stderr
 
 
-def test_a_new_method_is_placed_by_the_registry_not_by_its_name(tmp_path, monkeypatch):
-    """Eval asks the decoding registry what a method needs (d3d.decoding.methods.METHODS): a method
-    registered under a new name, composed by Hydra under `methods`, is treated by what its class
-    says. A drafter-free method (a lookup decoder, say) borrows sampling but not the block size;
-    a drafting one borrows both and gets the budget grid when it drafts beside verification."""
-    from d3d.decoding.methods import AR, METHODS, Async
+def test_a_new_method_is_placed_by_its_class_not_by_its_name(tmp_path, monkeypatch):
+    """Eval asks a method's class (d3d.decoding.methods), never its name: a method registered under a
+    new name and composed by Hydra under `methods` is bound with the keys its class declares and
+    lent the run's values of those it reads. A drafter-free method that verifies no block borrows
+    sampling only; one that verifies blocks (prompt lookup, say) the block size too; an Async
+    subclass both, and the budget grid."""
+    from d3d.config import ConfigError
+    from d3d.decoding.methods import AR, METHODS, Async, Method
 
-    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (AR,), {}))
+    monkeypatch.setitem(METHODS, "plain", type("Plain", (AR,), {}))
+    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (Method,), {"keys": ("block_size",), "needs_drafter": False}))
     monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
-    cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0",
-                           "+methods.lookup={method: lookup, block_size: 1}",
-                           "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}",
-                           "eval.methods=[ar,lookup,trays]", "eval.async_budgets=[2x1,3x2]"], tmp_path)
+    new = ["+methods.plain={method: plain}", "+methods.lookup={method: lookup, block_size: 8}",
+           "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}"]
+    cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0", *new,
+                           "eval.methods=[ar,plain,lookup,trays]", "eval.async_budgets=[2x1,3x2]"], tmp_path)
     methods = methods_of(cfg)
-    assert list(methods) == ["ar", "lookup", "trays_c2_f1", "trays_c3_f2"]
-    assert (methods["lookup"].block_size, methods["lookup"].temperature) == (1, 1.0)
+    assert list(methods) == ["ar", "plain", "lookup", "trays_c2_f1", "trays_c3_f2"]
+    assert methods["plain"].temperature == 1.0 and set(read_settings(methods["plain"])) == set(read_settings(methods["ar"]))
+    assert (methods["lookup"].block_size, methods["lookup"].temperature) == (4, 1.0)
     assert all(methods[n].block_size == 4 and methods[n].temperature == 1.0 for n in ("trays_c2_f1", "trays_c3_f2"))
+    assert (methods["trays_c3_f2"].C, methods["trays_c3_f2"].F) == (3, 2)
+    # what its class does not declare, its file cannot hold
+    cfg = compose("eval", ["+experiment=smoke", "+methods.plain={method: plain, block_size: 4}", "eval.methods=[ar,plain]"],
+                  tmp_path)
+    with pytest.raises(ConfigError, match=r"methods\.plain\.block_size: method plain does not read it"):
+        methods_of(cfg)
 
 
 @pytest.mark.parametrize("trays", [True, False])
@@ -376,7 +441,7 @@ def test_an_over_long_prompt_is_skipped_with_its_reason_not_the_run(tmp_path, mo
     from d3d.data.chat import chat_prompt_ids
     from d3d.models import load_tokenizer, resolve_model_path
 
-    cfg = compose("eval", SMOKE + ["eval.n=4"], tmp_path)
+    cfg = bind_config(compose("eval", SMOKE + ["eval.n=4"], tmp_path), "eval")
     tok = load_tokenizer(resolve_model_path(cfg.target, cfg.paths.cache_dir))
     from d3d.data.benchmarks import first_turn_messages, iter_specs
 
@@ -415,7 +480,8 @@ def test_eval_loads_the_target_with_its_attention_backend(tmp_path, monkeypatch)
     from d3d.models.target import process_state
 
     cfg = compose("eval", SMOKE + ["target.attn_implementation=eager"], tmp_path)
-    _, target, _ = load_models(cfg, methods_of(cfg), resolve_path(cfg.paths.cache_dir), process_state())
+    _, target, _ = load_models(bind_config(cfg, "eval"), methods_of(cfg), resolve_path(cfg.paths.cache_dir),
+                               process_state())
     assert target.config._attn_implementation == "eager"
 
 

@@ -17,6 +17,7 @@ from d3d.data.responses import read_responses
 from d3d.generate import OutputMismatchError, run_generate
 from d3d.models.generation import split_response
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import CACHE_DIR, FIXTURES, ROOT, compose
 
 LOCAL = ["+experiment=smoke", "data=local", f"data.local_file={FIXTURES / 'prompts.jsonl'}"]
@@ -34,7 +35,7 @@ def test_generate_writes_rows_that_match_plain_generate(tmp_path, cache_dir):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["target"]["name"] == "tiny_random" and meta["settings"]["do_sample"] is False
     # Batched (left-padded) greedy rows equal unbatched greedy generation of the same prompt.
-    path = resolve_model_path(cfg.target, cache_dir)
+    path = resolve_model_path(bind_config(cfg, "generate").target, cache_dir)
     tok, model = load_tokenizer(path), load_model(path, "float32", "cpu")
     for row in rows[:3]:
         ids = chat_prompt_ids(tok, row["messages"])

@@ -44,7 +44,7 @@ def test_race_check_fails_on_a_broken_stream_hand_off(check, monkeypatch):
     back (torch.cuda._sleep, ~tens of ms) right before it computes what the side stream reads next
     (positions, hit flags, the prepared block), so the side stream reads them before they are
     written. Written for the first GPU run; it has not run yet (no GPU was lent when it was written)."""
-    from d3d.decoding import engine, methods
+    from d3d.decoding import methods, passes
 
     def lend_without_wait(self, stream, *tensors):
         for t in tensors:
@@ -57,7 +57,7 @@ def test_race_check_fails_on_a_broken_stream_hand_off(check, monkeypatch):
         torch.cuda._sleep(100_000_000)  # on the main stream: what follows in this round lands late
         real_commit(self, r, host, most)
 
-    monkeypatch.setattr(engine.SpecGenerator, "lend", lend_without_wait)
+    monkeypatch.setattr(passes.Passes, "lend", lend_without_wait)
     monkeypatch.setattr(methods.Async, "commit", late_commit)
     res = check.stage_race("cuda", new_tokens=24)
     assert not res["ok"], res["runs"]
@@ -94,7 +94,7 @@ def test_flex_block_mask_output_equals_dense_sdpa(check):
     s = DrafterSettings.of(model)
     g = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(4, 200, (150 - 7 * i,), generator=g).tolist(), 10) for i in range(2)]
-    batch = pack(examples, ObjectiveConfig(block_size=s.block_size, anchors_per_seq=8), s.mask_token_id, 0, g)
+    batch = pack(examples, ObjectiveConfig.shipped(s.block_size, anchors_per_seq=8), s.mask_token_id, 0, g)
     step = D3DTrainingStep(model, s.vocab_size, 1.0)
     with torch.no_grad():
         model.config._attn_implementation = "sdpa"

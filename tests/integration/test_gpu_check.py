@@ -38,7 +38,7 @@ def stale_hand_off(monkeypatch):
 
     def broken(self, r):
         prev, self._prev = getattr(self, "_prev", None), (r.drafts, self.q_logits)
-        if self.g.pool is None or prev is None or prev[0].shape != r.drafts.shape:
+        if self.p.pool is None or prev is None or prev[0].shape != r.drafts.shape:
             return real(self, r)
         fresh, self.q_logits = self.q_logits, prev[1]
         try:

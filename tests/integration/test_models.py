@@ -8,11 +8,12 @@ import pytest
 
 from d3d.fetch import PackageSpec, PackageUnavailableError, package_file
 from d3d.models import ModelUnavailableError, load_model, load_tokenizer, resolve_model_path
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 
 def test_tiny_model_is_deterministic(tmp_path):
-    cfg = compose("generate", ["target=tiny_random"]).target
+    cfg = bind_config(compose("generate", ["target=tiny_random"]), "generate").target
     a = resolve_model_path(cfg, tmp_path / "a")
     b = resolve_model_path(cfg, tmp_path / "b")
     ma, mb = load_model(a, "float32", "cpu"), load_model(b, "float32", "cpu")
@@ -25,7 +26,7 @@ def test_tiny_model_is_deterministic(tmp_path):
 
 def test_hub_id_offline_fails_fast_and_names_the_cpu_default(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = compose("generate", ["target=qwen3_8b"]).target
+    cfg = bind_config(compose("generate", ["target=qwen3_8b"]), "generate").target
     start = time.time()
     with pytest.raises(ModelUnavailableError) as err:
         resolve_model_path(cfg, tmp_path)
@@ -34,7 +35,7 @@ def test_hub_id_offline_fails_fast_and_names_the_cpu_default(tmp_path, monkeypat
 
 
 def test_missing_local_folder(tmp_path):
-    cfg = compose("generate", ["target=qwen3_8b", f"target.path={tmp_path}/nope"]).target
+    cfg = bind_config(compose("generate", ["target=qwen3_8b", f"target.path={tmp_path}/nope"]), "generate").target
     with pytest.raises(ModelUnavailableError, match="does not exist"):
         resolve_model_path(cfg, tmp_path)
 
@@ -56,7 +57,7 @@ def test_smollm2_gguf_converts_and_reloads_fast(cache_dir):
 
     from d3d.data.chat import chat_prompt_ids
 
-    cfg = compose("generate").target
+    cfg = bind_config(compose("generate"), "generate").target
     path = resolve_model_path(cfg, cache_dir)  # converts once (~40 s), then cached
     start = time.time()
     tok, model = load_tokenizer(path), load_model(path, "bfloat16", "cpu")

@@ -14,6 +14,7 @@ from d3d.config import ConfigError, resolve_path
 from d3d.prune import run_prune
 from d3d.train import load_examples, split_examples
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import Killed, compose, kill_on
 
 TINY4 = ["+experiment=smoke", "target.tiny.num_hidden_layers=4", "target.name=tiny4", "data.limit=10",
@@ -46,7 +47,7 @@ def test_contract6_pruned_checkpoint_loads_plainly_and_decodes(root):
     plain = AutoModelForCausalLM.from_pretrained(out / "final")
     assert plain.config.num_hidden_layers == 2
     assert DrafterSettings.of(plain).kept_layers == rows[-1]["kept_layers"]
-    path = resolve_model_path(cfg.target, cfg.paths.cache_dir)
+    path = resolve_model_path(bind_config(cfg, "prune").target, cfg.paths.cache_dir)
     tok, target = load_tokenizer(path), load_model(path, "float32", "cpu")
     prompt = tok("Hello there")["input_ids"]
     res = SpecGenerator(target, tok, plain.eval(), DecodeConfig(method="sync", block_size=4, max_new_tokens=20)).generate([prompt])
@@ -159,8 +160,8 @@ def test_a_kill_anywhere_in_a_step_resumes_to_the_same_rows_and_weights(root, mo
             m.setattr(JsonlWriter, "write", kill_on(3, JsonlWriter.write, is_step))  # rows 0, 1, then 2
         elif window == "before_promotion":
             m.setattr(d3d.prune, "promote", kill_on(2, ck.promote))
-        else:
-            m.setattr(ck, "_rename", kill_on(3, ck._rename))
+        else:  # last/'s renames only (final/ and step_<k>/ are published with the same two renames)
+            m.setattr(ck, "_rename", kill_on(3, ck._rename, lambda src, dst: dst.name.startswith("last")))
         with pytest.raises(Killed):
             prune(root, f"killed_{window}")
     rows, out, _ = prune(root, f"killed_{window}")
@@ -178,7 +179,7 @@ def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
     from d3d.models.drafter import DrafterSettings, build_drafter
     from d3d.prune import draft_latency_ms
 
-    cfg = compose("train", ["+experiment=smoke"], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
     model, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     seen = []
     model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -202,3 +203,65 @@ def test_a_new_pruning_criterion_is_one_registry_entry(tmp_path, monkeypatch):
     assert layer == 0 and scores[0] == 1.0
     with pytest.raises(ConfigError, match="prune.method='nope': use acceptance, first, last, similarity"):
         p.choose_layer("nope", None, [], None)
+
+
+def _cut_save(model, tok, folder):
+    """save_drafter killed after it made the folder and an empty config.json (as a SIGKILL can)."""
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "config.json").write_text("")
+    raise Killed
+
+
+def _final_is_whole(out, step):
+    import json
+
+    from d3d.utils.checkpoints import drafter_problem
+
+    assert drafter_problem(out / "final") is None
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final"] == str(out / "final") and summary["final_step"] == step
+    assert load_model(str(out / "final"), "float32", "cpu").config.d3d["kept_layers"] == [0, 1, 2, 3]
+
+
+def test_a_kill_in_the_step0_save_of_final_never_leaves_it_broken(root, monkeypatch):
+    """Killed while step 0 saved final/, rerun where no removal keeps the retention: it used to
+    finish with rc 0 and a summary.json naming a final/ with an empty config.json."""
+    import d3d.prune
+
+    with monkeypatch.context() as m:
+        m.setattr(d3d.prune, "save_drafter", _cut_save)
+        with pytest.raises(Killed):
+            prune(root, "cut_final")
+    assert not (root / "pruned" / "cut_final" / "final").exists()  # the cut save stayed in final.partial
+    _, out, _ = prune(root, "cut_final", "prune.min_retention=2", "prune.num_layers=1")
+    _final_is_whole(out, 0)
+
+
+def test_a_broken_final_from_an_older_run_is_redone_on_resume(root, monkeypatch):
+    """final/ written in place by an older version and cut by a kill (no marker, empty config.json):
+    the resume sees it and saves the drafter of the step final/ holds again."""
+    import d3d.prune
+
+    with monkeypatch.context() as m:
+        m.setattr(d3d.prune, "choose_layer", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+        with pytest.raises(Killed):
+            prune(root, "old_final")  # step 0 recorded, final/ whole
+    final = root / "pruned" / "old_final" / "final"
+    (final / "COMPLETE").unlink(missing_ok=True)
+    (final / "config.json").write_text("")
+    _, out, _ = prune(root, "old_final", "prune.min_retention=2", "prune.num_layers=1")
+    _final_is_whole(out, 0)
+
+
+def test_a_last_checkpoint_ahead_of_steps_jsonl_is_refused(root):
+    """steps.jsonl cut back under last/: the resume used to continue from the pruned drafter with the
+    step counter of the shorter record, removing layers no row accounts for."""
+    from d3d.utils.io import CorruptFile
+
+    rows, out, _ = prune(root, "ahead")
+    lines = (out / "steps.jsonl").read_text().splitlines(keepends=True)
+    (out / "steps.jsonl").write_text("".join(lines[:2]))  # steps 0 and 1; last/ holds step 2
+    with pytest.raises(CorruptFile, match=r"last was saved after steps.jsonl recorded step 2, .* up to step 1.* Fix: delete"):
+        prune(root, "ahead")

@@ -11,6 +11,7 @@ import pytest
 from d3d.generate import run_generate
 from d3d.train import batch_at, run_train
 from d3d.utils.io import read_jsonl
+from d3d.settings import bind_config
 from tests.conftest import CACHE_DIR, ROOT, Killed, compose, kill_on, torchrun
 
 
@@ -55,6 +56,29 @@ def test_resume_refuses_other_settings_allows_a_longer_budget(root):
     assert [s for s, _ in losses(longer)][-1] == 5 and losses(longer)[:3] == losses(first)
     fresh, _ = train(root, "guarded", "train.max_steps=2", "train.ar_weight=0", "train.resume=false")
     assert [s for s, _ in losses(fresh)] == [1, 2] and not any("loss_ar" in r for r in fresh)
+
+
+def test_a_new_benchmark_file_leaves_a_training_folder_resumable(root, tmp_path, monkeypatch):
+    """Adding conf/benchmark/<new>.yaml adds its name to every prompt set's exclude_eval: a run
+    resumed with more exclusions resumes; one that would now include an excluded benchmark is refused."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from d3d.config import ConfigError, config_dir
+
+    first, out = train(root, "new_bench", "train.max_steps=3")
+    conf = tmp_path / "conf"
+    shutil.copytree(config_dir(), conf)
+    spec = OmegaConf.load(conf / "benchmark" / "gsm8k.yaml")
+    spec.specs = {"gsm_hard": {**spec.specs.gsm8k, "name": "gsm_hard"}}
+    OmegaConf.save(spec, conf / "benchmark" / "gsm_hard.yaml")
+    monkeypatch.setenv("D3D_CONFIG_DIR", str(conf))
+    longer, _ = train(root, "new_bench", "train.max_steps=4")
+    assert [s for s, _ in losses(longer)] == [1, 2, 3, 4] and losses(longer)[:3] == losses(first)
+    with pytest.raises(ConfigError, match=r"\(data\.exclude_eval \(without aime24 aime25 alpaca gsm_hard humaneval "
+                                          r"livecodebench math500 mbpp mt_bench\) differ\).*train.resume=false"):
+        train(root, "new_bench", "train.max_steps=5", "data.exclude_eval=[gsm8k]")
 
 
 def test_ar_weight_zero_is_a_real_switch(root):
@@ -120,7 +144,8 @@ def test_contract9_two_processes_equal_one_process_on_the_global_batch(root, tmp
     assert all(r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
 
     cfg = compose("train", common + ["train.grad_accum=2", f"train.out_dir={tmp_path}/one"], root)
-    start, _ = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    typed = bind_config(cfg, "train")
+    start, _ = build_drafter(typed.drafter, typed.target, typed.paths.cache_dir, dtype="float32")
     single = TrainRecipe(cfg)
     single.train()
     one = {k: v.detach() for k, v in single.drafter().state_dict().items()}
@@ -166,3 +191,25 @@ def test_a_kill_anywhere_in_a_save_resumes_like_an_uninterrupted_run(root, monke
     assert [r["step"] for r in resumed] == [r["step"] for r in full]  # each step once
     assert losses(resumed) == losses(full)
     assert not (out / "last.partial").exists() and not (out / "last.old").exists()
+
+
+def test_a_checkpoint_ahead_of_its_metrics_is_refused(root):
+    """metrics.jsonl cut back (or replaced) under a checkpoint: resuming used to continue past rows
+    that no longer exist, ending with a history that lacks steps it trained."""
+    from d3d.utils.io import CorruptFile
+
+    _, out = train(root, "cut", "train.stop_at_step=3")
+    rows = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(rows[:2]))  # steps 0 and 1 only; last/ holds step 3
+    with pytest.raises(CorruptFile, match=r"last was saved after metrics.jsonl recorded step 3, .* up to step 1"):
+        train(root, "cut")
+
+
+def test_starting_over_drops_the_earlier_runs_checkpoint(root):
+    """train.resume=false stopped before its first save, then resumed: it used to continue the
+    earlier run's last/ (step 6) on top of the new run's rows."""
+    full, _ = train(root, "full")
+    _, out = train(root, "over", "train.max_steps=6")
+    train(root, "over", "train.resume=false", "train.stop_at_step=1")  # saves every 3: no checkpoint yet
+    resumed, _ = train(root, "over")
+    assert losses(resumed) == losses(full)

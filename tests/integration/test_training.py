@@ -11,6 +11,7 @@ from d3d.models.drafter import DrafterSettings, build_drafter
 from d3d.models.masks import block_layout, build_mask, clean_layout, concat, mask_mod_for, pad_layout
 from d3d.objective import ObjectiveConfig, loss_from_hidden, metrics_to_floats, pack
 from d3d.training import D3DTrainingStep, deepspeed_plugin, enable_activation_checkpointing, make_accelerator
+from d3d.settings import bind_config
 from tests.conftest import compose
 
 
@@ -27,7 +28,7 @@ def fresh_accelerate_state():
 
 
 def tiny(tmp_path, *overrides):
-    cfg = compose("train", ["+experiment=smoke", "drafter.block_size=4", *overrides], tmp_path)
+    cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_size=4", *overrides], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     return cfg, model, tok
 
@@ -38,14 +39,14 @@ def a_batch(model, tok, n=2, length=40, anchors=5, seed=0):
     s = DrafterSettings.of(model)
     g = torch.Generator().manual_seed(seed)
     examples = [Example(torch.randint(4, 200, (length - 7 * i,), generator=g).tolist(), 10) for i in range(n)]
-    return pack(examples, ObjectiveConfig(block_size=s.block_size, anchors_per_seq=anchors), s.mask_token_id,
+    return pack(examples, ObjectiveConfig.shipped(s.block_size, anchors_per_seq=anchors), s.mask_token_id,
                 tok.pad_token_id, g)
 
 
 def test_deepspeed_plugin_carries_train_settings(monkeypatch):
     """accelerate launch with deepspeed_zero2.yaml: the engine's micro-batch, accumulation, clipping
     and precision are train.*'s, even where the yaml's env says otherwise (it said GA=1)."""
-    cfg = compose("train", ["+experiment=qwen3_8b"])
+    cfg = bind_config(compose("train", ["+experiment=qwen3_8b"]), "train")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")

@@ -89,3 +89,48 @@ def test_the_rule_sees_a_recipe_import_a_recipe(tmp_path):
     assert any("d3d.pipeline imports d3d.prune ['recover']" in f for f in found)
     assert any("scripts.bench imports d3d.train" in f for f in found)
     assert any("private d3d.report._save" in f for f in found)
+
+
+def decoding_imports(src: Path = SRC) -> dict[str, set[str]]:
+    """d3d.decoding's modules -> the d3d.decoding modules each imports (lazy imports included)."""
+    modules = {module_name(p, src): p for p in sorted((src / "decoding").glob("*.py"))}
+    return {me: {m for m, _, _ in imports(p) if m in modules and m != me} for me, p in modules.items()}
+
+
+def test_the_decoding_seam_has_no_import_circle_and_the_driver_names_no_method():
+    """The methods and their passes do not import the driver (d3d.decoding.engine): before, the engine
+    imported the methods lazily and the methods the engine, a circle that only worked by import order.
+    And no method's name is a string in the driver: what it needs, it asks the method's class."""
+    import subprocess
+    import sys
+
+    from d3d.decoding.methods import METHODS
+
+    graph = decoding_imports()
+
+    def reaches(start: str, goal: str, seen=()) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    assert not [m for m in graph if reaches(m, m)], graph
+    for order in ("engine, methods", "methods, engine"):  # either module first, in a fresh interpreter
+        code = "; ".join(f"import d3d.decoding.{m}" for m in order.split(", "))
+        subprocess.run([sys.executable, "-c", code], check=True)
+    driver = ast.parse((SRC / "decoding" / "engine.py").read_text())
+    named = {n.value for n in ast.walk(driver) if isinstance(n, ast.Constant) and n.value in METHODS}
+    assert not named, f"d3d.decoding.engine names methods {sorted(named)}"
+
+
+def test_typed_components_import_no_omegaconf():
+    """Binding (OmegaConf -> d3d.specs) happens once, in d3d.settings; the modules below the recipes
+    take typed specs and import no OmegaConf, so scripts/gpu_train_check.py runs them on a bare GPU
+    image. Run with omegaconf made unimportable: an import of it anywhere on these paths fails."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['omegaconf'] = None\n"
+            "import d3d.specs, d3d.objective, d3d.training, d3d.models.target, d3d.models.drafter, d3d.models.tiny\n"
+            "from d3d.objective import ObjectiveConfig; ObjectiveConfig.shipped(4)\n"
+            "import d3d.data.benchmarks, d3d.data.prompts")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]

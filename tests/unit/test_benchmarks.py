@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from d3d.data.benchmarks import (
     BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
 )
 from d3d.data.prompts import benchmark_spec
+from d3d.specs import BenchmarkSpec
 from tests.conftest import FIXTURES
 
 
-def with_local(name: str, fixture: str) -> dict:
-    spec = benchmark_spec(name)
-    spec["local_file"] = str(FIXTURES / fixture)
-    spec["sources"] = ["local"]
-    return spec
+def with_local(name: str, fixture: str) -> BenchmarkSpec:
+    return replace(benchmark_spec(name), local_file=str(FIXTURES / fixture), sources=["local"])
 
 
 @pytest.mark.parametrize("name,fixture,count", [
@@ -75,3 +75,53 @@ def test_list_command(capsys, cache_dir, monkeypatch):
     assert main(["--cache-dir", str(cache_dir)]) == 0
     out = capsys.readouterr().out
     assert "gsm8k" in out and "1319" in out and "skipped" in out
+
+
+def local_spec(tmp_path, text: str, name="gsm8k", filename="bench.jsonl"):
+    path = tmp_path / filename
+    path.write_text(text)
+    return replace(benchmark_spec(name), local_file=str(path))  # the shipped sources stay listed after local, as in conf/
+
+
+def test_a_mistyped_local_file_is_refused_not_replaced_by_the_shipped_data(cache_dir, monkeypatch, tmp_path):
+    """It used to fall through to the offline copy: rc 0, results attributed to the missing file."""
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = replace(benchmark_spec("gsm8k"), local_file=str(tmp_path / "gsm8k_typo.jsonl"))
+    with pytest.raises(ConfigError, match=r"^benchmark.specs.gsm8k.local_file=.*gsm8k_typo.jsonl: .* is not a file. Fix"):
+        load_records(spec, cache_dir)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"question": "a", "answer": "1"}\n{"question": "b", "answer": \n',
+     r"bench.jsonl:2 is not JSON \(.*\)\. Fix: repair or delete that line"),
+    ('{"question": "a", "answer": "1"}\n["question", "b"]\n', r"bench.jsonl:2 is a JSON list, not an object"),
+    ('{"question": "a", "answer": "1"}\n\n{"qestion": "b", "answer": "2"}\n',
+     r"bench.jsonl:3: as a gsm8k item this row needs the field 'question'; its fields are \['answer', 'qestion'\]\. Fix"),
+    ("", r"local_file=.*bench.jsonl: .* holds no rows\. Fix"),
+])
+def test_a_malformed_benchmark_file_names_its_file_and_line(cache_dir, monkeypatch, tmp_path, text, match):
+    """A broken line, a misnamed field or an empty file: a JSONDecodeError or a KeyError naming
+    neither file nor line before (or, for the empty file, a fall-through to the shipped data)."""
+    from d3d.data.benchmarks import MalformedFile
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MalformedFile, match=match):
+        load_records(local_spec(tmp_path, text), cache_dir)
+
+
+def test_a_math_item_without_its_question_is_refused(cache_dir, tmp_path):
+    """MATH-style rows read `problem` or `question`: without either the prompt used to be "None"."""
+    from d3d.data.benchmarks import MalformedFile
+
+    with pytest.raises(MalformedFile, match=r"bench.jsonl:1: as a math500 item this row needs the field 'problem \(or question\)'"):
+        load_records(local_spec(tmp_path, '{"Problm": "1+1", "answer": "2"}\n', "math500"), cache_dir)
+
+
+def test_a_broken_json_file_names_its_line(cache_dir, tmp_path):
+    from d3d.data.benchmarks import MalformedFile
+
+    with pytest.raises(MalformedFile, match=r"bench.json:3 is not JSON"):
+        load_records(local_spec(tmp_path, '[\n{"question": "a", "answer": "1"},\n{"question": }\n]\n', filename="bench.json"),
+                     cache_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from d3d.data.benchmarks import Record, load_benchmark
@@ -29,7 +31,7 @@ def test_normalised_answers_match(a, b):
 
 def test_different_answers_do_not_match():
     assert normalise_answer("12") != normalise_answer("1.2")
-    spec = {"name": "gsm8k", "kind": "math", "loader": "gsm8k"}
+    spec = benchmark_spec("gsm8k")
     rec = Record("gsm8k/0", ["q"], "18")
     assert grade(spec, rec, "... so \\boxed{18}")["correct"] is True
     assert grade(spec, rec, "... so \\boxed{19}")["correct"] is False
@@ -65,7 +67,7 @@ def test_code_that_hangs_times_out(humaneval):
 
 
 def test_mbpp_tests_run():
-    spec = {"name": "mbpp", "kind": "code", "loader": "mbpp"}
+    spec = benchmark_spec("mbpp")
     rec = Record("mbpp/1", ["Write add."], {"tests": ["assert add(1, 2) == 3"], "setup": ""})
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a + b\n```")["correct"] is True
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a - b\n```")["correct"] is False
@@ -89,6 +91,8 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -226,13 +230,70 @@ def test_the_grader_is_chosen_by_the_specs_kind():
     from d3d.config import ConfigError
 
     rec = Record("gsm8k/0", ["q"], "18")
-    assert grade({"name": "gsm8k", "kind": "math", "loader": "gsm8k"}, rec, "\\boxed{18}")["correct"] is True
-    assert grade({"name": "gsm8k", "kind": "chat", "loader": "gsm8k"}, rec, "\\boxed{18}")["correct"] is None
+    assert grade(replace(benchmark_spec("gsm8k"), kind="math"), rec, "\\boxed{18}")["correct"] is True
+    assert grade(replace(benchmark_spec("gsm8k"), kind="chat"), rec, "\\boxed{18}")["correct"] is None
     with pytest.raises(ConfigError, match=r"benchmark.specs.gsm8k.kind='poetry'"):
-        grade({"name": "gsm8k", "kind": "poetry", "loader": "gsm8k"}, rec, "\\boxed{18}")
+        grade(replace(benchmark_spec("gsm8k"), kind="poetry"), rec, "\\boxed{18}")
     # a new benchmark of a known kind needs no code: every shipped spec's kind has a grader
     from d3d.config import config_dir
 
-    kinds = {benchmark_spec(p.stem)["kind"] for p in (config_dir() / "benchmark").glob("*.yaml")
+    kinds = {benchmark_spec(p.stem).kind for p in (config_dir() / "benchmark").glob("*.yaml")
              if p.stem not in ("all", "all_plus")}
     assert kinds <= set(GRADERS), kinds
+
+
+KILLED_GRADER = "import sys\nsys.path.insert(0, {src!r})\nfrom d3d.grading import run_python\nrun_python({program!r}, 120)\n"
+
+
+def test_a_grader_killed_mid_grade_leaves_nothing_running_or_on_disk(tmp_path):
+    """SIGKILL the grading process while its program (and a child of it) runs: both used to live on,
+    reparented, with their temporary directory left behind."""
+    from tests.conftest import ROOT
+
+    hexpart = uuid.uuid4().hex
+    marker = f"d3d-canary-{hexpart}"  # only the grandchild's command line holds it whole
+    program = (f"import subprocess, sys, time\n"
+               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', 'd3d-canary-' + {hexpart!r}])\n"
+               f"time.sleep(120)\n")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER.format(src=str(ROOT / "src"), program=program)],
+                              env={**os.environ, "TMPDIR": str(tmpdir)})
+    deadline = time.time() + 60
+    while not alive_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert alive_with(marker), "the graded program never started"
+    grader.kill()
+    grader.wait()
+    left = lambda: alive_with(marker) + alive_with(str(tmpdir)) + [p.name for p in tmpdir.iterdir()]
+    deadline = time.time() + 10
+    while left() and time.time() < deadline:
+        time.sleep(0.1)
+    try:
+        assert left() == []
+    finally:  # a failing run does not leave its canaries behind
+        for pid in alive_with(marker) + alive_with(str(tmpdir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_process_count_is_limited_for_root_too():
+    """RLIMIT_NPROC does not bind root: a fork loop used to get every process it asked for."""
+    program = ("import os, time\nn = 0\nfor _ in range(30):\n    try:\n        pid = os.fork()\n"
+               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n"
+               "    n += 1\nassert n < 30, f'{n} processes forked under a limit of 4'\n")
+    ok, err = run_python(program, timeout_s=20, limits=Limits(processes=4))
+    assert ok, err
+    assert isolation()["processes"].startswith("RLIMIT_NPROC"), isolation()
+
+
+def test_isolation_is_described_and_weaker_isolation_is_one_warning_line():
+    from d3d.grading import isolation_warning
+
+    facts = isolation()
+    assert {"namespaces", "network", "pids", "filesystem", "processes", "limits"} <= set(facts)
+    fallback = {**facts, "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable"}
+    line = isolation_warning(fallback)
+    assert "\n" not in line and "use the network, write files as this user, signal the grader" in line
+    full = {**facts, "network": "unshared", "pids": "namespace", "filesystem": "readonly",
+            "processes": "RLIMIT_NPROC for real uid 65534"}
+    assert isolation_warning(full) is None

@@ -16,16 +16,16 @@ MASK, PAD = 99, 0
 
 
 def test_slot_weights():
-    w = slot_weights(ObjectiveConfig(block_size=16, gamma=7.0))
+    w = slot_weights(ObjectiveConfig.shipped(16, gamma=7.0))
     assert w[0] == 1.0 and math.isclose(w[7].item(), math.exp(-1), rel_tol=1e-6)
     assert math.isclose(weight_of_draft(8, 7.0), math.exp(-1))
-    assert slot_weights(ObjectiveConfig(block_size=4, uniform_weights=True)).tolist() == [1, 1, 1, 1]
+    assert slot_weights(ObjectiveConfig.shipped(4, uniform_weights=True)).tolist() == [1, 1, 1, 1]
 
 
 def test_pack_hand_case():
     # prompt [10, 11], response [12, 13, 14]; B = 3, anchors at 1 (last prompt token) and 3.
     ex = Example([10, 11, 12, 13, 14], prompt_len=2)
-    cfg = ObjectiveConfig(block_size=3, gamma=2.0)
+    cfg = ObjectiveConfig.shipped(3, gamma=2.0)
     b = pack([ex], cfg, MASK, PAD, torch.Generator(), [torch.tensor([1, 3])])
     assert b.input_ids.tolist() == [[10, 11, 12, 13, 14, 11, MASK, MASK, 13, MASK, MASK]]
     assert b.layout.pos.tolist() == [[0, 1, 2, 3, 4, 1, 2, 3, 3, 4, 5]]
@@ -39,7 +39,7 @@ def test_pack_hand_case():
 
 def test_no_bonus_slot_option():
     ex = Example([10, 11, 12, 13, 14], prompt_len=2)
-    b = pack([ex], ObjectiveConfig(block_size=3, predict_bonus=False), MASK, PAD, torch.Generator(), [torch.tensor([1])])
+    b = pack([ex], ObjectiveConfig.shipped(3, predict_bonus=False), MASK, PAD, torch.Generator(), [torch.tensor([1])])
     assert b.dn_targets.tolist() == [12, 13]
 
 
@@ -47,13 +47,13 @@ def test_anchor_sampling_stays_in_the_response():
     ex = Example(list(range(100, 160)), prompt_len=20)
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        a = sample_anchors(ex, ObjectiveConfig(block_size=4, anchors_per_seq=8), g)
+        a = sample_anchors(ex, ObjectiveConfig.shipped(4, anchors_per_seq=8), g)
         assert len(a) == 8 and len(set(a.tolist())) == 8
         assert a.min() >= 19 and a.max() <= 58 and a.tolist() == sorted(a.tolist())
-    a = sample_anchors(ex, ObjectiveConfig(block_size=4, anchors_per_seq=100, block_aligned=True), g)
+    a = sample_anchors(ex, ObjectiveConfig.shipped(4, anchors_per_seq=100, block_aligned=True), g)
     assert a.tolist() == list(range(19, 59, 4))
     short = Example([1, 2, 3], prompt_len=2)
-    assert sample_anchors(short, ObjectiveConfig(anchors_per_seq=8), g).tolist() == [1]
+    assert sample_anchors(short, ObjectiveConfig.shipped(16, anchors_per_seq=8), g).tolist() == [1]
 
 
 def layerless_lm(vocab: int = 8):
@@ -74,7 +74,7 @@ def test_loss_weighting_and_ar_switch():
     L_denoise (slot-weighted) + λ·L_AR, and λ = 0 drops the AR term."""
     lm = layerless_lm()
     ex = Example([1, 2, 3, 4, 5], prompt_len=2)
-    cfg = ObjectiveConfig(block_size=3, gamma=2.0)
+    cfg = ObjectiveConfig.shipped(3, gamma=2.0)
     b = pack([ex], cfg, 7, 0, torch.Generator(), [torch.tensor([1, 3])])
     m1 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=1.0)(b)[1])
     m0 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=0.0, loss_chunk_rows=2)(b)[1])  # chunks change nothing

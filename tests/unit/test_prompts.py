@@ -6,6 +6,7 @@ import pytest
 
 from d3d.data.benchmarks import load_benchmark, normalise_text
 from d3d.data.prompts import EmptyPromptSetError, benchmark_spec, load_prompt_set
+from d3d.settings import bind_config
 from tests.conftest import FIXTURES, compose
 
 EVAL = ["gsm8k", "math500", "aime24", "aime25", "humaneval", "mt_bench"]
@@ -13,7 +14,7 @@ EVAL = ["gsm8k", "math500", "aime24", "aime25", "humaneval", "mt_bench"]
 
 def test_cpu_prompts_disjoint_from_every_eval_subset(cache_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = compose("generate").data
+    cfg = bind_config(compose("generate"), "generate").data
     cfg.limit = None
     prompts = load_prompt_set(cfg, cache_dir)
     assert len(prompts) == (1319 - 128) + (311 - 128)
@@ -27,14 +28,14 @@ def test_cpu_prompts_disjoint_from_every_eval_subset(cache_dir, monkeypatch):
 
 def test_limit_is_seeded(cache_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = compose("generate").data
+    cfg = bind_config(compose("generate"), "generate").data
     a = [p.id for p in load_prompt_set(cfg, cache_dir)]
     b = [p.id for p in load_prompt_set(cfg, cache_dir)]
     assert a == b and len(a) == cfg.limit
 
 
 def test_local_prompt_file(cache_dir):
-    cfg = compose("generate", ["data=local", f"data.local_file={FIXTURES / 'prompts.jsonl'}"]).data
+    cfg = bind_config(compose("generate", ["data=local", f"data.local_file={FIXTURES / 'prompts.jsonl'}"]), "generate").data
     prompts = load_prompt_set(cfg, cache_dir)
     assert [p.id for p in prompts] == ["p0", "p1", "p2", "p3", "p4", "p5"]
     assert prompts[1].messages == [{"role": "user", "content": "Count to five."}]
@@ -43,6 +44,30 @@ def test_local_prompt_file(cache_dir):
 def test_empty_prompt_set_fails_early(cache_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    cfg = compose("generate", ["data=local", f"data.local_file={empty}"]).data
+    cfg = bind_config(compose("generate", ["data=local", f"data.local_file={empty}"]), "generate").data
     with pytest.raises(EmptyPromptSetError, match="empty"):
+        load_prompt_set(cfg, cache_dir)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "yo"\n', r"prompts.jsonl:2 is not JSON"),
+    ('{"id": "a", "prompt": "hi"}\n{"id": "b", "promt": "yo"}\n',
+     r"prompts.jsonl:2: a prompt row needs 'prompt': .* its fields are \['id', 'promt'\]\. Fix"),
+    ('{"id": "a", "messages": [{"role": "system", "content": "x"}]}\n', r"prompts.jsonl:1: a prompt row needs"),
+])
+def test_a_malformed_prompt_file_names_its_file_and_line(cache_dir, tmp_path, text, match):
+    """These were a JSONDecodeError, a KeyError or a StopIteration naming neither file nor line."""
+    from d3d.data.benchmarks import MalformedFile
+
+    (tmp_path / "prompts.jsonl").write_text(text)
+    cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'prompts.jsonl'}"]).data
+    with pytest.raises(MalformedFile, match=match):
+        load_prompt_set(cfg, cache_dir)
+
+
+def test_a_missing_prompt_file_is_one_line_with_the_key(cache_dir, tmp_path):
+    from d3d.config import ConfigError
+
+    cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'nope.jsonl'}"]).data
+    with pytest.raises(ConfigError, match=r"^data.local_file=.*nope.jsonl: .* is not a file\. Fix"):
         load_prompt_set(cfg, cache_dir)

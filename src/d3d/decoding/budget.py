@@ -187,7 +187,7 @@ def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap:
 def greedy_pairs(target, tok, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int]) -> list[tuple[list[int], int]]:
     """(prompt + the target's greedy response, prompt length) per prompt: calibration text for
     the offline hit rates (they are exact on the target's own greedy output)."""
-    from d3d.decoding.engine import DecodeConfig, SpecGenerator
+    from d3d.decoding import DecodeConfig, SpecGenerator
 
     ar = SpecGenerator(target, tok, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens), eos)
     return [(ids + ar.generate([ids]).token_ids[0], len(ids)) for ids in prompt_ids]

@@ -1,8 +1,9 @@
-"""Decoding methods: one step object per method behind one seam (the driver is engine.SpecGenerator).
+"""Decoding methods: one step class per method behind one seam, and the one config they read.
 
-A round, as the driver runs it:
+A round, as the driver (d3d.decoding.engine.SpecGenerator) runs it:
 
-    step.propose(r)        drafts for this round: r.drafts (b, B-1), r.q (their distributions, T > 0)
+    step.propose(r)        drafts for this round: r.drafts (b, B-1), r.q (their distributions, T > 0;
+                           None for drafts that are no sample, verified as certain)
     driver                 launches the target's verify pass over [pending, drafts]
     step.beside_verify(r)  work that overlaps verification (async: the tray pass)
     driver                 accept / reject on the device: r.accepted, r.token
@@ -11,29 +12,107 @@ A round, as the driver runs it:
     step.commit(r, host, most)  bookkeeping that needs the host's view (the drafter's cache)
     step.retire(keep, keep_list) finished rows leave
 
-So a new method (a tree of drafts, say) is one new class here and one line in METHODS; nothing in
-the driver, eval or report changes. Each class says whether it needs a drafter, its block size and
-its packed budget (tokens of drafter work beside verification).
+A step is built with its DecodeConfig and the driver's `Passes` (d3d.decoding.passes: prefill,
+verify and draft passes, the sampling generator, the side stream / worker thread), never the driver
+itself. Each class declares what the rest of the code asks of it: `keys` (the DecodeConfig fields
+it reads beyond EVERY_METHOD_KEYS: its decode file holds exactly these, eval records and lends
+them), `needs_drafter`, `block_size(cfg)`, `budget(cfg)` (drafter tokens beside verification) and
+`overlaps` (its beside_verify work runs on a side stream / worker thread, per decode.overlap).
+So a new chain method is one class here, registered with `@register(name)`, one
+conf/decode/<name>.yaml and one defaults line in conf/eval.yaml; nothing in the driver, eval or
+report changes, and a subclass registered under another name keeps what its class says.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from d3d.decoding.engine import DecodeConfig, Round, _on
 from d3d.decoding.kv import KVState
+from d3d.decoding.passes import Passes, Round, _on
 from d3d.decoding.verify import Sampling, draft_from, probs
+from d3d.errors import ConfigError
 from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, Layout, block_layout, concat
 
+# How passes run (docs/design.md, Backends): eager (HF's dynamic cache, the reference) | static
+# (preallocated slots) | compiled (static + torch.compile; CUDA graphs on CUDA) | frozen (compiled,
+# weights folded into the graph: prepacked for oneDNN on CPU)
+BACKENDS = ("eager", "static", "compiled", "frozen")
+MAX_BLOCK = 256  # far above any trained drafter (16); 1000 used to run for minutes before anything failed
+# what the driver reads for every method: the method, its sampling (0 = greedy) and its backend
+EVERY_METHOD_KEYS = ("method", "temperature", "top_p", "top_k", "backend")
+
+
+@dataclass
+class DecodeConfig:
+    """`decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml, bound by d3d.settings.bind_decode);
+    a method reads EVERY_METHOD_KEYS and its class's `keys`. `max_new_tokens` comes from the caller
+    (eval.max_new_tokens), `stop_strings` from callers of the engine."""
+
+    method: str = "sync"  # a name in METHODS
+    block_size: int = 16
+    C: int = 12  # async: covered rejection slots + 1
+    F: int = 2  # async: alternatives per covered slot
+    coverage: str = "first"  # first | confident
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    overlap: str = "auto"  # auto | stream | thread | none (see Method.overlap_mode)
+    cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
+    backend: str = "eager"  # one of BACKENDS
+    stop_strings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Every setting checked here, before any model loads: a bad value used to fail deep in torch
+        (block_size=0), run silently greedy (temperature=-1) or do nothing (top_p=2)."""
+        def bad(key, allowed):
+            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}")
+
+        method = method_class(self.method)  # a registered name, or the names there are
+        choices = {"coverage": ("first", "confident"), "overlap": ("auto", "stream", "thread", "none"),
+                   "backend": BACKENDS}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+        low = 2 if method.needs_drafter else 1  # a speculative block: the pending token + >= 1 draft
+        if not whole(self.block_size) or not low <= self.block_size <= MAX_BLOCK:
+            bad("block_size", f"an integer in [{low}, {MAX_BLOCK}] for method={self.method} (the drafter's "
+                              "training block size is the right one)")
+        for key, least in (("C", 1), ("F", 0), ("top_k", 0), ("max_new_tokens", 1)):
+            if not whole(getattr(self, key)) or getattr(self, key) < least:
+                bad(key, f"an integer >= {least}" + (" (0 = off)" if key == "top_k" else ""))
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1] (1 = off)")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(float(self.temperature), float(self.top_p), int(self.top_k))
+
+    @property
+    def budget(self) -> int:
+        """Tokens of drafter work beside each verification (async: the packed pass)."""
+        return method_class(self.method).budget(self)
+
 
 class Method:
+    keys: tuple[str, ...] = ()  # DecodeConfig fields read beyond EVERY_METHOD_KEYS
     needs_drafter = True
+    overlaps = False  # beside_verify runs on a side stream (CUDA) or a worker thread, as decode.overlap says
 
-    def __init__(self, gen):
-        self.g, self.cfg = gen, gen.cfg
+    def __init__(self, cfg: DecodeConfig, passes: Passes):
+        self.cfg, self.p = cfg, passes
+
+    @classmethod
+    def reads(cls) -> tuple[str, ...]:
+        """Every DecodeConfig field this method reads: what its decode file holds and eval records."""
+        return (*EVERY_METHOD_KEYS, *cls.keys)
 
     @staticmethod
     def block_size(cfg: DecodeConfig) -> int:
@@ -42,6 +121,25 @@ class Method:
     @staticmethod
     def budget(cfg: DecodeConfig) -> int:
         return 0
+
+    @classmethod
+    def overlap_mode(cls, cfg: DecodeConfig, device: torch.device) -> str:
+        """How beside_verify's work runs: stream | thread | none (none for a method that does not overlap).
+
+        auto = a side CUDA stream on GPU and *serial* on CPU: measured on 2 cores, a drafter worker
+        thread made async slower (TPOT 328 vs 263 ms) and left the process slower afterwards (sync
+        151 -> 219 ms), because two OpenMP teams then fight for the same cores. overlap=thread
+        splits the cores (cpu_threads_drafter) for machines that have cores to spare. DecodeConfig
+        has already refused values outside auto | stream | thread | none."""
+        if not cls.overlaps or cfg.overlap == "none":
+            return "none"
+        if cfg.overlap == "auto":
+            return "stream" if device.type == "cuda" else "none"
+        if cfg.overlap == "stream" and device.type != "cuda":
+            raise ConfigError("decode.overlap=stream needs a CUDA device; use thread or none on CPU")
+        if cfg.overlap == "thread" and device.type == "cuda":  # its worker would use the default stream
+            raise ConfigError("decode.overlap=thread is for CPUs; on CUDA use stream (or auto)")
+        return cfg.overlap
 
     def begin(self, prompts: list[list[int]]) -> None: ...
 
@@ -57,6 +155,25 @@ class Method:
     def retire(self, keep: torch.Tensor, keep_list: list[int]) -> None: ...
 
 
+METHODS: dict[str, type[Method]] = {}  # decode.method -> its class, filled by @register
+
+
+def register(name: str):
+    """`@register("name")` on a Method subclass: decode.method=name runs it."""
+    def add(cls: type[Method]) -> type[Method]:
+        METHODS[name] = cls
+        return cls
+    return add
+
+
+def method_class(name: str, where: str = "decode") -> type[Method]:
+    if name not in METHODS:
+        *most, last = METHODS
+        raise ConfigError(f"{where}.method={name!r}: use {', '.join(most)} or {last}")
+    return METHODS[name]
+
+
+@register("ar")
 class AR(Method):
     """Plain decoding through the same driver: a verify pass over the pending token, no drafts."""
 
@@ -67,25 +184,28 @@ class AR(Method):
         return 1
 
     def propose(self, r):
-        r.drafts = torch.zeros(len(r.pending), 0, dtype=torch.long, device=self.g.device)
+        r.drafts = torch.zeros(len(r.pending), 0, dtype=torch.long, device=self.p.device)
 
 
+@register("sync")
 class Sync(Method):
     """Draft a block, verify it; the drafter's cache commits the accepted text in the next draft pass."""
 
+    keys = ("block_size",)
+
     def begin(self, prompts):
-        g, b = self.g, len(prompts)
-        self.dr = g.new_state(g.drafter, b, 2 * g.B)  # a draft pass: <= B new tokens + the block
-        g.prefill(self.dr, prompts)
+        p, b = self.p, len(prompts)
+        self.dr = p.new_state(p.drafter, b, 2 * p.B)  # a draft pass: <= B new tokens + the block
+        p.prefill(self.dr, prompts)
         # tokens the target committed that the drafter has not seen: pending + accepted drafts
-        self.unc = torch.zeros(b, 0, dtype=torch.long, device=g.device)
-        self.unc_n = torch.zeros(b, dtype=torch.long, device=g.device)
+        self.unc = torch.zeros(b, 0, dtype=torch.long, device=p.device)
+        self.unc_n = torch.zeros(b, dtype=torch.long, device=p.device)
 
     def propose(self, r):
         t = r.clock.mark()
-        q_logits = self.g.draft_pass(self.dr, r.pending, r.next_pos, self.unc, self.unc_n)
+        q_logits = self.p.draft_pass(self.dr, r.pending, r.next_pos, self.unc, self.unc_n)
         r.clock.span(r.stat, "draft_s", t)
-        r.drafts, r.q = draft_from(q_logits[:, : self.g.B - 1], self.cfg.sampling, self.g.gen)
+        r.drafts, r.q = draft_from(q_logits[:, : self.p.B - 1], self.cfg.sampling, self.p.gen)
 
     def settle(self, r):
         self.unc, self.unc_n = torch.cat([r.pending[:, None], r.drafts], dim=1), r.accepted + 1
@@ -98,12 +218,16 @@ class Sync(Method):
         self.unc, self.unc_n = self.unc[keep], self.unc_n[keep]
 
 
+@register("async")
 class Async(Method):
     """While the target verifies, one packed drafter pass prepares the next block for the likely
     outcomes (trays); a row whose outcome has a tray starts its next round at once (a hit).
 
-    All drafter work runs on the generator's side stream (`dstream`, CUDA) or, with overlap=thread,
+    All drafter work runs on the passes' side stream (`stream`, CUDA) or, with overlap=thread,
     the tray pass runs in its worker thread; see the engine's module docstring."""
+
+    keys = ("block_size", "C", "F", "coverage", "overlap", "cpu_threads_drafter")
+    overlaps = True
 
     @staticmethod
     def budget(cfg):
@@ -111,16 +235,16 @@ class Async(Method):
         return cfg.block_size * (min(cfg.C - 1, cfg.block_size - 1) * cfg.F + 2)
 
     def begin(self, prompts):
-        g = self.g
-        with _on(g.dstream):
-            self.dr = g.new_state(g.drafter, len(prompts), self.budget(self.cfg), side_stream=True)  # glue + trays
-            g.prefill(self.dr, prompts)
+        p = self.p
+        with _on(p.stream):
+            self.dr = p.new_state(p.drafter, len(prompts), self.budget(self.cfg), side_stream=True)  # glue + trays
+            p.prefill(self.dr, prompts)
         # the next block's logits per row, and which rows hit (host list; device mask for the CUDA path)
         self.prepared, self.hit, self.hit_dev = None, [False] * len(prompts), None
 
     def propose(self, r):
-        g, ds = self.g, self.g.dstream
-        g.lend(ds, r.pending, r.next_pos, self.prepared, self.hit_dev)
+        p, ds = self.p, self.p.stream
+        p.lend(ds, r.pending, r.next_pos, self.prepared, self.hit_dev)
         with _on(ds):
             miss = [i for i, h in enumerate(self.hit) if not h]
             if miss:
@@ -130,9 +254,9 @@ class Async(Method):
                 r.stat["drafted_rows"] = len(miss)
             else:
                 q_logits = self.prepared
-            r.drafts, r.q = draft_from(q_logits[:, : g.B - 1], self.cfg.sampling, g.gen)
+            r.drafts, r.q = draft_from(q_logits[:, : p.B - 1], self.cfg.sampling, p.gen)
             self.q_logits, self.glue_start = q_logits, len(self.dr)
-        g.take(ds, r.drafts, r.q)
+        p.take(ds, r.drafts, r.q)
 
     def _draft_misses(self, r, miss: list[int]) -> torch.Tensor:
         """Drafter logits for every row: the hit rows' prepared blocks, a synchronous draft for the
@@ -141,27 +265,27 @@ class Async(Method):
         rows cost; their KV rows are copied out for it); on CUDA a pass over all rows costs about
         what a pass over a few costs (the weights are read once), so all rows are drafted; so does a
         static backend (a pass over all rows is its one compiled shape)."""
-        g = self.g
-        if self.prepared is None or len(miss) == len(self.hit) or g.device.type == "cuda" or g.static:
-            q_logits = g.draft_pass(self.dr, r.pending, r.next_pos)
+        p = self.p
+        if self.prepared is None or len(miss) == len(self.hit) or p.device.type == "cuda" or p.static:
+            q_logits = p.draft_pass(self.dr, r.pending, r.next_pos)
             if self.prepared is None or len(miss) == len(self.hit):
                 return q_logits
             return torch.where(self.hit_dev[:, None, None], self.prepared, q_logits)
-        idx = torch.tensor(miss, dtype=torch.long, device=g.device)
-        part = g.draft_pass(self.dr.subset(idx), r.pending[idx], r.next_pos[idx])
+        idx = torch.tensor(miss, dtype=torch.long, device=p.device)
+        part = p.draft_pass(self.dr.subset(idx), r.pending[idx], r.next_pos[idx])
         q_logits = self.prepared.clone()
         q_logits[idx] = part
         return q_logits
 
     def beside_verify(self, r):
-        g, ds = self.g, self.g.dstream
+        p, ds = self.p, self.p.stream
         args = (r.pending, r.drafts, self.q_logits, r.next_pos)
         if ds is not None:  # queued on the side stream; its inputs were lent to it before verify
             with _on(ds):
                 t = r.clock.mark(ds)
                 self.future = self._tray_pass(self.dr, *args)
                 r.clock.span(r.stat, "tray_s", t, r.clock.mark(ds))
-        elif g.pool is not None:  # a worker thread (CPU, overlap=thread)
+        elif p.pool is not None:  # a worker thread (CPU, overlap=thread)
 
             @torch.inference_mode()  # grad mode is per thread: the worker needs its own
             def work():
@@ -170,7 +294,7 @@ class Async(Method):
                 r.stat["tray_s"] = time.perf_counter() - t
                 return res
 
-            self.future = g.pool.submit(work)
+            self.future = p.pool.submit(work)
         else:  # serially
             t = r.clock.mark()
             self.future = self._tray_pass(self.dr, *args)
@@ -182,22 +306,22 @@ class Async(Method):
             self.future = self.future.result()
             r.stat["tray_wait_s"] = time.perf_counter() - t
         keys, self.tray_logits = self.future
-        self.g.take(self.g.dstream, keys, self.tray_logits)
+        self.p.take(self.p.stream, keys, self.tray_logits)
         r.hit_idx = self._find_trays(keys, r.accepted, r.token)
 
     def commit(self, r, host, most):
-        g, ds = self.g, self.g.dstream
-        g.lend(ds, r.accepted)
+        p, ds = self.p, self.p.stream
+        p.lend(ds, r.accepted)
         with _on(ds):
             self.dr.keep_first(self.glue_start, r.accepted + 1, most)  # the glue commits pending + accepted drafts
         self.hit, self.hit_dev = [h[2] >= 0 for h in host], r.hit_idx >= 0
         r.stat["hit"] = list(self.hit)
         n = len(host)
-        self.prepared = self.tray_logits[torch.arange(n, device=g.device), r.hit_idx.clamp(min=0)] if any(self.hit) else None
+        self.prepared = self.tray_logits[torch.arange(n, device=p.device), r.hit_idx.clamp(min=0)] if any(self.hit) else None
 
     def retire(self, keep, keep_list):
-        g, ds = self.g, self.g.dstream
-        g.lend(ds, keep)
+        p, ds = self.p, self.p.stream
+        p.lend(ds, keep)
         with _on(ds):
             self.dr.select(keep)
         self.hit, self.hit_dev = [self.hit[i] for i in keep_list], self.hit_dev[keep]
@@ -208,8 +332,8 @@ class Async(Method):
 
     def _tray_pass(self, dr: KVState, pending, drafts, q_logits, next_pos):
         """Glue + trays in one packed pass. Returns (keys (b, n, 2), tray logits (b, n, B, V))."""
-        g, cfg = self.g, self.cfg
-        b, B, s, dev = len(pending), g.B, g.settings, g.device
+        p, cfg = self.p, self.cfg
+        b, B, s, dev = len(pending), p.B, p.settings, p.device
         glue = torch.cat([pending[:, None], drafts], dim=1)
         gpos = next_pos[:, None] + torch.arange(B, device=dev)
         slots = self._covered_slots(q_logits, drafts)  # (b, C-1): slot j = 1..B-1
@@ -232,7 +356,7 @@ class Async(Method):
         layout = concat(Layout(gpos, torch.full_like(gpos, CLEAN), gpos + 1), block_layout(anchor_pos, B))
         h = dr.forward(torch.cat([glue, trays.reshape(b, n * B)], dim=1), layout)
         dr.crop(len(dr) - n * B)  # keep the glue (B slots); verification decides how much of it stays
-        tray_logits = logits_at(g.drafter, h[:, B:].reshape(b, n, B, -1), s.vocab_size).float()
+        tray_logits = logits_at(p.drafter, h[:, B:].reshape(b, n, B, -1), s.vocab_size).float()
         return keys, tray_logits
 
     def _covered_slots(self, q_logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -259,11 +383,3 @@ class Async(Method):
         return torch.where(found, idx, torch.full_like(idx, -1))
 
 
-METHODS: dict[str, type[Method]] = {"ar": AR, "sync": Sync, "async": Async}
-
-
-def method_class(name: str) -> type[Method]:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"decode.method={name!r}: use one of {', '.join(METHODS)}") from None

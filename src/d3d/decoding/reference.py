@@ -14,7 +14,9 @@ import time
 
 import torch
 
-from d3d.decoding.engine import DecodeConfig, GenerationResult, _sync, context_problem
+from d3d.decoding.engine import GenerationResult, context_problem
+from d3d.decoding.methods import DecodeConfig
+from d3d.decoding.passes import _sync
 
 
 class HFGenerate:

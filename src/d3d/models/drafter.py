@@ -24,7 +24,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from d3d.errors import ConfigError
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
+from d3d.specs import DrafterSpec, ModelSpec
 
 
 class TokenizerMismatchError(ValueError):
@@ -155,22 +157,32 @@ def _add_mask_token(model, tokenizer, name: str, vocab_size: int) -> int:
     return mask_id
 
 
-def _from_target(target_path, drafter_cfg, cache_dir, device, dtype):
-    return load_model(target_path, dtype, device), load_tokenizer(target_path)
+def drafter_attention(drafter: DrafterSpec, target: ModelSpec) -> str:
+    """The drafter's attention backend: its own model's (`drafter.model.attn_implementation`) when
+    it names one (init=pretrained), else the target's, which every other init copies. flex_attention
+    puts the training step's d3d mask in a BlockMask (d3d.models.forward; GPU only)."""
+    return (drafter.model or target).attn_implementation
 
 
-def _from_pretrained(target_path, drafter_cfg, cache_dir, device, dtype):
-    path = resolve_model_path(drafter_cfg["model"], cache_dir)
-    return load_model(path, dtype, device), load_tokenizer(path)
+def _from_target(target_path, spec: DrafterSpec, cache_dir, device, dtype, attn):
+    return load_model(target_path, dtype, device, attn), load_tokenizer(target_path)
 
 
-def _random(target_path, drafter_cfg, cache_dir, device, dtype):
+def _from_pretrained(target_path, spec: DrafterSpec, cache_dir, device, dtype, attn):
+    if spec.model is None:
+        raise ValueError(f"drafter {spec.name!r}: init=pretrained needs drafter.model (a model config like "
+                         "conf/target/*.yaml)")
+    path = resolve_model_path(spec.model, cache_dir)
+    return load_model(path, dtype, device, attn), load_tokenizer(path)
+
+
+def _random(target_path, spec: DrafterSpec, cache_dir, device, dtype, attn):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = copy.deepcopy(AutoConfig.from_pretrained(target_path))
-    torch.manual_seed(int(drafter_cfg.get("seed", 1)))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype, device)).to(device)
-    return model, load_tokenizer(target_path)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype, device), attn_implementation=attn)
+    return model.to(device), load_tokenizer(target_path)
 
 
 # drafter.init -> (model, tokenizer) before the d3d additions; `target_layers` keeps a subset of the
@@ -178,30 +190,34 @@ def _random(target_path, drafter_cfg, cache_dir, device, dtype):
 INITS = {"target": _from_target, "target_layers": _from_target, "pretrained": _from_pretrained, "random": _random}
 
 
-def build_drafter(drafter_cfg, target_cfg, cache_dir: str | Path, device: str = "cpu", dtype: str | None = "auto"):
+def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, device: str = "cpu",
+                  dtype: str | None = "auto"):
     """A drafter (model, tokenizer) as conf/drafter/*.yaml describes, ready to train."""
     cache_dir = Path(cache_dir)
-    if drafter_cfg.get("checkpoint"):
-        return load_drafter(drafter_cfg["checkpoint"], device=device, dtype=dtype)
-    target_path = resolve_model_path(target_cfg, cache_dir)
+    attn = drafter_attention(spec, target)
+    if spec.checkpoint:
+        return load_drafter(spec.checkpoint, device=device, dtype=dtype, attn_implementation=attn)
+    target_path = resolve_model_path(target, cache_dir)
     target_tok = load_tokenizer(target_path)
-    init = drafter_cfg["init"]
+    init = spec.init
     if init not in INITS:
         raise ValueError(f"drafter.init={init!r}: use {', '.join(INITS)}")
-    model, tok = INITS[init](target_path, drafter_cfg, cache_dir, device, dtype)
+    model, tok = INITS[init](target_path, spec, cache_dir, device, dtype, attn)
     vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width the target shares
     check_same_tokenizer(tok, target_tok, DrafterSettings())  # before the mask token is added
     settings = DrafterSettings(
-        block_size=int(drafter_cfg["block_size"]),
+        block_size=spec.block_size,
         vocab_size=vocab_size,
         kept_layers=list(range(model.config.num_hidden_layers)),
-        init=init, target=str(target_cfg["name"]),
+        init=init, target=target.name,
     )
-    settings.mask_token_id = _add_mask_token(model, tok, drafter_cfg["mask_token"], settings.vocab_size)
-    settings.tokenizer_fingerprint = tokenizer_fingerprint(tok, ignore=(drafter_cfg["mask_token"],))
+    settings.mask_token_id = _add_mask_token(model, tok, spec.mask_token, settings.vocab_size)
+    settings.tokenizer_fingerprint = tokenizer_fingerprint(tok, ignore=(spec.mask_token,))
     settings.attach(model)
     if init == "target_layers":
-        keep_layers(model, list(drafter_cfg["layers"]))
+        if not spec.layers:
+            raise ValueError(f"drafter {spec.name!r}: init=target_layers needs drafter.layers (target layer indices)")
+        keep_layers(model, list(spec.layers))
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
@@ -226,7 +242,26 @@ def weights_fingerprint(folder: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto"):
-    model = load_model(str(path), dtype, device)
+def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
+    """A folder whose config.json has no `d3d` settings is a plain model (the target's own folder, say),
+    not a drafter: said in one line with the fix, before it loads (it used to be a ValueError traceback)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}={path}: its config.json is empty or torn. Fix: pass a whole drafter folder (the "
+                          f"final/ of a finished d3d.train or d3d.prune run).")
+    if "d3d" not in config:
+        raise ConfigError(f"{key}={path} is a plain model (its config.json has no d3d settings), not a d3d drafter. "
+                          f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or leave {key} unset to "
+                          f"build an untrained drafter from drafter.init.")
+
+
+def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto",
+                 attn_implementation: str | None = "sdpa"):
+    if (Path(path) / "config.json").is_file():  # a plain model folder: one line with the fix, before it loads
+        check_is_drafter(Path(path))
+    model = load_model(str(path), dtype, device, attn_implementation)
     DrafterSettings.of(model)  # fails clearly on a non-drafter folder
     return model, load_tokenizer(str(path))

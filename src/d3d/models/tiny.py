@@ -1,16 +1,15 @@
 """A tiny random-weight causal LM with a byte-level tokenizer and a ChatML template.
 
-Built from a config dict in about a second, with no download: the tests and the `smoke`
+Built from a TinySpec in about a second, with no download: the tests and the `smoke`
 experiment run the real pipeline on it. Weights are seeded, so the same config gives the same model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
-
 import torch
 
+from d3d.specs import TinySpec
 from d3d.utils.io import published
 
 CHATML_TEMPLATE = (
@@ -43,28 +42,27 @@ def build_byte_tokenizer():
     return tok
 
 
-def build_tiny_model(spec: Mapping[str, Any], out_dir: str | Path) -> Path:
+def build_tiny_model(spec: TinySpec, out_dir: str | Path) -> Path:
     """Write a tiny model folder (config, weights, tokenizer) built from `spec`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     tok = build_byte_tokenizer()
-    arch = spec.get("model_type", "llama")
     config = AutoConfig.for_model(
-        arch,
+        spec.model_type,
         vocab_size=len(tok),
-        hidden_size=int(spec.get("hidden_size", 64)),
-        intermediate_size=int(spec.get("intermediate_size", 128)),
-        num_hidden_layers=int(spec.get("num_hidden_layers", 2)),
-        num_attention_heads=int(spec.get("num_attention_heads", 4)),
-        num_key_value_heads=int(spec.get("num_key_value_heads", 2)),
-        max_position_embeddings=int(spec.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(spec.get("tie_word_embeddings", True)),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
-    if arch in ("qwen3",):
+    if spec.model_type in ("qwen3",):
         config.head_dim = config.hidden_size // config.num_attention_heads
-    torch.manual_seed(int(spec.get("seed", 0)))
+    torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with published(out_dir) as tmp:
         model.save_pretrained(tmp)

