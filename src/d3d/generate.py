@@ -17,19 +17,26 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, hydra_job, resolve_path
-from d3d.data.chat import chat_prompt_ids
+from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
-from d3d.models.generation import generate_batch, generation_kwargs
+from d3d.models.engines import check_backend, engine_version, open_backend
 from d3d.settings import bind_config
 from d3d.specs import GenerateConfig
-from d3d.models.target import load_model, load_tokenizer, process_device, process_state, resolve_model_path
+from d3d.models.target import (load_model, load_tokenizer, pick_device, process_device, process_state,
+                               resolve_model_path, torch_dtype)
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.generate")
 
-SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt")
+# What a row depends on, hence the folder's resume key (meta.json "settings"; every row carries them).
+# The backend is one: an engine's greedy rows can differ from transformers' by bf16 near-ties, and
+# one folder holds one backend's rows (docs/results.md, "Generation backends").
+SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt",
+                "backend")
+# A folder written before a key existed was made with its value here (so it still resumes).
+SETTING_DEFAULTS = {"backend": "hf"}
 
 
 class OutputMismatchError(ConfigError):
@@ -44,6 +51,7 @@ def check_output_folder(out_dir: Path, header: dict) -> None:
     import json
 
     old = json.loads(meta_path.read_text())
+    old["settings"] = {**SETTING_DEFAULTS, **old.get("settings", {})}
     for key in ("target", "settings"):
         if old.get(key) != header[key]:
             raise OutputMismatchError(
@@ -63,6 +71,18 @@ def check_context(prompt_ids: dict[str, list[int]], max_new_tokens: int, max_con
         )
 
 
+def max_context(model_path: str) -> int:
+    """The target's context length, from its config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 1 << 30))
+
+
+def dtype_name(dtype: str | None, device: str) -> str:
+    """`target.dtype` as the engines spell it (`auto` resolved as for the hf backend)."""
+    return str(torch_dtype(dtype, pick_device(device))).removeprefix("torch.")
+
+
 def run_generate(cfg: DictConfig) -> Path:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
     time per folder: a second writer would answer every prompt again."""
@@ -74,6 +94,7 @@ def run_generate(cfg: DictConfig) -> Path:
 def _generate(cfg: GenerateConfig) -> Path:
     gen = cfg.generate
     state = process_state()
+    check_backend(gen.backend, state.num_processes)  # before the prompts and the model load
     torch.manual_seed(cfg.seed + state.process_index)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
@@ -89,13 +110,21 @@ def _generate(cfg: GenerateConfig) -> Path:
 
     done = {row["id"] for row in read_responses(out_dir)}
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path, cfg.target.dtype, process_device(state, cfg.target.device),
-                       cfg.target.attn_implementation)
+    if gen.enable_thinking:  # a template without the switch would silently ignore it
+        require_thinking_switch(tokenizer, "generate.enable_thinking")
     ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in prompts}
     check_context({p.id: ids[p.id] for p in prompts if p.id not in done}, gen.max_new_tokens,
-                  int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+                  max_context(model_path))
+    device = process_device(state, cfg.target.device)
+    backend = open_backend(
+        gen.backend, model_path, gen, tokenizer, stop_ids(tokenizer, model_path),
+        dtype_name(cfg.target.dtype, device), cfg.seed,
+        lambda: load_model(model_path, cfg.target.dtype, device, cfg.target.attn_implementation))
     if state.is_main_process:
-        write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "run": run_info(model.device)})
+        engine = {"backend": gen.backend, "version": engine_version(gen.backend),
+                  "options": dict(getattr(gen, gen.backend, None) or {})}
+        write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "engine": engine,
+                                           "run": run_info(pick_device(device))})
 
     # Batches are cut from the whole prompt set, done or not, and process r takes batches r, r+n, ...:
     # a batch's members and (when sampling) its random stream are the same in a resumed run as in an
@@ -107,16 +136,14 @@ def _generate(cfg: GenerateConfig) -> Path:
             if any(p.id not in done for p in batch)]
     todo = sum(sum(p.id not in done for p in batch) for _, batch in mine)
     log.info("%d prompts, %d already answered, %d for this process", len(prompts), len(done), todo)
-    kwargs = generation_kwargs(gen, tokenizer, model)
     total_tokens, start = 0, time.perf_counter()
     bar = tqdm(total=todo, desc=f"generate[{state.process_index}]", unit="prompt",
                disable=not gen.progress or not state.is_local_main_process)
     with JsonlWriter(rank_file(out_dir, state.process_index)) as writer:
         for k, members in mine:
-            if gen.do_sample:  # one stream per batch, whatever ran before it in this process
-                torch.manual_seed(cfg.seed * 1_000_003 + k)
             batch = [(p, ids[p.id]) for p in members]
-            results = generate_batch(model, tokenizer, batch, kwargs)
+            # sampling seed: one stream per batch (hf) / per prompt from it (engines), whatever ran before
+            results = backend.generate(batch, cfg.seed * 1_000_003 + k)
             rows = []
             for (prompt, prompt_ids), (resp_ids, reason) in zip(batch, results):
                 if prompt.id in done:  # a batch a kill cut short: its written rows stay as they are
@@ -132,13 +159,14 @@ def _generate(cfg: GenerateConfig) -> Path:
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}")
     bar.close()
+    backend.close()
     elapsed = time.perf_counter() - start
     state.wait_for_everyone()
     rows = read_responses(out_dir)
     if state.is_main_process:
         stats = {"rows": len(rows), "new_rows": todo, "new_tokens": total_tokens,
                  "seconds": round(elapsed, 2), "tokens_per_s": round(total_tokens / max(elapsed, 1e-9), 2),
-                 "batch_size": bs, "processes": state.num_processes}
+                 "batch_size": bs, "processes": state.num_processes, "backend": gen.backend}
         write_json(out_dir / "last_run.json", stats)
         print(f"[d3d.generate] {out_dir}: {len(rows)} rows ({todo} new, {total_tokens} tokens, "
               f"{stats['tokens_per_s']} tok/s)")

@@ -275,7 +275,7 @@ def _prune(cfg: PruneConfig) -> Path:
     torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
+    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
     train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 

@@ -193,6 +193,9 @@ class GenerateSettings:
     limit: Optional[int]
     sort_by_length: bool
     progress: bool
+    backend: str  # hf | vllm | sglang (d3d.models.engines)
+    vllm: dict[str, Any]  # vllm.LLM(**vllm) when backend=vllm
+    sglang: dict[str, Any]  # sglang.Engine(**sglang) when backend=sglang
 
 
 @dataclass
@@ -243,6 +246,7 @@ class StepSettings(ObjectiveKnobs):
     clip: Optional[float]
     freeze_embeddings: bool
     loss_chunk_rows: int
+    allow_mixed_backends: bool  # train on a folder whose rows come from several generate.backend
 
 
 @dataclass

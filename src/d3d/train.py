@@ -93,7 +93,7 @@ class TrainRecipe:
         self.precision = accelerator.mixed_precision  # what accelerate autocasts the step in (auto resolved)
         set_seed(cfg.seed)
         self.out_dir = out_dir = resolve_path(tc.out_dir)
-        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len)
+        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
         self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
 

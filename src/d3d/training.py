@@ -31,9 +31,9 @@ from d3d.specs import TrainConfig, TrainSettings
 # ---------------------------------------------------------------------------- data
 
 
-def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
+def load_examples(responses_dir: Path, max_len: int, allow_mixed_backends: bool = False) -> list[Example]:
     """(prompt + response) token ids of every response row, cut to max_len, sorted by id."""
-    from d3d.data.responses import read_responses
+    from d3d.data.responses import read_responses, row_backends
 
     rows = read_responses(responses_dir)
     if not rows:
@@ -41,6 +41,11 @@ def load_examples(responses_dir: Path, max_len: int) -> list[Example]:
             f"no target responses in {responses_dir}. Fix: run `python -m d3d.generate` with the same "
             "target and data first (or set train.responses_dir)."
         )
+    backends = row_backends(rows)
+    if len(backends) > 1 and not allow_mixed_backends:  # an engine's bf16 rows are another distribution
+        counts = ", ".join(f"{n} rows from {b}" for b, n in sorted(backends.items()))
+        raise ConfigError(f"{responses_dir} mixes responses of several generation backends ({counts}). Fix: "
+                          "train on one backend's folder, or set train.allow_mixed_backends=true to use them all.")
     out = []
     for row in sorted(rows, key=lambda r: r["id"]):
         ids = (row["prompt_ids"] + row["response_ids"])[:max_len]

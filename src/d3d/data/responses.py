@@ -22,3 +22,12 @@ def read_responses(out_dir: str | Path) -> list[dict]:
     for path in sorted(Path(out_dir).glob("responses.rank*.jsonl")):
         rows += list(read_jsonl(path))
     return unique(rows, lambda r: r["id"])
+
+
+def row_backends(rows: list[dict]) -> dict[str, int]:
+    """How many rows each generation backend wrote (rows from before backends existed are `hf`)."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        name = (row.get("settings") or {}).get("backend", "hf")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
