@@ -77,9 +77,10 @@ def test_vllm_rows_match_hf_greedy_and_train_reads_them(tmp_path):
     same = [pid for pid in ref if engine[pid]["response_ids"] == ref[pid]["response_ids"]]
     from d3d.data.chat import stop_ids
     from d3d.models import load_tokenizer, resolve_model_path
+    from d3d.settings import bind_config
     from tests.conftest import compose
 
-    path = resolve_model_path(compose("generate").target, CACHE_DIR)
+    path = resolve_model_path(bind_config(compose("generate"), "generate").target, CACHE_DIR)
     eos = set(stop_ids(load_tokenizer(path), path))
     for pid in ref:  # the prompt is the same tokens; only the engine differs
         assert engine[pid]["prompt_ids"] == ref[pid]["prompt_ids"]

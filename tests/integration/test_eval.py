@@ -274,10 +274,11 @@ def test_nothing_to_run_is_one_line_before_any_model_loads(tmp_path, monkeypatch
 
 def test_the_targets_own_folder_as_drafter_is_one_line_with_the_fix(tmp_path):
     """A plain HF model (no config.d3d) given as the drafter: a ValueError traceback before."""
-    from d3d.config import ConfigError, compose as d3d_compose
+    from d3d.config import ConfigError
     from d3d.models import resolve_model_path
+    from d3d.settings import bind_config
 
-    cfg = compose("eval", SMOKE, tmp_path)
+    cfg = bind_config(compose("eval", SMOKE, tmp_path), "eval")
     target = resolve_model_path(cfg.target, cfg.paths.cache_dir)
     with pytest.raises(ConfigError, match=r"is a plain model \(its config.json has no d3d settings\), not a d3d drafter\. Fix"):
         evaluate(tmp_path, f"drafter.checkpoint={target}")

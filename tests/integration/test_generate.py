@@ -120,23 +120,23 @@ def test_a_sampled_run_resumed_after_a_kill_writes_the_uninterrupted_rows(tmp_pa
     """do_sample: batches are cut from the whole prompt set and each draws from its own seeded
     stream, so a run killed after its first batch and resumed gives exactly the rows of a run that
     was never interrupted (it used to redraw from wherever the process's stream stood)."""
-    import d3d.generate as g
+    from d3d.models.engines import HFBackend
 
     sampled = LOCAL + ["generate.do_sample=true", "generate.batch_size=2", "generate.temperature=1.0"]
     whole = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
         compose("generate", sampled + [f"generate.out_dir={tmp_path}/whole"], tmp_path)))}
-    real, calls = g.generate_batch, []
+    real, calls = HFBackend.generate, []
 
-    def killed_after_one(*args, **kw):
+    def killed_after_one(self, *args, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # stands in for a kill after the first batch reached the disk
-        return real(*args, **kw)
+        return real(self, *args, **kw)
 
-    monkeypatch.setattr(g, "generate_batch", killed_after_one)
+    monkeypatch.setattr(HFBackend, "generate", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
         run_generate(compose("generate", sampled + [f"generate.out_dir={tmp_path}/cut"], tmp_path))
-    monkeypatch.setattr(g, "generate_batch", real)
+    monkeypatch.setattr(HFBackend, "generate", real)
     first = {r["id"] for r in read_responses(tmp_path / "cut")}
     assert len(first) == 2
     resumed = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
