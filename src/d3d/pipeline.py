@@ -17,10 +17,11 @@ Stage wall times go to `<outputs>/pipeline/<run_name>/pipeline.json`.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-from d3d.config import compose, resolve_path, stage_overrides
+from d3d.config import USER_ERRORS, ConfigError, compose, resolve_path, stage_overrides, verbose
 from d3d.settings import bind_config
 from d3d.utils.io import write_json
 
@@ -55,10 +56,12 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     from d3d.prune import run_prune
     from d3d.train import run_train
 
+    from d3d.eval import method_configs
+
     runners = {"generate": run_generate, "train": run_train, "prune": run_prune, "eval": run_eval}
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}: choose from {list(STAGES)}")
+        raise ConfigError(f"unknown stage(s) {', '.join(unknown)}. Fix: choose from {' '.join(STAGES)}.")
     # bound (d3d.settings) as the stages will bind them: a bad key fails here, before any stage runs
     train_cfg = bind_config(stage_config("train", overrides, {}), "train")
     trained = resolve_path(train_cfg.train.out_dir) / "final"
@@ -67,6 +70,14 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
     wiring = {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},
               "eval": {"drafter.checkpoint": str(drafter_for_eval)}}
+    # Every stage's settings, bound as the stage will bind them (ranges and eval's decode files
+    # included), before the first one runs: a bad decode.block_size used to fail after generate,
+    # train and prune had run (~45 minutes on the CPU default).
+    for stage in stages:
+        cfg = stage_config(stage, overrides, wiring[stage])
+        typed = bind_config(cfg, stage)
+        if stage == "eval":
+            method_configs(cfg, typed.eval)
     record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
     record_dir.mkdir(parents=True, exist_ok=True)
     record: dict = {"overrides": overrides, **({"demo": demo} if demo else {}), "stages": {}}
@@ -90,6 +101,16 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except USER_ERRORS as err:  # the jobs' one-line form (d3d.config.hydra_job): the message has the fix
+        if verbose():
+            raise
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="python -m d3d.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every stage, e.g. +experiment=pipeline_cpu")
     parser.add_argument("--stages", nargs="+", default=None, help=f"subset of {' '.join(STAGES)}")

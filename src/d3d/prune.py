@@ -300,6 +300,10 @@ def _prune(cfg: PruneConfig) -> Path:
         model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
                                    dtype="float32")
     model.eval()
+    layers = history[0]["layers"] if history else len(decoder_layers(model))  # the starting drafter's count
+    if pc.num_layers >= layers:  # it used to save a final/ with no layer left and report success
+        raise ConfigError(f"prune.num_layers={pc.num_layers} would remove every layer of a {layers}-layer drafter. "
+                          f"Fix: set prune.num_layers={layers - 1} or fewer.")
     s = DrafterSettings.of(model)
     if tc.freeze_embeddings:
         freeze_embeddings_except_mask(model, s.mask_token_id)

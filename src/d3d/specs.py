@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from d3d.errors import ConfigError
+
 # ---------------------------------------------------------------------------- models
 
 
@@ -175,6 +177,25 @@ class LoggerSpec:
 
 
 # ---------------------------------------------------------------------------- recipe sections
+# Each section checks its own ranges when it is built (at the boundary, before any model loads): a
+# value out of range used to run and fail minutes later, or not fail at all (prune.calib_size=0,
+# train.save_every=0: a ZeroDivisionError after the drafter was built; generate.batch_size=0: nothing
+# generated, rc 0).
+
+
+def at_least(section: str, obj, **lows) -> None:
+    """`section.key` >= low for each key given (None = unset, allowed)."""
+    for key, low in lows.items():
+        value = getattr(obj, key)
+        if value is not None and value < low:
+            raise ConfigError(f"{section}.{key}={value}: must be at least {low}. Fix: set {section}.{key}={low} or more.")
+
+
+def positive(section: str, obj, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"{section}.{key}={value}: must be above 0. Fix: set a positive {section}.{key}.")
 
 
 @dataclass
@@ -196,6 +217,13 @@ class GenerateSettings:
     backend: str  # hf | vllm | sglang (d3d.models.engines)
     vllm: dict[str, Any]  # vllm.LLM(**vllm) when backend=vllm
     sglang: dict[str, Any]  # sglang.Engine(**sglang) when backend=sglang
+
+    def __post_init__(self) -> None:
+        at_least("generate", self, batch_size=1, max_new_tokens=1, limit=1, top_k=0)
+        if self.do_sample:
+            positive("generate", self, "temperature", "top_p")
+            if self.top_p > 1:
+                raise ConfigError(f"generate.top_p={self.top_p}: must be at most 1. Fix: set generate.top_p in (0, 1].")
 
 
 @dataclass
@@ -248,6 +276,11 @@ class StepSettings(ObjectiveKnobs):
     loss_chunk_rows: int
     allow_mixed_backends: bool  # train on a folder whose rows come from several generate.backend
 
+    def __post_init__(self) -> None:
+        at_least("train", self, anchors_per_seq=1, val_size=0, val_max_new_tokens=1, max_len=2, batch_size=1,
+                 loss_chunk_rows=1)
+        positive("train", self, "lr", "gamma")
+
 
 @dataclass
 class TrainSettings(StepSettings):
@@ -269,6 +302,15 @@ class TrainSettings(StepSettings):
     progress: bool
     stop_at_step: Optional[int]
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least("train", self, warmup_steps=0, max_steps=1, grad_accum=1, trainable_from_layer=0, eval_every=0,
+                 save_every=1, log_every=1, stop_at_step=0)
+        positive("train", self, "max_minutes")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ConfigError(f"train.mixed_precision={self.mixed_precision!r}: not a precision. Fix: use auto, no, "
+                              f"bf16 or fp16.")
+
 
 @dataclass
 class PruneSettings:
@@ -285,6 +327,12 @@ class PruneSettings:
     packed_blocks: int
     stop_at_step: Optional[int]
     progress: bool
+
+    def __post_init__(self) -> None:
+        # the layer count's upper bound needs the drafter: d3d.prune checks it before loading weights
+        at_least("prune", self, num_layers=1, calib_size=1, holdout_size=0, recovery_steps=0, packed_blocks=1,
+                 stop_at_step=0)
+        at_least("prune", self, min_retention=0.0)  # 0 = keep removing to num_layers
 
 
 # ---------------------------------------------------------------------------- root configs

@@ -32,3 +32,19 @@ def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch,
     main(args)
     assert (eval_out / "rows.jsonl").read_text() == rows_before
     assert (train_out / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_a_bad_setting_of_a_late_stage_fails_before_the_first_stage_runs(tmp_path, monkeypatch, capsys):
+    """decode.block_size=0 belongs to eval, the last stage: it used to fail after generate, train and
+    prune had run (~45 minutes on the CPU default), with a traceback. Now: one line, exit 2, nothing run."""
+    import pytest
+
+    import d3d.generate
+
+    monkeypatch.setattr(d3d.generate, "run_generate", lambda cfg: pytest.fail("generate ran"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["+experiment=smoke", "decode.block_size=0", f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: decode.block_size=0: an integer in [2, 256]"), err
+    assert not (tmp_path / "data" / "responses").exists()

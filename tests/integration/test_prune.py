@@ -252,3 +252,11 @@ def test_a_last_checkpoint_ahead_of_steps_jsonl_is_refused(root):
     (out / "steps.jsonl").write_text("".join(lines[:2]))  # steps 0 and 1; last/ holds step 2
     with pytest.raises(CorruptFile, match=r"last was saved after steps.jsonl recorded step 2, .* up to step 1.* Fix: delete"):
         prune(root, "ahead")
+
+
+def test_removing_every_layer_is_refused_in_one_line(root):
+    """prune.num_layers at the drafter's layer count used to save a 0-layer final/ and succeed."""
+    from d3d.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^prune.num_layers=4 would remove every layer of a 4-layer drafter. Fix: set prune.num_layers=3"):
+        prune(root, "all_layers", "prune.num_layers=4")
