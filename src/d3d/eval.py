@@ -375,9 +375,14 @@ def grading_isolation(specs) -> dict:
     return facts
 
 
-def run_eval(cfg: DictConfig) -> Path:
-    """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row)."""
+def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
+    """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row).
+    `check_only`: bind the settings, the decode files included, and return None (d3d.pipeline checks
+    every stage before the first runs)."""
     typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
+    if check_only:
+        method_configs(cfg, typed.eval)
+        return None
     with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, typed)
 

@@ -56,8 +56,6 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     from d3d.prune import run_prune
     from d3d.train import run_train
 
-    from d3d.eval import method_configs
-
     runners = {"generate": run_generate, "train": run_train, "prune": run_prune, "eval": run_eval}
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
@@ -75,9 +73,10 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     # train and prune had run (~45 minutes on the CPU default).
     for stage in stages:
         cfg = stage_config(stage, overrides, wiring[stage])
-        typed = bind_config(cfg, stage)
         if stage == "eval":
-            method_configs(cfg, typed.eval)
+            run_eval(cfg, check_only=True)
+        else:
+            bind_config(cfg, stage)
     record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
     record_dir.mkdir(parents=True, exist_ok=True)
     record: dict = {"overrides": overrides, **({"demo": demo} if demo else {}), "stages": {}}
