@@ -84,3 +84,21 @@ def kill_on(n: int, real, when=lambda *a, **k: True):
         return real(*args, **kw)
 
     return fn
+
+
+def conf_with_benchmark(tmp_path: Path, monkeypatch, name: str = "gsm_hard") -> Path:
+    """A copy of conf/ with one more benchmark file (gsm8k's spec under another name), made the
+    config tree of this test: what a researcher adding a benchmark YAML does."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from d3d.config import config_dir
+
+    conf = tmp_path / "conf"
+    shutil.copytree(config_dir(), conf)
+    spec = OmegaConf.load(conf / "benchmark" / "gsm8k.yaml")
+    spec.specs = {name: {**spec.specs.gsm8k, "name": name}}
+    OmegaConf.save(spec, conf / "benchmark" / f"{name}.yaml")
+    monkeypatch.setenv("D3D_CONFIG_DIR", str(conf))
+    return conf

@@ -341,13 +341,21 @@ class PruneSettings:
 
 
 @dataclass
-class GenerateConfig:
+class RootConfig:
+    """What every recipe's root composes: the job's names, the seed, the paths, the target and the
+    prompt set (generate answers it, train and prune read its responses, eval's budget chooser its last
+    prompts)."""
+
     task_name: str
     run_name: str
     seed: int
     paths: PathsSpec
     target: ModelSpec
     data: PromptSetSpec
+
+
+@dataclass
+class GenerateConfig(RootConfig):
     generate: GenerateSettings
     # unread; composed only when an experiment overrides /drafter (generate.yaml's `drafter: null`
     # placeholder lets such an experiment overlay this job too)
@@ -355,41 +363,23 @@ class GenerateConfig:
 
 
 @dataclass
-class TrainConfig:
-    task_name: str
-    run_name: str
-    seed: int
-    paths: PathsSpec
-    target: ModelSpec
+class TrainConfig(RootConfig):
     drafter: DrafterSpec
-    data: PromptSetSpec
     train: TrainSettings
     logger: LoggerSpec
 
 
 @dataclass
-class PruneConfig:
-    task_name: str
-    run_name: str
-    seed: int
-    paths: PathsSpec
-    target: ModelSpec
+class PruneConfig(RootConfig):
     drafter: DrafterSpec
-    data: PromptSetSpec
     train: StepSettings
     prune: PruneSettings
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(RootConfig):
     """eval's sections but `decode` and `methods`, which d3d.eval binds per method (DecodeConfig)."""
 
-    task_name: str
-    run_name: str
-    seed: int
-    paths: PathsSpec
-    target: ModelSpec
     drafter: DrafterSpec
-    data: PromptSetSpec
     benchmark: BenchmarkSuite
     eval: EvalSettings

@@ -61,19 +61,11 @@ def test_resume_refuses_other_settings_allows_a_longer_budget(root):
 def test_a_new_benchmark_file_leaves_a_training_folder_resumable(root, tmp_path, monkeypatch):
     """Adding conf/benchmark/<new>.yaml adds its name to every prompt set's exclude_eval: a run
     resumed with more exclusions resumes; one that would now include an excluded benchmark is refused."""
-    import shutil
-
-    from omegaconf import OmegaConf
-
-    from d3d.config import ConfigError, config_dir
+    from d3d.config import ConfigError
+    from tests.conftest import conf_with_benchmark
 
     first, out = train(root, "new_bench", "train.max_steps=3")
-    conf = tmp_path / "conf"
-    shutil.copytree(config_dir(), conf)
-    spec = OmegaConf.load(conf / "benchmark" / "gsm8k.yaml")
-    spec.specs = {"gsm_hard": {**spec.specs.gsm8k, "name": "gsm_hard"}}
-    OmegaConf.save(spec, conf / "benchmark" / "gsm_hard.yaml")
-    monkeypatch.setenv("D3D_CONFIG_DIR", str(conf))
+    conf_with_benchmark(tmp_path, monkeypatch, "gsm_hard")
     longer, _ = train(root, "new_bench", "train.max_steps=4")
     assert [s for s, _ in losses(longer)] == [1, 2, 3, 4] and losses(longer)[:3] == losses(first)
     with pytest.raises(ConfigError, match=r"\(data\.exclude_eval \(without aime24 aime25 alpaca gsm_hard humaneval "

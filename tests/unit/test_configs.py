@@ -259,14 +259,9 @@ def test_training_prompts_exclude_every_benchmark_file(data, tmp_path):
 
 
 def test_a_new_benchmark_file_is_excluded_from_training_data(tmp_path, monkeypatch):
-    import shutil
+    from tests.conftest import conf_with_benchmark
 
-    conf = tmp_path / "conf"
-    shutil.copytree(config_dir(), conf)
-    spec = OmegaConf.load(conf / "benchmark" / "gsm8k.yaml")
-    spec.specs = {"gsm_hard": {**spec.specs.gsm8k, "name": "gsm_hard"}}
-    OmegaConf.save(spec, conf / "benchmark" / "gsm_hard.yaml")
-    monkeypatch.setenv("D3D_CONFIG_DIR", str(conf))
+    conf_with_benchmark(tmp_path, monkeypatch, "gsm_hard")
     assert "gsm_hard" in compose("train", [], tmp_path).data.exclude_eval
 
 
