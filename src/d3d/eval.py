@@ -32,7 +32,7 @@ from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.methods import method_class
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
-from d3d.models.target import process_device, process_state
+from d3d.models.target import model_fingerprint, process_device, process_state, resolve_model_path
 from d3d.models.drafter import (
     DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
 )
@@ -176,6 +176,8 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
     drafter = cfg.drafter.checkpoint
     folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
     return {"target": cfg.target.name, "dtype": cfg.target.dtype,
+            # which weights, not only which name: another target saved under the same name is refused
+            "target_weights": model_fingerprint(resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))),
             "drafter": str(folder) if folder else f"untrained {cfg.drafter.name}",
             **({"drafter_weights": weights_fingerprint(folder)} if folder else {}),
             "max_new_tokens": ev.max_new_tokens, "enable_thinking": ev.enable_thinking,

@@ -16,15 +16,15 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, resolve_path
+from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path
 from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.engines import check_backend, engine_version, open_backend
 from d3d.settings import bind_config
 from d3d.specs import GenerateConfig
-from d3d.models.target import (load_model, load_tokenizer, pick_device, process_device, process_state,
-                               resolve_model_path, torch_dtype)
+from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, process_device,
+                               process_state, resolve_model_path, torch_dtype)
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
@@ -53,7 +53,8 @@ def check_output_folder(out_dir: Path, header: dict) -> None:
     old = json.loads(meta_path.read_text())
     old["settings"] = {**SETTING_DEFAULTS, **old.get("settings", {})}
     for key in ("target", "settings"):
-        if old.get(key) != header[key]:
+        # keys only one side has are not compared: a folder from before `weights` existed resumes
+        if differing_keys(old.get(key) or {}, header[key]):
             raise OutputMismatchError(
                 f"{out_dir} already holds responses with {key} = {old.get(key)} but this run has "
                 f"{key} = {header[key]}. Mixing them would corrupt the training data. Fix: choose another "
@@ -104,8 +105,10 @@ def _generate(cfg: GenerateConfig) -> Path:
         prompts = prompts[: gen.limit]
     settings = {k: getattr(gen, k) for k in SETTING_KEYS}
     model_path = resolve_model_path(cfg.target, cache_dir)
+    device = process_device(state, cfg.target.device)  # `dtype: auto` resolves per device and CPU
     header = {"target": {"name": cfg.target.name, "path": model_path if not Path(model_path).is_dir()
-                         else cfg.target.name}, "settings": settings}
+                         else cfg.target.name, "weights": model_fingerprint(model_path),
+                         "dtype": dtype_name(cfg.target.dtype, device)}, "settings": settings}
     check_output_folder(out_dir, header)
 
     done = {row["id"] for row in read_responses(out_dir)}
@@ -115,7 +118,6 @@ def _generate(cfg: GenerateConfig) -> Path:
     ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in prompts}
     check_context({p.id: ids[p.id] for p in prompts if p.id not in done}, gen.max_new_tokens,
                   max_context(model_path))
-    device = process_device(state, cfg.target.device)
     backend = open_backend(
         gen.backend, model_path, gen, tokenizer, stop_ids(tokenizer, model_path),
         dtype_name(cfg.target.dtype, device), cfg.seed,

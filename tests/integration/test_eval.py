@@ -466,3 +466,14 @@ def test_reference_generate_rows_time_transformers_generate_beside_our_methods(t
     assert all("speedup_vs_generate_token_weighted" in m for m in per.values())
     assert "× generate" in (out / "summary.md").read_text()
     assert json.loads((out / "run.json").read_text())["methods"]["generate"]["method"] == "transformers generate"
+
+
+def test_another_target_under_the_same_name_is_refused(tmp_path, monkeypatch):
+    """The resume key held the target's name and dtype only: a target with other weights saved under
+    the same target.name was mixed into the folder's rows."""
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]")
+    with pytest.raises(ConfigError, match=r"holds rows made with other settings \(target_weights differ\)"):
+        evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", "target.tiny.num_hidden_layers=3")

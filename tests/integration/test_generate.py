@@ -142,3 +142,14 @@ def test_a_sampled_run_resumed_after_a_kill_writes_the_uninterrupted_rows(tmp_pa
     resumed = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
         compose("generate", sampled + [f"generate.out_dir={tmp_path}/cut"], tmp_path)))}
     assert resumed == whole and len(set(map(tuple, whole.values()))) > 1  # real samples, all equal
+
+
+def test_another_target_under_the_same_name_is_refused(tmp_path, cache_dir):
+    """Other weights (here: one more layer) or another dtype saved under the same target.name used
+    to be mixed into the folder: its resume key held the name only."""
+    run_generate(compose("generate", LOCAL + ["generate.limit=1"], tmp_path))
+    with pytest.raises(OutputMismatchError, match=r"already holds responses with target = .*'weights'"):
+        run_generate(compose("generate", LOCAL + ["generate.limit=2", "target.tiny.num_hidden_layers=3"], tmp_path))
+    with pytest.raises(OutputMismatchError, match=r"'dtype': 'float32'.* but this run has target = .*'dtype': 'bfloat16'"):
+        run_generate(compose("generate", LOCAL + ["generate.limit=2", "target.dtype=bfloat16"], tmp_path))
+    run_generate(compose("generate", LOCAL + ["generate.limit=2"], tmp_path))  # the same target resumes

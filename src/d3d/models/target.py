@@ -112,6 +112,29 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+def model_fingerprint(path: str | Path) -> str:
+    """Which weights a model folder holds, cheaply: its config.json and, per weight file, its name,
+    size and first and last MiB (a safetensors file begins with its header: every tensor's name,
+    dtype and shape). Two folders with other layers, another dtype or other weights differ; hashing
+    every byte of a 16 GB target at each job start would cost tens of seconds. A hub id (no folder)
+    is its own fingerprint. In generate's and eval's resume keys: a different target under the same
+    target.name is refused, not mixed into the folder."""
+    folder = Path(str(path))
+    if not folder.is_dir():
+        return str(path)
+    h = hashlib.sha1()
+    if (folder / "config.json").is_file():
+        h.update((folder / "config.json").read_bytes())
+    for f in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
 def resolve_model_path(spec: ModelSpec, cache_dir: str | Path) -> str:
     """A local folder (or, on a networked node, a hub id) that from_pretrained can load."""
     cache_dir = Path(cache_dir).expanduser().resolve()
