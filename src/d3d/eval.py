@@ -26,13 +26,13 @@ from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
-from d3d.data.chat import chat_prompt_ids, eos_ids
+from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.methods import method_class
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
-from d3d.models.target import model_fingerprint, process_device, process_state, resolve_model_path
+from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
 from d3d.models.drafter import (
     DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
 )
@@ -406,6 +406,8 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
     benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
+    if ev.enable_thinking:  # a template without the switch would change nothing, silently (before loading)
+        require_thinking_switch(load_tokenizer(resolve_model_path(cfg.target, cache)), "eval.enable_thinking")
     grading = grading_isolation([spec for spec, _ in benchmarks]) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)

@@ -477,3 +477,14 @@ def test_another_target_under_the_same_name_is_refused(tmp_path, monkeypatch):
     evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]")
     with pytest.raises(ConfigError, match=r"holds rows made with other settings \(target_weights differ\)"):
         evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", "target.tiny.num_hidden_layers=3")
+
+
+def test_thinking_on_a_template_without_the_switch_is_refused_before_loading(tmp_path, monkeypatch):
+    """eval.enable_thinking=true with a target whose template has no switch changed nothing, silently."""
+    import d3d.eval
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a, **k: pytest.fail("the models loaded first"))
+    with pytest.raises(ConfigError, match=r"^eval.enable_thinking=true but the chat template of .* has no enable_thinking switch"):
+        evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", "eval.enable_thinking=true")
