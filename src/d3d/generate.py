@@ -46,7 +46,9 @@ class OutputMismatchError(ConfigError):
 def check_output_folder(out_dir: Path, header: dict) -> None:
     """A folder belongs to one target and one set of generation settings; say so if not."""
     meta_path = out_dir / "meta.json"
-    if not meta_path.is_file():
+    # a run that failed before its first batch reached the disk left meta.json and no row: nothing
+    # to mix, so it does not bind the folder (it used to refuse every rerun with other settings)
+    if not meta_path.is_file() or not read_responses(out_dir):
         return
     import json
 

@@ -153,3 +153,23 @@ def test_another_target_under_the_same_name_is_refused(tmp_path, cache_dir):
     with pytest.raises(OutputMismatchError, match=r"'dtype': 'float32'.* but this run has target = .*'dtype': 'bfloat16'"):
         run_generate(compose("generate", LOCAL + ["generate.limit=2", "target.dtype=bfloat16"], tmp_path))
     run_generate(compose("generate", LOCAL + ["generate.limit=2"], tmp_path))  # the same target resumes
+
+
+def test_a_start_that_wrote_no_row_does_not_bind_the_folder(tmp_path, cache_dir):
+    """A run that failed after meta.json and before its first row (a crash in the first batch) left a
+    folder that refused every rerun with other settings, though it held no response to mix."""
+    import d3d.generate as g
+    from d3d.models.engines import HFBackend
+
+    def crash(self, *a, **k):
+        raise RuntimeError("out of memory in the first batch")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(HFBackend, "generate", crash)
+        with pytest.raises(RuntimeError):
+            run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=8"], tmp_path))
+    out = run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=12"], tmp_path))
+    assert json.loads((out / "meta.json").read_text())["settings"]["max_new_tokens"] == 12
+    assert len(read_responses(out)) == 6
+    with pytest.raises(g.OutputMismatchError):  # with rows, the folder binds as before
+        run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=8"], tmp_path))
