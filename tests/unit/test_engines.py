@@ -49,7 +49,9 @@ def test_generate_refuses_a_missing_engine_before_reading_prompts_or_loading(mon
 
 
 def _meta(tmp_path, settings):
+    """A folder that holds one response row (a folder with none binds nothing)."""
     (tmp_path / "meta.json").write_text(json.dumps({"target": {"name": "t", "path": "t"}, "settings": settings}))
+    (tmp_path / "responses.rank0.jsonl").write_text(json.dumps({"id": "p0", "response_ids": [1]}) + "\n")
 
 
 def test_a_folder_from_before_backends_resumes_as_hf_and_refuses_an_engine(tmp_path):
