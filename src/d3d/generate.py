@@ -43,12 +43,13 @@ class OutputMismatchError(ConfigError):
     """The output folder holds rows made by a different target or with different settings."""
 
 
-def check_output_folder(out_dir: Path, header: dict) -> None:
-    """A folder belongs to one target and one set of generation settings; say so if not."""
+def check_output_folder(out_dir: Path, header: dict, holds_rows: bool) -> None:
+    """A folder belongs to one target and one set of generation settings; say so if not.
+    `holds_rows`: whether any response row is in it (the caller has read them already)."""
     meta_path = out_dir / "meta.json"
     # a run that failed before its first batch reached the disk left meta.json and no row: nothing
     # to mix, so it does not bind the folder (it used to refuse every rerun with other settings)
-    if not meta_path.is_file() or not read_responses(out_dir):
+    if not meta_path.is_file() or not holds_rows:
         return
     import json
 
@@ -111,9 +112,8 @@ def _generate(cfg: GenerateConfig) -> Path:
     header = {"target": {"name": cfg.target.name, "path": model_path if not Path(model_path).is_dir()
                          else cfg.target.name, "weights": model_fingerprint(model_path),
                          "dtype": dtype_name(cfg.target.dtype, device)}, "settings": settings}
-    check_output_folder(out_dir, header)
-
     done = {row["id"] for row in read_responses(out_dir)}
+    check_output_folder(out_dir, header, holds_rows=bool(done))
     tokenizer = load_tokenizer(model_path)
     if gen.enable_thinking:  # a template without the switch would silently ignore it
         require_thinking_switch(tokenizer, "generate.enable_thinking")

@@ -68,15 +68,13 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
     wiring = {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},
               "eval": {"drafter.checkpoint": str(drafter_for_eval)}}
-    # Every stage's settings, bound as the stage will bind them (ranges and eval's decode files
-    # included), before the first one runs: a bad decode.block_size used to fail after generate,
-    # train and prune had run (~45 minutes on the CPU default).
-    for stage in stages:
-        cfg = stage_config(stage, overrides, wiring[stage])
-        if stage == "eval":
-            run_eval(cfg, check_only=True)
-        else:
-            bind_config(cfg, stage)
+    # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
+    # decode files, before the first stage runs: a bad decode.block_size used to fail after
+    # generate, train and prune had run (~45 minutes on the CPU default).
+    if "generate" in stages:
+        bind_config(stage_config("generate", overrides, wiring["generate"]), "generate")
+    if "eval" in stages:
+        run_eval(stage_config("eval", overrides, wiring["eval"]), check_only=True)
     record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
     record_dir.mkdir(parents=True, exist_ok=True)
     record: dict = {"overrides": overrides, **({"demo": demo} if demo else {}), "stages": {}}

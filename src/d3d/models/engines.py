@@ -22,7 +22,7 @@ import importlib.util
 from typing import Any, Callable
 
 from d3d.config import ConfigError
-from d3d.models.generation import split_response
+from d3d.models.generation import generate_batch, generation_kwargs, split_response
 
 Batch = list[tuple[Any, list[int]]]  # (prompt, prompt token ids)
 Result = list[tuple[list[int], str]]  # (response ids, finish reason "stop" | "length")
@@ -74,18 +74,15 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model, tokenizer, gen) -> None:
-        from d3d.models.generation import generate_batch, generation_kwargs
-
         self.model, self.tokenizer = model, tokenizer
         self._kwargs = generation_kwargs(gen, tokenizer, model)
-        self._generate = generate_batch
 
     def generate(self, batch: Batch, seed: int) -> Result:
         import torch
 
         if self._kwargs["generation_config"].do_sample:  # one stream per batch, whatever ran before it
             torch.manual_seed(seed)
-        return self._generate(self.model, self.tokenizer, batch, self._kwargs)
+        return generate_batch(self.model, self.tokenizer, batch, self._kwargs)
 
     def close(self) -> None:
         pass
