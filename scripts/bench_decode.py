@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from d3d.config import compose, resolve_path
-from d3d.settings import bind_config
+from d3d.settings import bind_config, check_decode_cost
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
@@ -93,6 +94,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = bind_config(compose("eval", args.overrides), "eval")
     cache = resolve_path(cfg.paths.cache_dir)
+    budgets = [tuple(int(x) for x in b.split("x")) for b in args.budgets]
+    # every sync and async setting against this device's memory, before the models load
+    check_decode_cost({**{f"d3d_sync_b{B}": DecodeConfig(method="sync", block_size=B, max_new_tokens=args.max_new_tokens)
+                          for B in args.block_sizes},
+                       **{f"d3d_async_c{C}_f{F}": DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F,
+                                                               max_new_tokens=args.max_new_tokens) for C, F in budgets}},
+                      cfg.target, replace(cfg.drafter, checkpoint=args.drafter), cache)
     path, tok, target = load_target(cfg.target, cache)
     drafter, drafter_tok = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
     for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
@@ -130,8 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         for B in args.block_sizes:
             methods[f"d3d_sync_b{B}{tag}"] = our_call(
                 SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=B, backend=backend), eos))
-        for budget in args.budgets:
-            C, F = (int(x) for x in budget.split("x"))
+        for C, F in budgets:
             dc = DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F, overlap=args.overlap,
                               backend=backend)
             methods[f"d3d_async_c{C}_f{F}({dc.budget}tok){tag}"] = our_call(SpecGenerator(target, tok, drafter, dc, eos))

@@ -37,7 +37,7 @@ from d3d.models.drafter import (
     DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
 )
 from d3d.grading import grade, isolation, isolation_warning
-from d3d.settings import bind_config, bind_decode, decode_keys
+from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.checkpoints import drafter_folder
@@ -383,7 +383,8 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
     every stage before the first runs)."""
     typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
     if check_only:
-        method_configs(cfg, typed.eval)
+        check_decode_cost(method_configs(cfg, typed.eval), typed.target, typed.drafter,
+                          resolve_path(typed.paths.cache_dir), max(typed.eval.concurrency))
         return None
     with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, typed)
@@ -402,6 +403,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
               f"with eval.out_dir={out_dir}", flush=True)
     cache = resolve_path(cfg.paths.cache_dir)
     methods = method_configs(raw, ev)
+    check_decode_cost(methods, cfg.target, cfg.drafter, cache, max(ev.concurrency))  # a pass that cannot fit
     key = resume_key(cfg, ev, methods)
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)

@@ -8,6 +8,7 @@ say which keys exist and their types (tests/unit/test_configs.py binds every roo
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,7 +16,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from d3d.config import ConfigError, config_dir
 from d3d.specs import (
-    BenchmarkSpec, EvalConfig, GenerateConfig, PruneConfig, StepSettings, TrainConfig, TrainSettings,
+    BenchmarkSpec, DrafterSpec, EvalConfig, GenerateConfig, ModelSpec, PruneConfig, StepSettings, TrainConfig,
+    TrainSettings,
 )
 
 if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the models
@@ -110,3 +112,53 @@ def bind_decode(node: Any, where: str) -> DecodeConfig:
     if unread:
         raise ConfigError(f"{where}.{unread[0]}: method {method} does not read it (it reads {', '.join(reads)})")
     return bind(DecodeConfig, plain, where)
+
+
+def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, drafter: DrafterSpec | None,
+                      cache_dir: str | Path, batch: int = 1) -> None:
+    """Every method's widest pass against the device's memory, and decode.F against the vocabulary,
+    from the models' config.json only (d3d.decoding.cost): a pass that cannot fit is refused in one
+    line before any weight loads. The one check of eval, the pipeline's up-front check and the bench
+    scripts. `methods` maps the name each was bound under to its config; `batch` = the most requests
+    decoded together (eval.concurrency)."""
+    from d3d.decoding.cost import check_fits, memory_bytes
+    from d3d.decoding.methods import method_class
+    from d3d.models.target import pick_device, resolve_model_path, torch_dtype
+
+    device = str(pick_device(target.device))
+    width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
+    target_path = resolve_model_path(target, cache_dir)
+    shapes = {"target": _shape(target_path, width, target.attn_implementation)}
+    if drafter is not None and any(method_class(dc.method).needs_drafter for dc in methods.values()):
+        shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
+    memory = memory_bytes(device)
+    for name, dc in methods.items():
+        check_fits(dc, method_class(dc.method), name, shapes, batch, memory, device)
+
+
+def _shape(path: str, width: int, attn: str | None):
+    from transformers import AutoConfig
+
+    from d3d.decoding.cost import ModelShape
+
+    return ModelShape.of_config(AutoConfig.from_pretrained(path), width, attn)
+
+
+def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, target_shape, cache_dir, width: int):
+    """The drafter's shape: its checkpoint's config.json, or (a drafter still to be trained, as in the
+    pipeline's up-front check) what its init builds: the target's, a subset of its layers, or the
+    pretrained model's."""
+    from d3d.models.drafter import drafter_attention
+    from d3d.models.target import resolve_model_path
+
+    from d3d.config import resolve_path
+
+    attn = drafter_attention(drafter, target)
+    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
+    if folder is not None and (folder / "config.json").is_file():
+        return _shape(str(folder), width, attn)
+    if drafter.init == "pretrained" and drafter.model is not None:
+        return _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
+    if drafter.init == "target_layers" and drafter.layers:
+        return target_shape.with_layers(len(drafter.layers))
+    return target_shape

@@ -58,3 +58,18 @@ def test_bench_ar_interleaved_smoke(tmp_path, monkeypatch):
     assert [r["method"] for r in res["rows"]] == ["hf_generate", "d3d_ar[eager]", "d3d_ar[static]"]
     assert all(r["equal_rate"] == 1.0 and len(r["per_repeat_s"]) == 2 for r in res["rows"])
     assert json.loads(out.read_text())["run"]["cpu"] and out.with_suffix(".md").exists()
+
+
+def test_a_budget_the_device_cannot_hold_is_refused_before_the_models_load(tmp_path, monkeypatch):
+    import pytest
+
+    from d3d.errors import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg, drafter = smoke_drafter(tmp_path)
+    script = load_script("bench_decode")
+    monkeypatch.setattr(script, "load_target", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    with pytest.raises(ConfigError, match=r"^decode.block_size=256 decode.C=256 decode.F=8 \(method d3d_async_c256_f8"):
+        script.main(["--drafter", str(drafter), "--block-sizes", "256", "--budgets", "256x8",
+                     "--out", str(tmp_path / "bench.json"), "+experiment=smoke",
+                     f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])

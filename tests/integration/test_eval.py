@@ -244,6 +244,24 @@ def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch)
             evaluate(tmp_path, bad)
 
 
+@pytest.mark.parametrize("bad, message", [
+    # 256 x (255 x 8 + 2) = 522752 tray tokens: a mask of ~1 TiB, so refused on any machine
+    (["decode.block_size=256", "decode.C=256", "decode.F=8"],
+     r"^decode.block_size=256 decode.C=256 decode.F=8 \(method async, batch 1\): the drafter's widest pass runs "
+     r"522752 tokens .* Fix: lower decode.C or decode.F"),
+    (["decode.F=300"], r"^decode.F=300 \(method async\): .* at most 259"),  # crashed in topk after loading
+])
+def test_a_pass_the_device_cannot_hold_is_refused_before_any_model_loads(tmp_path, monkeypatch, bad, message):
+    """The packed pass had no bound: `decode.block_size=256 decode.C=256` passed validation and built a
+    17 GB mask at toy size; F above the vocabulary failed after the models loaded."""
+    import d3d.eval
+    from d3d.config import ConfigError
+
+    monkeypatch.setattr(d3d.eval, "load_target", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    with pytest.raises(ConfigError, match=message):
+        evaluate(tmp_path, *bad)
+
+
 @pytest.mark.parametrize("local, match", [
     ("typo.jsonl", r"benchmark.specs.gsm8k.local_file=.*typo.jsonl: .* is not a file"),  # used to run the shipped data
     ("broken.jsonl", r"broken.jsonl:2 is not JSON"),  # a traceback after the models loaded

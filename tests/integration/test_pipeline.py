@@ -48,3 +48,19 @@ def test_a_bad_setting_of_a_late_stage_fails_before_the_first_stage_runs(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: decode.block_size=0: an integer in [2, 256]"), err
     assert not (tmp_path / "data" / "responses").exists()
+
+
+def test_a_packed_pass_too_wide_for_the_device_fails_before_the_first_stage_runs(tmp_path, monkeypatch, capsys):
+    """The pipeline's up-front check binds eval's decode settings and bounds their cost too: one line, nothing run."""
+    import pytest
+
+    import d3d.generate
+
+    monkeypatch.setattr(d3d.generate, "run_generate", lambda cfg: pytest.fail("generate ran"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["+experiment=smoke", "decode.block_size=256", "decode.C=256", "decode.F=8", f"paths.root_dir={tmp_path}",
+              f"paths.cache_dir={CACHE_DIR}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: decode.block_size=256 decode.C=256 decode.F=8 (method async"), err
+    assert not (tmp_path / "data" / "responses").exists()

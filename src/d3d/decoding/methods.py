@@ -123,6 +123,17 @@ class Method:
         return 0
 
     @classmethod
+    def passes(cls, cfg: DecodeConfig) -> dict[str, int]:
+        """The widest pass each model runs, in new tokens: what d3d.decoding.cost bounds by memory.
+        The target verifies [pending, drafts]; a drafter method's widest pass is its own to say."""
+        return {"target": cls.block_size(cfg)}
+
+    @staticmethod
+    def narrower(cfg: DecodeConfig, where: str) -> str:
+        """How to make the widest pass narrower: the fix in d3d.decoding.cost's refusal."""
+        return f"lower {where}.block_size (the drafter's training block size is the right one)"
+
+    @classmethod
     def overlap_mode(cls, cfg: DecodeConfig, device: torch.device) -> str:
         """How beside_verify's work runs: stream | thread | none (none for a method that does not overlap).
 
@@ -193,6 +204,10 @@ class Sync(Method):
 
     keys = ("block_size",)
 
+    @classmethod
+    def passes(cls, cfg):
+        return {"target": cfg.block_size, "drafter": 2 * cfg.block_size}  # <= B tokens to commit + the block
+
     def begin(self, prompts):
         p, b = self.p, len(prompts)
         self.dr = p.new_state(p.drafter, b, 2 * p.B)  # a draft pass: <= B new tokens + the block
@@ -233,6 +248,15 @@ class Async(Method):
     def budget(cfg):
         """Tokens in one packed pass: B * ((C-1)*F + 2), with at most the B-1 draft slots covered."""
         return cfg.block_size * (min(cfg.C - 1, cfg.block_size - 1) * cfg.F + 2)
+
+    @classmethod
+    def passes(cls, cfg):
+        return {"target": cfg.block_size, "drafter": max(cls.budget(cfg), cfg.block_size)}  # the tray pass
+
+    @staticmethod
+    def narrower(cfg, where):
+        return (f"lower {where}.C or {where}.F (the tray pass is B*((C-1)*F + 2) tokens: C=12 F=2 at B=16 is 384), "
+                f"or set {where}.block_size to the drafter's training block size")
 
     def begin(self, prompts):
         p = self.p

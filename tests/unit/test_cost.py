@@ -1,0 +1,73 @@
+"""The memory bound on decoding passes (d3d.decoding.cost), model-free: shapes written by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from d3d.decoding import DecodeConfig
+from d3d.decoding.cost import GIB, ModelShape, check_fits
+from d3d.decoding.methods import method_class
+from d3d.errors import ConfigError
+
+# conf/target/tiny_random.yaml's llama (the smoke target) in fp32: 260 tokens, 2 layers of 64
+TINY = ModelShape(layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=128, vocab=260, tied=True,
+                  dtype_bytes=4, eager=False)
+SHAPES = {"target": TINY, "drafter": TINY}
+
+
+def check(memory_gib: float, batch: int = 1, shapes=SHAPES, **decode):
+    cfg = DecodeConfig(**{"method": "async", "max_new_tokens": 16, **decode})
+    check_fits(cfg, method_class(cfg.method), cfg.method, shapes, batch, int(memory_gib * GIB), "cpu")
+
+
+def test_the_smoke_case_that_asked_for_17_gb_is_refused_naming_its_settings():
+    """decode.block_size=256 decode.C=256: 131072 tray tokens; passed validation and built a 17 GB mask."""
+    with pytest.raises(ConfigError) as err:
+        check(24, block_size=256, C=256)
+    msg = str(err.value)
+    assert msg.startswith("decode.block_size=256 decode.C=256 decode.F=2 (method async, batch 1): the drafter's "
+                          "widest pass runs 131072 tokens over 131088 keys"), msg
+    assert "Fix: lower decode.C or decode.F" in msg and "\n" not in msg
+
+
+def test_the_shipped_budgets_fit_and_the_bound_moves_with_memory_and_batch():
+    check(1, block_size=16, C=12, F=2)  # the paper's 384-token pass: a few MB at this size
+    check(1, block_size=16, C=16, F=5)
+    # 16 x (11 x 100 + 2) = 17632 tokens: ~1.5 GiB of mask and float bias at batch 1
+    check(4, F=100)
+    with pytest.raises(ConfigError, match=r"\(method async, batch 4\).*Fix: .* or fewer requests at once"):
+        check(4, batch=4, F=100)
+
+
+def test_eager_attention_counts_the_score_matrix_of_every_head():
+    eager = ModelShape(**{**TINY.__dict__, "eager": True})
+    check(4, F=100)
+    with pytest.raises(ConfigError, match="attention"):
+        check(4, shapes={"target": eager, "drafter": eager}, F=100)
+
+
+@pytest.mark.parametrize("F, ok", [(259, True), (260, False), (1000, False)])
+def test_F_is_at_most_the_vocabulary_less_the_drafted_token(F, ok):
+    """F above the vocabulary crashed in topk after the models loaded."""
+    if ok:
+        check(10_000, block_size=2, F=F)
+    else:
+        with pytest.raises(ConfigError, match=rf"decode.F={F} \(method async\): .* at most 259 .*Fix: set decode.F=2"):
+            check(10_000, block_size=2, F=F)
+
+
+def test_methods_declare_their_widest_pass():
+    assert method_class("ar").passes(DecodeConfig(method="ar")) == {"target": 1}
+    assert method_class("sync").passes(DecodeConfig(method="sync", block_size=8)) == {"target": 8, "drafter": 16}
+    cfg = DecodeConfig(method="async", block_size=16, C=12, F=2)
+    assert method_class("async").passes(cfg) == {"target": 16, "drafter": cfg.budget} and cfg.budget == 384
+
+
+def test_weights_count_against_the_memory():
+    """A 7B-like shape in bf16: its weights alone (~13 GiB) leave a 16 GiB device little room."""
+    big = ModelShape(layers=32, heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, vocab=151936,
+                     tied=False, dtype_bytes=2, eager=False)
+    assert 12 * GIB < big.weight_bytes() < 16 * GIB
+    check(80, shapes={"target": big, "drafter": big}, block_size=16, C=12, F=2)
+    with pytest.raises(ConfigError, match="with the weights"):
+        check(16, shapes={"target": big, "drafter": big}, block_size=16, C=12, F=2)
