@@ -106,11 +106,18 @@ SCORERS = {"acceptance": score_by_acceptance, "similarity": _by_similarity, "las
 UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
 
 
+def scorer(method: str):
+    """The scorer prune.method names; checked when the run starts, before the drafter loads (a
+    misspelt method used to fail at step 1, after the drafter was built and measured)."""
+    if method not in SCORERS:
+        raise ConfigError(f"prune.method={method!r}: no such pruning criterion. Fix: use one of "
+                          f"{', '.join(sorted(SCORERS))}.")
+    return SCORERS[method]
+
+
 def choose_layer(method: str, model, calib, s: DrafterSettings, progress: bool = True,
                  record: Path | None = None) -> tuple[int, list[float] | None]:
-    if method not in SCORERS:
-        raise ConfigError(f"prune.method={method!r}: use {', '.join(sorted(SCORERS))}")
-    scores = SCORERS[method](model, calib, s, progress, record)
+    scores = scorer(method)(model, calib, s, progress, record)
     layer = max(range(len(scores)), key=lambda i: scores[i])
     return layer, None if method in UNRECORDED else scores
 
@@ -272,6 +279,7 @@ def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: 
 
 def _prune(cfg: PruneConfig) -> Path:
     pc, tc = cfg.prune, cfg.train
+    scorer(pc.method)
     torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -93,15 +93,20 @@ class TrainRecipe:
         self.precision = accelerator.mixed_precision  # what accelerate autocasts the step in (auto resolved)
         set_seed(cfg.seed)
         self.out_dir = out_dir = resolve_path(tc.out_dir)
-        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
-        self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
-        self.val = cut_responses(val, tc.val_max_new_tokens)
-
         resume_dir = out_dir / "last"
         if tc.resume and accelerator.is_main_process:
             recover_checkpoint(out_dir)  # finish a save a kill interrupted (else step 0 and no metrics)
         accelerator.wait_for_everyone()
         resuming = tc.resume and (resume_dir / "trainer_state.json").is_file()
+        self.key = train_resume_key(cfg)
+        self.state = {"step": 0, "elapsed_s": 0.0}
+        if resuming:  # other settings are refused before the data and the drafter load (minutes on the CPU default)
+            self.state = json.loads((resume_dir / "trainer_state.json").read_text())
+            check_same_run(resume_dir, self.state, self.key)
+
+        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
+        self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
+        self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),
                                                 device="cpu", dtype="float32")
         self.settings = settings = DrafterSettings.of(drafter)
@@ -118,11 +123,7 @@ class TrainRecipe:
         scheduler = make_scheduler(optimizer, tc.warmup_steps, tc.max_steps)
         self.step_module, self.optimizer, self.scheduler = accelerator.prepare(step_module, optimizer, scheduler)
 
-        self.key = train_resume_key(cfg)
-        self.state = {"step": 0, "elapsed_s": 0.0}
         if resuming:
-            self.state = json.loads((resume_dir / "trainer_state.json").read_text())
-            check_same_run(resume_dir, self.state, self.key)
             accelerator.load_state(str(resume_dir))
             if accelerator.is_main_process:  # rows of steps after the checkpoint are redone, not doubled
                 kept = trim_rows(out_dir / "metrics.jsonl", lambda r: r["step"] <= int(self.state["step"]))

@@ -79,6 +79,16 @@ def test_resume_refuses_other_settings(root):
 
 
 
+def test_an_unknown_method_is_refused_before_the_drafter_loads(root, monkeypatch):
+    """prune.method=nope used to fail at step 1, after the drafter was built and step 0 measured."""
+    import d3d.prune
+
+    for loader in ("build_drafter", "load_drafter"):
+        monkeypatch.setattr(d3d.prune, loader, lambda *a, **k: pytest.fail("the drafter loaded before the check"))
+    with pytest.raises(ConfigError, match=r"^prune.method='nope': no such pruning criterion. Fix: use one of acceptance"):
+        prune(root, "unknown_method", "prune.method=nope")
+
+
 def test_killed_scoring_resumes_from_its_last_scored_layer(root, monkeypatch):
     """A step scores every layer (minutes each at 0.5B on CPU): scores already made are not redone."""
     import d3d.prune

@@ -58,6 +58,17 @@ def test_resume_refuses_other_settings_allows_a_longer_budget(root):
     assert [s for s, _ in losses(fresh)] == [1, 2] and not any("loss_ar" in r for r in fresh)
 
 
+def test_other_settings_are_refused_before_the_drafter_is_built(root, monkeypatch):
+    """The refusal came after build_drafter: minutes of loading on the CPU default before the one line."""
+    import d3d.train
+    from d3d.config import ConfigError
+
+    train(root, "refused_early", "train.max_steps=3")
+    monkeypatch.setattr(d3d.train, "build_drafter", lambda *a, **k: pytest.fail("the drafter was built before the check"))
+    with pytest.raises(ConfigError, match=r"\(train\.ar_weight differ\).*train.resume=false"):
+        train(root, "refused_early", "train.max_steps=3", "train.ar_weight=0")
+
+
 def test_a_new_benchmark_file_leaves_a_training_folder_resumable(root, tmp_path, monkeypatch):
     """Adding conf/benchmark/<new>.yaml adds its name to every prompt set's exclude_eval: a run
     resumed with more exclusions resumes; one that would now include an excluded benchmark is refused."""

@@ -16,5 +16,6 @@ def test_a_new_pruning_criterion_is_one_registry_entry(tmp_path, monkeypatch):
     layer, scores = p.choose_layer("first", None, [], None)
     assert layer == 0 and scores[0] == 1.0
     assert {"acceptance", "last", "similarity"} <= set(p.SCORERS)  # the shipped ones, at least
-    with pytest.raises(ConfigError, match=f"prune.method='nope': use {', '.join(sorted(p.SCORERS))}"):
+    with pytest.raises(ConfigError, match=f"prune.method='nope': no such pruning criterion. Fix: use one of "
+                                          f"{', '.join(sorted(p.SCORERS))}"):
         p.choose_layer("nope", None, [], None)
