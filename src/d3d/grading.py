@@ -156,27 +156,30 @@ if fs == "readonly":
         libc.mount(None, point.encode(), None, flags, None)  # a mount that refuses stays as it was
     os.chdir(work)  # the cwd still pointed into the mount under the bind, now read-only
 if run_as != "-":
-    # Root: RLIMIT_NPROC binds only a real uid other than 0 without CAP_SYS_ADMIN/CAP_SYS_RESOURCE.
-    # Drop both (from the bounding set too, so an exec does not give them back), then take the real
-    # uid `run_as`; the effective uid stays 0 (files are read as before).
+    # Root: the program becomes uid/gid `run_as` (nobody), with no supplementary groups, before its
+    # code runs, so it cannot write root's files or signal the grader (there may be no namespaces to
+    # stop it), and RLIMIT_NPROC binds it. It keeps one capability, CAP_DAC_READ_SEARCH, so it still
+    # reads the interpreter and its modules wherever they are installed (under /root, mode 0700, say):
+    # reading was never contained. no_new_privs: a set-uid binary it runs does not make it root again.
     class Head(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
     class Caps(ctypes.Structure):
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
     libc = ctypes.CDLL(None, use_errno=True)
-    lift = (1 << 21) | (1 << 24)  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE (both in the first 32 bits)
-    for cap in (21, 24):
-        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    head, caps = Head(0x20080522, 0), (Caps * 2)()  # _LINUX_CAPABILITY_VERSION_3
-    if libc.capget(ctypes.byref(head), caps) == 0:
-        caps[0].effective &= ~lift
-        caps[0].permitted &= ~lift
-        caps[0].inheritable &= ~lift
-        libc.capset(ctypes.byref(head), caps)
+    uid = int(run_as)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setresuid, to be cut below
     try:
-        os.setresuid(int(run_as), 0, 0)
-    except OSError:
-        pass  # a container without CAP_SETUID: no process limit, which isolation() reports (never a failed grade)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        dropped = True
+    except OSError:  # a container without CAP_SETUID: it stays root, which isolation() reports (never a failed grade)
+        dropped = False
+    if dropped:
+        head, caps = Head(0x20080522, 0), (Caps * 2)()  # _LINUX_CAPABILITY_VERSION_3; every other capability dropped
+        caps[0].effective = caps[0].permitted = 1 << 2  # CAP_DAC_READ_SEARCH
+        libc.capset(ctypes.byref(head), caps)
 os.set_inheritable(evidence, False)  # children of the program do not get the pipe
 sys.argv = [path]
 with open(path, encoding="utf-8") as f:
@@ -215,10 +218,8 @@ except ConnectionRefusedError:
     net = 'shared'
 except OSError:
     net = 'unshared'
-try:
-    open(os.path.join(sys.argv[0].rsplit('/', 2)[0], 'outside'), 'w').close(); fs = 'writable'
-except OSError:
-    fs = 'readonly'
+outside = sys.argv[0].rsplit('/', 2)[0]  # the directory above its own: read-only only under a private mount
+fs = 'readonly' if os.statvfs(outside).f_flag & os.ST_RDONLY else 'writable'
 caps = int(next(l for l in open('/proc/self/status') if l.startswith('CapEff')).split()[1], 16)
 uid, mapped = os.getuid(), False  # the kernel counts the uid outside a user namespace (--map-root-user)
 for line in open('/proc/self/uid_map'):
@@ -228,7 +229,7 @@ for line in open('/proc/self/uid_map'):
         break
 binds = uid != 0 and (mapped or not caps & (1 << 21 | 1 << 24))  # a user namespace's caps do not lift it
 print(json.dumps({"network": net, "filesystem": fs, "pids": "namespace" if os.getpid() == 1 else "shared",
-                  "uid": uid, "nproc_binds": binds}))
+                  "uid": uid, "euid": os.geteuid(), "nproc_binds": binds}))
 """
 
 
@@ -238,7 +239,8 @@ def isolation() -> dict:
     it tries to reach the network and to write outside its directory, and reports whether the
     process limit binds it. d3d.eval records this dict in run.json."""
     facts = {"session": True, "rlimits": True, "guardian": True, "namespaces": None, "network": "shared",
-             "pids": "shared", "filesystem": "writable", "processes": "unknown", "limits": asdict(Limits())}
+             "pids": "shared", "filesystem": "writable", "processes": "unknown", "effective_uid": None,
+             "limits": asdict(Limits())}
     chains = [(_unshare_prefix(os.geteuid() == 0), "readonly"), (_unshare_prefix(False), "readonly")]
     for prefix, fs in [*(chains if shutil.which("unshare") else []), ([], "writable")]:
         try:
@@ -248,7 +250,7 @@ def isolation() -> dict:
             continue
         if seen:
             facts.update(namespaces=prefix or None, network=seen["network"], filesystem=seen["filesystem"],
-                         pids=seen["pids"],
+                         pids=seen["pids"], effective_uid=seen["euid"],
                          processes=(f"RLIMIT_NPROC for real uid {seen['uid']}" if seen["nproc_binds"] else
                                     "unlimited (root with CAP_SYS_ADMIN/CAP_SYS_RESOURCE: RLIMIT_NPROC does not bind)"))
             break
@@ -263,10 +265,15 @@ def isolation_warning(facts: dict) -> str | None:
                                      ("a process limit", facts["processes"].startswith("RLIMIT"))] if not ok]
     if not missing:
         return None
+    euid = facts.get("effective_uid")  # a record from before the field: as the grader's own user
+    euid = os.geteuid() if euid is None else euid
+    user = "root" if euid == 0 else "this user" if euid == os.geteuid() else f"uid {euid}"
+    # another uid without CAP_KILL (root's programs run as nobody) cannot signal the grader
+    signals = "a PID namespace" in missing and euid == os.geteuid()
     return (f"graded code runs without {', '.join(missing)} here (unshare {'missing or refused' if not facts['namespaces'] else 'partial'}): "
             f"it can {'use the network, ' if 'a network namespace' in missing else ''}"
-            f"{'write files as this user, ' if 'read-only mounts' in missing else ''}"
-            f"{'signal the grader, ' if 'a PID namespace' in missing else ''}"
+            f"{f'write files as {user}, ' if 'read-only mounts' in missing else ''}"
+            f"{'signal the grader, ' if signals else ''}"
             f"{'fork without bound, ' if 'a process limit' in missing else ''}"
             f"and keeps its time, memory and file-size limits (run.json records what it had)")
 
@@ -365,7 +372,9 @@ def _run_contained(program: str, timeout_s: float, limits: Limits, prefix: list[
         os.write(write_end, sentinel)
         os.close(write_end)
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        run_as = NOBODY if os.geteuid() == 0 else None  # root is not bound by RLIMIT_NPROC (see above)
+        run_as = NOBODY if os.geteuid() == 0 else None  # root runs nothing as root (see _BOOT)
+        if run_as is not None:  # its directory is the one place it may write
+            os.chown(work, run_as, run_as)
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
             try:

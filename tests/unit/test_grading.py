@@ -291,9 +291,44 @@ def test_isolation_is_described_and_weaker_isolation_is_one_warning_line():
 
     facts = isolation()
     assert {"namespaces", "network", "pids", "filesystem", "processes", "limits"} <= set(facts)
-    fallback = {**facts, "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable"}
+    fallback = {**facts, "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable",
+                "effective_uid": os.geteuid()}  # a program that kept the grader's own user
     line = isolation_warning(fallback)
-    assert "\n" not in line and "use the network, write files as this user, signal the grader" in line
+    user = "root" if os.geteuid() == 0 else "this user"
+    assert "\n" not in line and f"use the network, write files as {user}, signal the grader" in line
     full = {**facts, "network": "unshared", "pids": "namespace", "filesystem": "readonly",
             "processes": "RLIMIT_NPROC for real uid 65534"}
     assert isolation_warning(full) is None
+
+
+def test_without_unshare_roots_graded_code_runs_as_nobody(tmp_path, monkeypatch):
+    """Where unshare is missing, root's graded code used to keep effective uid 0: it could write
+    root's files and signal the grader (recorded and warned only). Now it runs as nobody."""
+    if os.geteuid() != 0:
+        pytest.skip("the grader is not root here: its programs already run as its own, unprivileged user")
+    import shutil
+
+    import d3d.grading as grading
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # no unshare on this machine
+    grading.isolation.cache_clear()
+    try:
+        facts = grading.isolation()
+        assert facts["namespaces"] is None and facts["effective_uid"] == grading.NOBODY, facts
+        warning = grading.isolation_warning(facts)
+        assert "use the network, write files as uid 65534" in warning and "signal the grader" not in warning
+        canary = tmp_path / "root_owned.txt"
+        canary.write_text("keep me")
+        program = (f"import os, signal\n"
+                   f"assert os.geteuid() != 0 and os.getegid() != 0, (os.geteuid(), os.getegid())\n"
+                   f"for attempt in (lambda: open({str(canary)!r}, 'w').write('gone'), lambda: os.remove({str(canary)!r}),\n"
+                   f"                lambda: os.kill({os.getpid()}, signal.SIGKILL)):\n"
+                   f"    try:\n        attempt()\n    except PermissionError:\n        pass\n"
+                   f"    else:\n        raise AssertionError('allowed as root would be')\n"
+                   f"open('scratch.txt', 'w').write('its own directory is writable')\n"
+                   f"import json, decimal  # modules still load from wherever the interpreter lives\n")
+        ok, err = grading.run_python(program, timeout_s=10)
+        assert ok, err
+        assert canary.read_text() == "keep me"
+    finally:
+        grading.isolation.cache_clear()
