@@ -119,10 +119,10 @@ def extract_code(text: str) -> str:
 #     file size, open files, processes); stdin closed; stdout/stderr into files whose size the
 #     file-size limit caps (only their tails are read back); cwd, HOME and TMPDIR in a temporary
 #     directory;
-#   - as root, where RLIMIT_NPROC does not bind: the program runs with real uid `nobody` and without
-#     CAP_SYS_ADMIN / CAP_SYS_RESOURCE (the capabilities that lift the limit), so the kernel counts
-#     and caps its processes; the effective uid stays 0, so it still reads the interpreter wherever
-#     it is installed (under /root, say) — and, without the namespaces below, still writes as root;
+#   - as root: the program runs as uid and gid `nobody` with no supplementary groups, no_new_privs,
+#     and one capability, CAP_DAC_READ_SEARCH (it reads the interpreter wherever it is installed,
+#     under /root say; reading was never contained). So, namespaces or not, it cannot write root's
+#     files or signal the grader, and RLIMIT_NPROC binds it; its directory is chowned to it;
 #   - where `unshare` is permitted (root, or user namespaces): new network namespace (no network,
 #     not even the host's localhost), new PID namespace (the grader and every other process are
 #     invisible to kill(); when the program exits the kernel kills whatever it left behind), and a
