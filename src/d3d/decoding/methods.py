@@ -16,7 +16,8 @@ A step is built with its DecodeConfig and the driver's `Passes` (d3d.decoding.pa
 verify and draft passes, the sampling generator, the side stream / worker thread), never the driver
 itself. Each class declares what the rest of the code asks of it: `keys` (the DecodeConfig fields
 it reads beyond EVERY_METHOD_KEYS: its decode file holds exactly these, eval records and lends
-them), `needs_drafter`, `block_size(cfg)`, `budget(cfg)` (drafter tokens beside verification) and
+them), `needs_drafter`, `block_size(cfg)`, `budget(cfg)` (drafter tokens beside verification),
+`passes(cfg)` (its widest pass per model, which d3d.decoding.cost bounds by the device's memory) and
 `overlaps` (its beside_verify work runs on a side stream / worker thread, per decode.overlap).
 So a new chain method is one class here, registered with `@register(name)`, one
 conf/decode/<name>.yaml and one defaults line in conf/eval.yaml; nothing in the driver, eval or
