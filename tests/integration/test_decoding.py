@@ -141,6 +141,21 @@ def test_contract4_estimator_equals_loop_tau(models):
         assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus()
 
 
+@pytest.mark.parametrize("nodes", [3, 15])
+def test_contract4_estimator_equals_loop_tau_on_trees(models, nodes):
+    """The offline estimator with tree_nodes: the loop's τ round by round, on the greedy tree loop's
+    own output (= the target's greedy response)."""
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    for text in PROMPTS:
+        prompt = tok(text)["input_ids"]
+        res = SpecGenerator(target, tok, drafter, DecodeConfig(method="tree", block_size=6, tree_nodes=nodes,
+                                                               max_new_tokens=40)).generate([prompt])
+        ids = prompt + res.token_ids[0]
+        m = match_lengths(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size, tree_nodes=nodes)
+        assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus(), text
+
+
 def test_contract2_end_to_end_two_tokens(models):
     """Sync loop at T = 1 on a 2-token horizon: the joint law of (x1, x2) is the target's."""
     target, drafter, tok = models
@@ -379,3 +394,47 @@ def test_an_async_subclass_under_a_new_name_keeps_its_overlap(models, monkeypatc
     res = gen.generate(prompts)
     assert res.token_ids == sync.token_ids and res.taus() == sync.taus()
     assert all("tray_wait_s" in r for r in res.rounds)  # the tray pass ran in the worker thread, every round
+
+
+# ---------------------------------------------------------------- trees (decode.method=tree)
+
+@pytest.mark.parametrize("nodes", [1, 12])  # a one-draft chain; a tree wider than the block's 5 slots
+@pytest.mark.parametrize("batch", [1, 3])
+def test_contract1_greedy_tree_equals_generate(models, nodes, batch):
+    """A tree of drafts verified in one pass, ragged rows keeping each its own accepted path: the
+    target's greedy tokens (a keep of the path's slots that moved none fails at nodes=12)."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
+    res = SpecGenerator(target, tok, drafter, DecodeConfig(method="tree", block_size=6, tree_nodes=nodes,
+                                                           max_new_tokens=40)).generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 40, tok.eos_token_id), (nodes, row)
+    assert sum(res.taus()) == res.new_tokens
+
+
+def test_a_tree_of_block_minus_one_nodes_is_sync_and_a_wider_one_accepts_more(models):
+    """With tree_nodes = B-1 the tree is the chain (taken first): sync's tokens and τ round by round.
+    With 15 nodes beside it, the same tokens and more accepted per round on this pair."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    run = lambda **kw: SpecGenerator(target, tok, drafter, DecodeConfig(block_size=6, max_new_tokens=30, **kw)).generate(prompts)
+    sync, chain, tree = run(method="sync"), run(method="tree", tree_nodes=5), run(method="tree", tree_nodes=15)
+    assert chain.token_ids == sync.token_ids and chain.taus() == sync.taus()
+    assert tree.token_ids == sync.token_ids and tree.mean_tau > sync.mean_tau  # measured: 1.60 vs 1.25
+
+
+def test_sampled_tree_decoding_runs_and_is_seeded(models):
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    gen = SpecGenerator(target, tok, drafter, DecodeConfig(method="tree", block_size=6, tree_nodes=8, temperature=1.0,
+                                                           max_new_tokens=25))
+    a, b = gen.generate(prompts, seed=3), gen.generate(prompts, seed=3)
+    assert a.token_ids == b.token_ids and all(len(t) == 25 or r == "stop" for t, r in zip(a.token_ids, a.finish_reasons))
+    assert sum(a.taus()) == a.new_tokens and max(a.taus()) >= 2
+
+
+def test_tree_on_a_static_backend_is_refused_before_any_model():
+    from d3d.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"decode.backend='static': method=tree runs on eager only"):
+        DecodeConfig(method="tree", backend="static")

@@ -50,7 +50,6 @@ import torch
 
 from d3d.decoding.methods import DecodeConfig, method_class
 from d3d.decoding.passes import Passes, Round, _Clock, _sync
-from d3d.decoding.verify import greedy_verify, sample_verify
 
 
 @dataclass
@@ -169,22 +168,16 @@ class SpecGenerator:
             step.propose(r)  # r.drafts (b, B-1), r.q
             start = len(tgt)
             v0 = clock.mark()
-            p_logits = passes.verify_pass(tgt, pending, r.drafts, next_pos)
+            p_logits = step.verify(tgt, r)
             step.beside_verify(r)  # launched after verification: on CUDA the two overlap
-            if cfg.sampling.greedy:
-                r.accepted, r.token = greedy_verify(p_logits, r.drafts)
-            else:
-                # drafts given without a distribution are certain (AR's none, a lookup's copies): q is one-hot
-                q = r.q if r.q is not None else \
-                    torch.nn.functional.one_hot(r.drafts, p_logits.shape[-1]).to(p_logits.dtype)
-                r.accepted, r.token = sample_verify(p_logits, r.drafts, q, cfg.sampling, self.gen)
+            step.accept(r, p_logits)  # r.accepted, r.token
             clock.span(r.stat, "verify_s", v0)
             step.settle(r)
-            # ---- the one host transfer of the round: accept counts, next tokens, hits, drafts
+            # ---- the one host transfer of the round: accept counts, next tokens, hits, the drafts' path
             hits = r.hit_idx if r.hit_idx is not None else r.accepted
-            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.drafts], dim=1).tolist()
+            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], step.path(r)], dim=1).tolist()
             most = max(h[0] for h in host) + 1  # the longest commit of any row
-            tgt.keep_first(start, r.accepted + 1, most)
+            step.keep(tgt, start, r, most)
             step.commit(r, host, most)
             # ---- commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
             taus, finished = [], []
