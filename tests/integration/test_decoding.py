@@ -412,15 +412,15 @@ def test_contract1_greedy_tree_equals_generate(models, nodes, batch):
     assert sum(res.taus()) == res.new_tokens
 
 
-def test_a_tree_of_block_minus_one_nodes_is_sync_and_a_wider_one_accepts_more(models):
-    """With tree_nodes = B-1 the tree is the chain (taken first): sync's tokens and τ round by round.
-    With 15 nodes beside it, the same tokens and more accepted per round on this pair."""
+def test_a_tree_as_wide_as_the_chain_accepts_more_on_this_pair(models):
+    """At equal verify width (sync B = 6 against a tree of 5 nodes + the pending token), the same
+    tokens and more accepted per round: best-first trades the chain's unlikely deep slots for likely
+    alternatives near the root (measured on this pair: τ 1.50 against 1.25; 15 nodes: 1.60)."""
     target, drafter, tok = models
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     run = lambda **kw: SpecGenerator(target, tok, drafter, DecodeConfig(block_size=6, max_new_tokens=30, **kw)).generate(prompts)
-    sync, chain, tree = run(method="sync"), run(method="tree", tree_nodes=5), run(method="tree", tree_nodes=15)
-    assert chain.token_ids == sync.token_ids and chain.taus() == sync.taus()
-    assert tree.token_ids == sync.token_ids and tree.mean_tau > sync.mean_tau  # measured: 1.60 vs 1.25
+    sync, tree = run(method="sync"), run(method="tree", tree_nodes=5)
+    assert tree.token_ids == sync.token_ids and tree.mean_tau > sync.mean_tau
 
 
 def test_sampled_tree_decoding_runs_and_is_seeded(models):

@@ -12,8 +12,12 @@ The approximation DDTree makes too: q_k is conditioned on the block [anchor, MAS
 the path sampled before slot k, so a child's candidates and their probabilities are slot k's
 whatever its parent's token is (the drafter has no other distribution to offer from one pass).
 
-The chain (top-1 at every slot) is always in the tree, taken first: a tree then never accepts
-fewer drafts than the chain would on the same pass (greedy), whatever the scores say.
+The chain (top-1 at every slot) is in the tree down to the tree's depth: its node at depth d has
+the highest score of all depth-d nodes (a product of per-slot maxima), and ties go to it, so no
+depth-d node enters before it. So greedy, a tree accepts at least what the chain of its depth would
+on the same pass. The whole (B-1)-deep chain is not forced in: at a verify width of B it would
+leave no node for anything else (the tree would be the chain); best-first trades the chain's
+unlikely deep slots for likely alternatives near the root, which is what a tree is for.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class Tree:
 
 
 def build_tree(q: torch.Tensor, nodes: int) -> Tree:
-    """The `nodes` draft nodes of highest path probability, chain first (module docstring).
+    """The `nodes` draft nodes of highest path probability, the chain winning ties (module docstring).
 
     q (b, S, V): the drafter's distribution at each of the S = B-1 draft slots. Deterministic: ties
     go to the candidate found first. Batched on q's device, one small step per node, no host sync.
@@ -71,9 +75,10 @@ def build_tree(q: torch.Tensor, nodes: int) -> Tree:
     score = torch.zeros(b, nodes + 1, device=dev)
     used = 1
     for i in range(1, nodes + 1):
-        # the chain's next node while there is one, else the best-scoring candidate
-        chain_left = c_chain.any(dim=1)
-        pick = torch.where(chain_left, c_chain.long().argmax(dim=1), c_score.argmax(dim=1))
+        # the best-scoring candidate; of equal ones the chain's, else the first found
+        best = c_score == c_score.max(dim=1, keepdim=True).values
+        chain_best = best & c_chain
+        pick = torch.where(chain_best.any(dim=1), chain_best.long().argmax(dim=1), best.long().argmax(dim=1))
         d, r, par, sc, on_chain = (t[rows, pick] for t in (c_depth, c_rank, c_parent, c_score, c_chain))
         tokens[:, i - 1] = top_tok[rows, d - 1, r]
         parents[:, i], depth[:, i], score[:, i] = par, d, sc
