@@ -47,9 +47,9 @@ def main() -> None:
     block = DrafterSettings.of(drafter).block_size
     if max(args.widths) > block:
         ap.error(f"--widths {args.widths}: the chain's width is at most the drafter's block ({block})")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in QUESTIONS]
-    prompts = [p["input_ids"] if isinstance(p, dict) else list(p) for p in prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in QUESTIONS]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     for width in args.widths:
