@@ -232,7 +232,7 @@ def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
     assert sizes and set(sizes) == {cfg.budget}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60
 
 
-TRAP_CASES = [(m, t, batch) for m in ("ar", "sync", "async") for t in (0.0, 1.0) for batch in (1, 3)]
+TRAP_CASES = [(m, t, batch) for m in ("ar", "sync", "async", "tree") for t in (0.0, 1.0) for batch in (1, 3)]
 
 
 @pytest.mark.parametrize("method,temperature,batch", TRAP_CASES)
