@@ -2,8 +2,9 @@
 
 `SpecGenerator` is the driver every method shares: prefill, the target's verify pass, the accept
 decision, the one host transfer per round, committing text (EOS, max_new_tokens, stop strings),
-retiring finished rows and timing. What differs between methods — where drafts come from and what
-runs beside verification — is a step object per method (d3d.decoding.methods, a registry keyed by
+retiring finished rows and timing. What differs between methods — where drafts come from, what
+runs beside verification, and (for a tree of drafts) the verify layout, the acceptance, the cache
+keep and the committed path — is a step object per method (d3d.decoding.methods, a registry keyed by
 `decode.method`), built with the passes it may run (d3d.decoding.passes), not with the driver; the
 driver asks the method's class what it needs (a drafter, its block, whether it overlaps), never its
 name. One round of each, for a batch of requests (rows advance at their own speed):
@@ -17,6 +18,8 @@ name. One round of each, for a batch of requests (rows advance at their own spee
            and the top-F alternatives t, and "all accepted, then the bonus guess". If the outcome
            (a, token) has a tray, its drafts are the next block (a hit); rows that missed draft
            synchronously (on CPU only they do; on CUDA one pass over all rows costs the same).
+    tree:  sync's drafter pass -> a tree of tree_nodes drafts (best-first by path probability)
+           target([pending, nodes], each node seeing its ancestors) -> the longest accepted path + 1 token
 
 The drafter's block slot B-1 predicts the token after the block: that is the bonus guess.
 The target's pending token (the last committed one) is always fed in the next target pass, so the
