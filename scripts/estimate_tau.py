@@ -1,9 +1,9 @@
 """Exact greedy τ of a drafter on held-out target responses (the offline estimator, docs/design.md, Pruning).
 
-    python scripts/estimate_tau.py --drafter checkpoints/cpu_default_lam1/final [--max-new-tokens 96] [overrides]
+    python scripts/estimate_tau.py --drafter checkpoints/cpu_default_lam1/final [--max-new-tokens 96] [--tree-nodes 15] [overrides]
 
 Uses the same held-out split as d3d.train (train.val_size, seed) and prints τ, per-slot accuracy
-and the τ histogram; writes <drafter>/tau.json.
+and the τ histogram; writes <drafter>/tau.json (tau_tree<N>.json for a tree of N drafts, decode.method=tree).
 """
 
 from __future__ import annotations
@@ -23,18 +23,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="score the first N response tokens")
+    ap.add_argument("--tree-nodes", type=int, default=None, help="τ of tree verification with N draft nodes")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.tree_nodes is not None and args.tree_nodes < 1:
+        ap.error(f"--tree-nodes {args.tree_nodes}: a tree needs at least 1 draft node")
     cfg = bind_config(compose("train", args.overrides), "train")
     examples = load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len)
     _, val = split_examples(examples, cfg.train.val_size, cfg.seed)
     val = cut_responses(val, args.max_new_tokens)
     model, _ = load_drafter(args.drafter, dtype="float32")
     s = DrafterSettings.of(model)
-    stats = estimate_acceptance(model, val, s.block_size, s.mask_token_id, s.vocab_size).as_dict(s.block_size)
-    stats["max_new_tokens"] = args.max_new_tokens
+    stats = estimate_acceptance(model, val, s.block_size, s.mask_token_id, s.vocab_size,
+                                tree_nodes=args.tree_nodes).as_dict(s.block_size)
+    stats["max_new_tokens"], stats["tree_nodes"] = args.max_new_tokens, args.tree_nodes
     print(json.dumps({k: v for k, v in stats.items()}, indent=None))
-    (Path(args.drafter) / "tau.json").write_text(json.dumps(stats, indent=2))
+    name = "tau.json" if args.tree_nodes is None else f"tau_tree{args.tree_nodes}.json"
+    (Path(args.drafter) / name).write_text(json.dumps(stats, indent=2))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ drafter's KV cache of the response) and count m(a), the leading drafts equal to 
 Then walk the rounds as the decoding loop would: start at the last prompt token, each round commits
 τ = min(m(a), B-1) + 1 tokens (the accepted drafts + the correction/bonus token), capped at the
 tokens left, and the next round anchors at a + τ.
+
+Trees (decode.method=tree, `tree_nodes`): the same walk, with m(a) = the depth of the deepest
+node of the tree built from the block at a (d3d.decoding.tree, as the loop builds it at T = 0)
+whose path equals the response: greedy tree acceptance takes the longest path matching the
+target's argmax, which on the target's own greedy response is the response itself.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from d3d.decoding.tree import build_tree
+from d3d.decoding.verify import Sampling, probs
 from d3d.models.forward import hidden_states, logits_at
-from d3d.models.masks import block_layout, clean_layout
+from d3d.models.masks import block_layout, clean_layout, tree_ancestors
 
 
 @dataclass
@@ -48,8 +55,9 @@ class AcceptanceStats:
 
 @torch.no_grad()
 def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_id: int,
-                  vocab_size: int | None = None, chunk: int = 64) -> torch.Tensor:
-    """m(a) for every anchor a = prompt_len-1 .. len-2: leading drafts that equal the response."""
+                  vocab_size: int | None = None, chunk: int = 64, tree_nodes: int | None = None) -> torch.Tensor:
+    """m(a) for every anchor a = prompt_len-1 .. len-2: leading drafts that equal the response
+    (with `tree_nodes`: the depth of the deepest node of the block's tree on the response's path)."""
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
@@ -66,13 +74,27 @@ def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_
         blocks[:, 0] = seq[anc]
         layout = block_layout(anc[None], B)  # built on the device, like the mask
         h = hidden_states(model, blocks.reshape(1, -1), layout, cache=cache, cache_len=L - 1, plain=False)
-        drafts = logits_at(model, h.reshape(len(anc), B, -1)[:, : B - 1], vocab_size).argmax(-1)
+        logits = logits_at(model, h.reshape(len(anc), B, -1)[:, : B - 1], vocab_size)
         pos = anc[:, None] + 1 + torch.arange(B - 1, device=dev)
         truth = torch.where(pos < L, seq[pos.clamp(max=L - 1)], torch.full_like(pos, -1))
-        ok = (drafts == truth).int()
-        out.append(ok.cumprod(dim=1).sum(dim=1))
+        if tree_nodes is None:
+            ok = (logits.argmax(-1) == truth).int()
+            out.append(ok.cumprod(dim=1).sum(dim=1))
+        else:
+            out.append(tree_match_depth(probs(logits.float(), Sampling(1.0)), truth, tree_nodes))
         cache.crop(-(cache.get_seq_length() - (L - 1)))  # drop this chunk's blocks
     return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
+
+
+def tree_match_depth(q: torch.Tensor, truth: torch.Tensor, nodes: int) -> torch.Tensor:
+    """(b,) depth of the deepest node of build_tree(q, nodes) whose path is truth[:, :depth]."""
+    tree = build_tree(q, nodes)
+    anc = tree_ancestors(tree.parents)
+    depth = tree.depth
+    want = truth.gather(1, (depth[:, 1:] - 1).clamp(min=0))  # the response's token at each node's slot
+    ok = torch.cat([torch.ones_like(depth[:, :1], dtype=torch.bool), tree.tokens == want], dim=1)
+    on_truth = ~(anc & ~ok[:, None, :]).any(-1)  # every node of its path is the response's
+    return torch.where(on_truth, depth, 0).max(dim=1).values
 
 
 def greedy_rounds(m: torch.Tensor, prompt_len: int, length: int, block_size: int) -> list[int]:
@@ -88,15 +110,16 @@ def greedy_rounds(m: torch.Tensor, prompt_len: int, length: int, block_size: int
 
 @torch.no_grad()
 def estimate_acceptance(model, examples, block_size: int, mask_id: int, vocab_size: int | None = None,
-                        chunk: int = 64) -> AcceptanceStats:
-    """Exact greedy τ of `model` on target greedy responses (`examples`: d3d.objective.Example)."""
+                        chunk: int = 64, tree_nodes: int | None = None) -> AcceptanceStats:
+    """Exact greedy τ of `model` on target greedy responses (`examples`: d3d.objective.Example), for
+    the chain or (`tree_nodes`) for a tree of that many drafts."""
     was_training = model.training
     model.eval()
     stats = AcceptanceStats(slot_hits=[0] * (block_size - 1))
     for ex in examples:
         if len(ex.ids) - ex.prompt_len < 1:
             continue
-        m = match_lengths(model, ex.ids, ex.prompt_len, block_size, mask_id, vocab_size, chunk)
+        m = match_lengths(model, ex.ids, ex.prompt_len, block_size, mask_id, vocab_size, chunk, tree_nodes)
         taus = greedy_rounds(m, ex.prompt_len, len(ex.ids), block_size)
         stats.taus += taus
         stats.per_sequence.append(sum(taus) / len(taus))

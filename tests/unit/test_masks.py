@@ -78,3 +78,50 @@ def test_left_padded_cache_is_hidden():
     valid = torch.tensor([[False, True, True]])
     m = build_mask(layout, cache_len=3, cache_valid=valid)[0, 0].int().tolist()
     assert m == [[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+
+
+def tree_brute_force(parents: list[int], root_pos: int, cache_pos: list[int], cache_valid: list[bool]):
+    """A tree of clean tokens after a cache, with loops: node i sees a valid cached key at a position
+    <= its own (root + depth) and, of the tree, the nodes met walking up its parent pointers."""
+    def path(i):
+        seen = [i]
+        while parents[seen[-1]] >= 0:
+            seen.append(parents[seen[-1]])
+        return seen
+
+    rows, positions = [], []
+    for i in range(len(parents)):
+        pos = root_pos + len(path(i)) - 1
+        positions.append(pos)
+        rows.append([ok and p <= pos for p, ok in zip(cache_pos, cache_valid)] + [j in path(i) for j in range(len(parents))])
+    return rows, positions
+
+
+def test_tree_mask_matches_brute_force_on_random_trees():
+    """Each node sees the committed prefix, the pending token (the root) and its ancestors only, at
+    position root + depth; several rows of a batch carry different trees and caches."""
+    from d3d.models.masks import tree_ancestors, tree_layout
+
+    rng = random.Random(2)
+    for _ in range(30):
+        b, t, cache = rng.randint(1, 3), rng.randint(1, 17), rng.randint(0, 6)
+        parents = [[-1] + [rng.randrange(i) for i in range(1, t)] for _ in range(b)]
+        valid = [[rng.random() < 0.8 for _ in range(cache)] for _ in range(b)]
+        cpos = [sorted(rng.sample(range(cache + 3), cache)) for _ in range(b)]
+        root = [max(p, default=-1) + 1 + rng.randint(0, 2) for p in cpos]
+        anc = tree_ancestors(torch.tensor(parents))
+        layout = tree_layout(torch.tensor(root), anc)
+        got = build_mask(layout, cache_valid=torch.tensor(valid, dtype=torch.bool).reshape(b, cache),
+                         cache_pos=torch.tensor(cpos, dtype=torch.long).reshape(b, cache), tree=anc)
+        for r in range(b):
+            want, positions = tree_brute_force(parents[r], root[r], cpos[r], valid[r])
+            assert got[r, 0].tolist() == want, (parents[r], r)
+            assert layout.pos[r].tolist() == positions
+
+
+def test_a_tree_that_is_a_chain_has_the_causal_mask():
+    from d3d.models.masks import tree_ancestors, tree_layout
+
+    anc = tree_ancestors(torch.tensor([[-1, 0, 1, 2, 3]]))
+    layout = tree_layout(torch.tensor([4]), anc)
+    assert torch.equal(build_mask(layout, cache_len=4, tree=anc), build_mask(clean_layout(5, start=4), cache_len=4))

@@ -2,8 +2,9 @@
 
 `SpecGenerator` is the driver every method shares: prefill, the target's verify pass, the accept
 decision, the one host transfer per round, committing text (EOS, max_new_tokens, stop strings),
-retiring finished rows and timing. What differs between methods — where drafts come from and what
-runs beside verification — is a step object per method (d3d.decoding.methods, a registry keyed by
+retiring finished rows and timing. What differs between methods — where drafts come from, what
+runs beside verification, and (for a tree of drafts) the verify layout, the acceptance, the cache
+keep and the committed path — is a step object per method (d3d.decoding.methods, a registry keyed by
 `decode.method`), built with the passes it may run (d3d.decoding.passes), not with the driver; the
 driver asks the method's class what it needs (a drafter, its block, whether it overlaps), never its
 name. One round of each, for a batch of requests (rows advance at their own speed):
@@ -17,6 +18,8 @@ name. One round of each, for a batch of requests (rows advance at their own spee
            and the top-F alternatives t, and "all accepted, then the bonus guess". If the outcome
            (a, token) has a tray, its drafts are the next block (a hit); rows that missed draft
            synchronously (on CPU only they do; on CUDA one pass over all rows costs the same).
+    tree:  sync's drafter pass -> a tree of tree_nodes drafts (best-first by path probability)
+           target([pending, nodes], each node seeing its ancestors) -> the longest accepted path + 1 token
 
 The drafter's block slot B-1 predicts the token after the block: that is the bonus guess.
 The target's pending token (the last committed one) is always fed in the next target pass, so the
@@ -50,7 +53,6 @@ import torch
 
 from d3d.decoding.methods import DecodeConfig, method_class
 from d3d.decoding.passes import Passes, Round, _Clock, _sync
-from d3d.decoding.verify import greedy_verify, sample_verify
 
 
 @dataclass
@@ -169,22 +171,16 @@ class SpecGenerator:
             step.propose(r)  # r.drafts (b, B-1), r.q
             start = len(tgt)
             v0 = clock.mark()
-            p_logits = passes.verify_pass(tgt, pending, r.drafts, next_pos)
+            p_logits = step.verify(tgt, r)
             step.beside_verify(r)  # launched after verification: on CUDA the two overlap
-            if cfg.sampling.greedy:
-                r.accepted, r.token = greedy_verify(p_logits, r.drafts)
-            else:
-                # drafts given without a distribution are certain (AR's none, a lookup's copies): q is one-hot
-                q = r.q if r.q is not None else \
-                    torch.nn.functional.one_hot(r.drafts, p_logits.shape[-1]).to(p_logits.dtype)
-                r.accepted, r.token = sample_verify(p_logits, r.drafts, q, cfg.sampling, self.gen)
+            step.accept(r, p_logits)  # r.accepted, r.token
             clock.span(r.stat, "verify_s", v0)
             step.settle(r)
-            # ---- the one host transfer of the round: accept counts, next tokens, hits, drafts
+            # ---- the one host transfer of the round: accept counts, next tokens, hits, the drafts' path
             hits = r.hit_idx if r.hit_idx is not None else r.accepted
-            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.drafts], dim=1).tolist()
+            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], step.path(r)], dim=1).tolist()
             most = max(h[0] for h in host) + 1  # the longest commit of any row
-            tgt.keep_first(start, r.accepted + 1, most)
+            step.keep(tgt, start, r, most)
             step.commit(r, host, most)
             # ---- commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
             taus, finished = [], []

@@ -35,12 +35,14 @@ class KVState:
     def __len__(self) -> int:
         return self.pos.shape[1]
 
-    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of the new tokens; their slots are appended (visible iff clean).
         `causal=True` promises the caller's tokens are clean and run on from the cache's positions;
-        `once=True` says this pass's shape will not recur (prefill): a static state runs it uncompiled."""
+        `once=True` says this pass's shape will not recur (prefill): a static state runs it uncompiled;
+        `tree` (b, T, T): the new tokens are a tree of drafts, each seeing its ancestors (masks.build_mask)."""
         h = hidden_states(self.model, input_ids, layout, cache=self.cache, cache_valid=self.valid,
-                          cache_pos=self.pos, plain=causal and self.gapless)
+                          cache_pos=self.pos, plain=causal and self.gapless, tree=tree)
         self.pos = torch.cat([self.pos, layout.pos], dim=1)
         self.valid = torch.cat([self.valid, layout.block == CLEAN], dim=1)
         return h
@@ -59,6 +61,21 @@ class KVState:
         span = torch.arange(len(self) - start, device=self.device)
         self.valid[:, start:] &= span[None, :] < counts[:, None]
         self.crop(start + most)  # batch 1: most == counts[0], so no hidden slot is left (gapless holds)
+
+    def keep_path(self, start: int, slots: torch.Tensor, counts: torch.Tensor, most: int) -> None:
+        """Of the slots from `start` on, row r keeps slots start + slots[r, :counts[r]] (increasing:
+        a tree's accepted path, the pending token first) and drops the rest. The kept slots are
+        moved to start, start+1, ... (a gather of `most` slots per layer), so the cache looks as the
+        chain's keep_first leaves it: a prefix of visible slots (batch 1 stays gapless)."""
+        idx = start + slots[:, :most]  # (b, most)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # (b, heads, n, dim)
+                at = idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                t[:, :, start : start + most] = t.gather(2, at)  # gather copies first: moving in place is safe
+        self.pos[:, start : start + most] = self.pos.gather(1, idx)
+        self.valid[:, start : start + most] = self.valid.gather(1, idx)
+        self.keep_first(start, counts, most)
 
     def subset(self, rows: torch.Tensor) -> "KVState":
         """A separate state holding copies of some rows (a pass over a few rows that must leave
@@ -169,6 +186,10 @@ class StaticKVState(KVState):
         span = torch.arange(self.capacity, device=self.device) - start
         self.slot_valid &= (span[None, :] < 0) | (span[None, :] < self._padded(counts)[:, None])
         self.crop(start + most)
+
+    def keep_path(self, start: int, slots: torch.Tensor, counts: torch.Tensor, most: int) -> None:
+        raise ConfigError("a static KV state keeps prefixes of its slots only: decode.method=tree needs "
+                          "decode.backend=eager")
 
     def subset(self, rows: torch.Tensor) -> "KVState":
         raise NotImplementedError("a static state drafts every row (a pass over all rows is one compiled shape)")

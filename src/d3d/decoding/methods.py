@@ -4,13 +4,19 @@ A round, as the driver (d3d.decoding.engine.SpecGenerator) runs it:
 
     step.propose(r)        drafts for this round: r.drafts (b, B-1), r.q (their distributions, T > 0;
                            None for drafts that are no sample, verified as certain)
-    driver                 launches the target's verify pass over [pending, drafts]
+    step.verify(tgt, r)    the target's verify pass (chain: causal over [pending, drafts])
     step.beside_verify(r)  work that overlaps verification (async: the tray pass)
-    driver                 accept / reject on the device: r.accepted, r.token
+    step.accept(r, logits) accept / reject on the device: r.accepted, r.token (chain: greedy_verify /
+                           sample_verify)
     step.settle(r)         device work that needs the outcome (async: match the trays: r.hit_idx)
-    driver                 one host transfer; crops the target's cache; commits text
+    driver                 one host transfer of [accepted, token, hit, *step.path(r)] (chain: the
+                           drafts, whose first `accepted` are the committed ones)
+    step.keep(tgt, ...)    the target's cache keeps pending + the accepted drafts (chain: a prefix)
+    driver                 commits text: path[:accepted] + [token]
     step.commit(r, host, most)  bookkeeping that needs the host's view (the drafter's cache)
     step.retire(keep, keep_list) finished rows leave
+
+verify / accept / path / keep default to the chain's; a tree of drafts (`Tree`) supplies its own.
 
 A step is built with its DecodeConfig and the driver's `Passes` (d3d.decoding.passes: prefill,
 verify and draft passes, the sampling generator, the side stream / worker thread), never the driver
@@ -33,10 +39,12 @@ import torch
 
 from d3d.decoding.kv import KVState
 from d3d.decoding.passes import Passes, Round, _on
-from d3d.decoding.verify import Sampling, draft_from, probs
+from d3d.decoding.tree import build_tree
+from d3d.decoding.verify import (Sampling, draft_from, greedy_verify, probs, sample_verify, tree_greedy_verify,
+                                 tree_path, tree_sample_verify)
 from d3d.errors import ConfigError
 from d3d.models.forward import logits_at
-from d3d.models.masks import CLEAN, Layout, block_layout, concat
+from d3d.models.masks import CLEAN, Layout, block_layout, concat, tree_ancestors, tree_layout
 
 # How passes run (docs/design.md, Backends): eager (HF's dynamic cache, the reference) | static
 # (preallocated slots) | compiled (static + torch.compile; CUDA graphs on CUDA) | frozen (compiled,
@@ -58,6 +66,7 @@ class DecodeConfig:
     C: int = 12  # async: covered rejection slots + 1
     F: int = 2  # async: alternatives per covered slot
     coverage: str = "first"  # first | confident
+    tree_nodes: int = 15  # tree: draft nodes verified beside the pending token (the verify pass is tree_nodes + 1 wide)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -84,7 +93,10 @@ class DecodeConfig:
         if not whole(self.block_size) or not low <= self.block_size <= MAX_BLOCK:
             bad("block_size", f"an integer in [{low}, {MAX_BLOCK}] for method={self.method} (the drafter's "
                               "training block size is the right one)")
-        for key, least in (("C", 1), ("F", 0), ("top_k", 0), ("max_new_tokens", 1)):
+        if self.backend not in method.backends:
+            bad("backend", f"method={self.method} runs on {', '.join(method.backends)} only "
+                           "(its cache keeps non-contiguous slots, which only the eager cache does)")
+        for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("top_k", 0), ("max_new_tokens", 1)):
             if not whole(getattr(self, key)) or getattr(self, key) < least:
                 bad(key, f"an integer >= {least}" + (" (0 = off)" if key == "top_k" else ""))
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
@@ -106,6 +118,7 @@ class Method:
     keys: tuple[str, ...] = ()  # DecodeConfig fields read beyond EVERY_METHOD_KEYS
     needs_drafter = True
     overlaps = False  # beside_verify runs on a side stream (CUDA) or a worker thread, as decode.overlap says
+    backends = BACKENDS  # the decode.backend values it runs on
 
     def __init__(self, cfg: DecodeConfig, passes: Passes):
         self.cfg, self.p = cfg, passes
@@ -158,7 +171,30 @@ class Method:
     def propose(self, r: Round) -> None:
         raise NotImplementedError
 
+    def verify(self, tgt: KVState, r: Round) -> torch.Tensor:
+        """The target's logits over this round's drafts (b, B, V): the chain's causal [pending, drafts]."""
+        return self.p.verify_pass(tgt, r.pending, r.drafts, r.next_pos)
+
     def beside_verify(self, r: Round) -> None: ...
+
+    def accept(self, r: Round, p_logits: torch.Tensor) -> None:
+        """r.accepted, r.token: the chain's leading accepted drafts and the token after them."""
+        s = self.cfg.sampling
+        if s.greedy:
+            r.accepted, r.token = greedy_verify(p_logits, r.drafts)
+        else:
+            # drafts given without a distribution are certain (AR's none, a lookup's copies): q is one-hot
+            q = r.q if r.q is not None else torch.nn.functional.one_hot(r.drafts, p_logits.shape[-1]).to(p_logits.dtype)
+            r.accepted, r.token = sample_verify(p_logits, r.drafts, q, s, self.p.gen)
+
+    def path(self, r: Round) -> torch.Tensor:
+        """(b, k) tokens whose first r.accepted[i] row i commits (before r.token): the chain's drafts."""
+        return r.drafts
+
+    def keep(self, tgt: KVState, start: int, r: Round, most: int) -> None:
+        """The target's cache keeps, of the slots this round's verify pass wrote (from `start` on),
+        the pending token and the accepted drafts; `most` = the longest such run of any row."""
+        tgt.keep_first(start, r.accepted + 1, most)
 
     def settle(self, r: Round) -> None: ...
 
@@ -408,3 +444,51 @@ class Async(Method):
         return torch.where(found, idx, torch.full_like(idx, -1))
 
 
+
+
+@register("tree")
+class Tree(Sync):
+    """Sync drafting, tree verification: one drafter pass gives q for every block slot; a tree of
+    `tree_nodes` drafts (d3d.decoding.tree: best-first by path probability, the chain inside) is
+    verified in one target pass of tree_nodes + 1 tokens, each node seeing the prefix, the pending
+    token and its ancestors at position pending + depth. Acceptance takes the longest matching path
+    (greedy) or multi-candidate rejection sampling (T > 0; the candidates are deterministic, so q
+    only shapes the tree), the target's cache keeps the accepted path's slots (KVState.keep_path),
+    and the drafter commits the path in its next draft pass, as sync commits the chain."""
+
+    keys = ("block_size", "tree_nodes")
+    backends = ("eager",)  # keep_path moves slots of HF's dynamic cache; the static buffers keep prefixes only
+
+    def propose(self, r):
+        p, s = self.p, self.cfg.sampling
+        t = r.clock.mark()
+        q_logits = p.draft_pass(self.dr, r.pending, r.next_pos, self.unc, self.unc_n)
+        r.clock.span(r.stat, "draft_s", t)
+        # greedy scores the tree by the drafter's plain softmax; sampling by the q it would sample from
+        q = probs(q_logits[:, : p.B - 1], Sampling(1.0) if s.greedy else s)
+        tree = build_tree(q, self.cfg.tree_nodes)
+        self.anc = tree_ancestors(tree.parents)
+        self.node_tok = torch.cat([r.pending[:, None], tree.tokens], dim=1)
+        r.drafts, r.q = tree.tokens, None  # r.drafts: the nodes in tree order, not a chain
+
+    def verify(self, tgt, r):
+        h = tgt.forward(self.node_tok, tree_layout(r.next_pos, self.anc), tree=self.anc)
+        return logits_at(self.p.target, h).float()
+
+    def accept(self, r, p_logits):
+        s = self.cfg.sampling
+        if s.greedy:
+            r.accepted, r.token, best = tree_greedy_verify(p_logits, self.node_tok, self.anc)
+        else:
+            r.accepted, r.token, best = tree_sample_verify(p_logits, self.node_tok, self.anc, s, self.p.gen)
+        self.path_nodes, self.path_tok = tree_path(self.anc, best, self.node_tok, self.p.B - 1)
+
+    def path(self, r):
+        return self.path_tok
+
+    def keep(self, tgt, start, r, most):
+        slots = torch.cat([torch.zeros_like(self.path_nodes[:, :1]), self.path_nodes], dim=1)  # pending, then the path
+        tgt.keep_path(start, slots, r.accepted + 1, most)
+
+    def settle(self, r):
+        self.unc, self.unc_n = torch.cat([r.pending[:, None], self.path_tok], dim=1), r.accepted + 1

@@ -39,18 +39,21 @@ def packed_attention_mask(model, layout: Layout):
 
 def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
                   cache_valid: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
-                  plain: bool | None = None) -> torch.Tensor:
+                  plain: bool | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states (normed) of a packed input under the d3d mask; fills `cache` if given.
 
     When the mask would be plain causal attention over an all-visible prefix (batch-1 decoding),
     no mask is passed, so HF/SDPA take their causal fast path; the result is the same. `plain`
-    says so from what the caller knows (the decoding loop: no device sync); None = find out."""
+    says so from what the caller knows (the decoding loop: no device sync); None = find out.
+    `tree` (b, T, T): the new tokens are a tree of drafts (masks.build_mask), never plain."""
+    if tree is not None:
+        plain = False
     if plain is None:
         plain = _is_plain_causal(layout, cache_len, cache_valid, cache_pos)
     if plain:
         attention_mask = None
     else:
-        attention_mask = attention_mask_for(model, build_mask(layout, cache_len, cache_valid, cache_pos).to(input_ids.device))
+        attention_mask = attention_mask_for(model, build_mask(layout, cache_len, cache_valid, cache_pos, tree).to(input_ids.device))
     out = model.base_model(
         input_ids=input_ids, attention_mask=attention_mask,
         position_ids=layout.pos.to(input_ids.device), use_cache=cache is not None, **cache_kwarg(model, cache),

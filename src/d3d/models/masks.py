@@ -57,14 +57,38 @@ def concat(*layouts: Layout) -> Layout:
     return Layout(*(torch.cat([getattr(l, f) for l in layouts], dim=1) for f in ("pos", "block", "limit")))
 
 
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """(b, T, T) bool: node i may see node j iff j is i or one of its ancestors. `parents` (b, T):
+    each node's parent index (< its own index), -1 for the root. Made on the device without asking
+    it anything: the closure of "is my parent" by repeated squaring, log2(T) boolean products."""
+    b, t = parents.shape
+    dev = parents.device
+    eye = torch.eye(t, dtype=torch.bool, device=dev).expand(b, t, t)
+    up = torch.nn.functional.one_hot(parents.clamp(min=0), t).bool() & (parents >= 0)[:, :, None]
+    anc = eye | up
+    for _ in range(max(t - 1, 1).bit_length()):  # paths of length <= 2^k after k squarings
+        anc = anc | (torch.bmm(anc.float(), anc.float()) > 0)
+    return anc
+
+
+def tree_layout(root_pos: torch.Tensor, ancestors: torch.Tensor) -> Layout:
+    """Clean tokens of a tree whose root (the pending token) sits at `root_pos` (b,): each node at
+    the root's position + its depth, seeing clean keys up to its own position (build_mask's `tree`
+    then keeps, of the in-row ones, only its ancestors)."""
+    pos = root_pos[:, None] + ancestors.sum(-1) - 1  # depth = ancestors, itself excluded
+    return Layout(pos, torch.full_like(pos, CLEAN), pos + 1)
+
+
 def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: torch.Tensor | None = None,
-               cache_pos: torch.Tensor | None = None) -> torch.Tensor:
+               cache_pos: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask (b, 1, T, cache_len + T): True where a query may attend to a key.
 
     Keys are the `cache_len` cached clean tokens followed by the query tokens themselves. Cached
     keys sit at positions 0..cache_len-1 unless `cache_pos` (b, cache_len) says otherwise (batched
     decoding, where rows advance at different speeds); `cache_valid` (b, cache_len) hides cache
-    slots that hold padding or rejected drafts.
+    slots that hold padding or rejected drafts. `tree` (b, T, T), for a tree of drafts
+    (`tree_ancestors`): query token i sees query token j only where tree[i, j] (the cached keys
+    follow the clean rule as they are).
     """
     b, t = query.shape
     dev = query.pos.device
@@ -80,6 +104,8 @@ def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: to
     sees_clean = key_clean[:, None, :] & (key_pos[:, None, :] < query.limit[:, :, None])
     same_block = (key_block[:, None, :] == query.block[:, :, None]) & (query.block[:, :, None] >= 0)
     mask = sees_clean | same_block
+    if tree is not None:
+        mask = torch.cat([mask[:, :, :c], mask[:, :, c:] & tree.to(dev)], dim=2)
     # A padding query sees only itself, so softmax never runs over an empty row (no NaNs). Written
     # without a data-dependent branch: asking the device "is there padding?" would cost a sync.
     itself = torch.arange(c + t, device=dev)[None, :] == (c + torch.arange(t, device=dev))[:, None]
