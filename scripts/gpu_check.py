@@ -43,7 +43,6 @@ Exit status 0 when no stage failed (skipped stages are listed in the JSON's `ski
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -67,6 +66,7 @@ sys.path.insert(0, str(ROOT / "src"))  # d3d from this checkout, installed or no
 from d3d.decoding import DecodeConfig, SpecGenerator  # noqa: E402
 from d3d.decoding.divergence import classify  # noqa: E402
 from d3d.decoding.verify import Sampling, probs, sample_verify  # noqa: E402
+from d3d.models.random_models import NoText, as_drafter, random_model, random_prompts, tiny_pair  # noqa: E402
 
 
 def _script(name: str):
@@ -79,8 +79,7 @@ def _script(name: str):
     return module
 
 
-readiness = _script("gpu_readiness")  # its random-model helpers and NoText serve the checks too
-NoText = readiness.NoText
+readiness = _script("gpu_readiness")
 
 
 class Stage:
@@ -98,32 +97,6 @@ class Stage:
             self.flush()
             print(f"[gpu_check] step {self.name}/{name} written", flush=True)  # only once it is on disk
         return value
-
-
-def tiny_pair(device: str, dtype: torch.dtype, block_size: int = 4, seed: int = 0, vocab: int = 256):
-    """A tiny random Qwen3 target and a drafter copied from it with a little noise (so drafts
-    are often right and the async trays hit). A wide init makes the logits peaked: near-ties,
-    which any two kernels may break differently, are then rare."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                      tie_word_embeddings=False, initializer_range=0.2)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(device=device, dtype=dtype).eval()
-    target.generation_config.eos_token_id = None
-    target.generation_config.pad_token_id = 0
-    drafter = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    return target, readiness.as_drafter(drafter, block_size)
-
-
-def random_prompts(n: int, vocab: int, seed: int, lengths=(9, 3, 14)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab - 1, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
 GREEDY_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 4, 3, 2), ("async", 6, 6, 3)]
@@ -419,8 +392,8 @@ def stage_compiled_timing(device: str, toy: bool, methods=("ar",), st: Stage | N
     st = st or Stage()
     name_t, name_d, dtype, prefix, tokens = TIMING_SHAPES[toy]
     dev = torch.device(device)
-    big_t = readiness.random_model(name_t, dev, dtype, seed=0)
-    big_d = readiness.as_drafter(readiness.random_model(name_d, dev, dtype, seed=1), 16) if "sync" in methods else None
+    big_t = random_model(name_t, dev, dtype, seed=0)
+    big_d = as_drafter(random_model(name_d, dev, dtype, seed=1), 16) if "sync" in methods else None
     out = {"target": name_t, "drafter": name_d if big_d is not None else None, "dtype": str(dtype), "prefix": prefix,
            "skipped": []}
     for method in methods:

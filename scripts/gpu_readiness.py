@@ -27,56 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without `pip install -e .`
 
-# Published Qwen3 shapes (config.json of each hub repo); "toy" runs in seconds on a CPU.
-SHAPES = {
-    "qwen3_32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "qwen3_8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "qwen3_1p7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
-    "toy_drafter": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-}
-
-
-def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=32768)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with device:  # initialise on the device: a 32B model never passes through host memory
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
-class NoText:
-    """Random token ids have no text: the loop only needs decode() and an EOS id."""
-
-    eos_token_id = -1
-
-    @staticmethod
-    def decode(ids, skip_special_tokens=True):
-        return ""
-
-
-def as_drafter(model, block_size: int):
-    """Give a random model d3d drafter settings (mask token = the last id)."""
-    from d3d.models.drafter import DrafterSettings
-
-    vocab = model.config.vocab_size
-    DrafterSettings(block_size=block_size, mask_token_id=vocab - 1, vocab_size=vocab,
-                    kept_layers=list(range(model.config.num_hidden_layers)), init="random",
-                    target="random").attach(model)
-    return model
+from d3d.models.random_models import SHAPES, NoText, as_drafter, random_model  # noqa: E402,F401 (the checks use them too)
 
 
 def verify_latency(target, prefix: int, block: int, device, repeats: int) -> float:
