@@ -91,7 +91,7 @@ def test_json_is_written_after_each_stage(script, tmp_path, monkeypatch):
     assert "loops" not in saved
 
 
-@pytest.mark.heavy  # every stage of the GPU check in a subprocess: 100 to 185 s on 2 cores
+@pytest.mark.heavy  # every stage of the GPU check in a subprocess: 100 to 185 s on 2 quiet cores
 def test_gpu_check_end_to_end_on_cpu(tmp_path):
     """The prepared GPU check at toy size on the CPU, in a process that cannot import Hydra,
     OmegaConf, datasets or DeepSpeed (the GPU machines have none of them): every stage passes,
@@ -102,7 +102,8 @@ def test_gpu_check_end_to_end_on_cpu(tmp_path):
     from tests.conftest import ROOT
 
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "scripts/gpu_check.py", "--device", "cpu", "--toy",
-                           "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--budget-s", "3600", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = saved = json.loads((tmp_path / "gpu_check.json").read_text())
     stages = saved["stages"]
