@@ -147,9 +147,11 @@ def stage_train(device: str, out_dir: Path, toy: bool, st: Stage | None = None) 
         return {"ok": False, "error": "scripts/gpu_train_check.py is missing"}
     out = out_dir / "gpu_train_check.json"  # it writes its own JSON after every training step
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(script), "--device", device.split(":")[0], "--out", str(out),
-                           "--steps", "4" if toy else "20"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    # toy: the CPU test's sizes (the default shape's 4 steps took over 300 s on 2 loaded cores)
+    size = ["--steps", "4", "--layers", "2", "--hidden", "64", "--vocab", "512", "--seq-len", "96", "--block-size", "4",
+            "--anchors", "4"] if toy else ["--steps", "20"]
+    proc = subprocess.run([sys.executable, str(script), "--device", device.split(":")[0], "--out", str(out), *size],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900 if toy else 300)
     res = st.step("steps", json.loads(out.read_text()) if out.is_file() else {})
     return {"ok": proc.returncode == 0, "returncode": proc.returncode, "result": res,
             "tail": (proc.stdout + proc.stderr)[-2000:]}
