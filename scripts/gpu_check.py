@@ -25,9 +25,10 @@ stage whose estimate does not fit in the time left is not started).
 5. engine          tests: every method ragged at T = 0 and 1; flex BlockMask == dense SDPA
 6. train           scripts/gpu_train_check.py: bf16 steps of a tiny Qwen3 through the training step
 7. readiness       scripts/gpu_readiness.py at Qwen3-8B target / Qwen3-1.7B drafter shapes with
-                   random weights, eager and compiled (CUDA graphs): pass latencies with device time
-                   apart from host issue time, the loops' rounds, projections from those rounds;
-                   fails on its own checks (gpu_readiness.problems)
+                   random weights: pass latencies with device time apart from host issue time, the
+                   eager loops' rounds (its compiled loops, --backends eager compiled, cost ~10 min
+                   of cold compiles at these shapes: run it on its own), projections from those
+                   rounds, the AR mask cost; fails on its own checks (gpu_readiness.problems)
 8. compiled_equal  tests: decode.backend=compiled gives the eager loop's greedy tokens (tiny, fp32)
 9. compiled_timing per-round wall time, eager against compiled, at Qwen3-8B shapes (bf16, compile
                    time reported apart): AR by default; `--timing-methods ar sync` adds sync (and the
