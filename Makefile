@@ -10,7 +10,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup vllm-env demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
+.PHONY: setup vllm-env gpu-image-env test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed
 
@@ -37,6 +37,34 @@ $(VLLM_VENV)/.d3d-installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) -e . 2>&1 | $(FILTER)
 	$(VLLM_VENV)/bin/python -c "import vllm, d3d; print('vllm', vllm.__version__, 'ready for generate.backend=vllm')"
 	touch $@
+
+# The lent GPU machines' image as far as PyPI allows (its torch 2.11 CUDA build and Python 3.12 are
+# not this CPU's): transformers 5.17 and accelerate 1.15 beside the project's CPU torch, and no Hydra,
+# OmegaConf, datasets or DeepSpeed. d3d is not installed there: the GPU check runs from the checkout
+# (PYTHONPATH=src), as on the lent machine. pyproject.toml states the transformers range this covers.
+GPU_IMAGE_VENV ?= .venv-gpu-image
+GPU_IMAGE_SPEC ?= transformers==5.17.* accelerate==1.15.* pytest safetensors tokenizers numpy
+gpu-image-env: $(GPU_IMAGE_VENV)/.d3d-installed
+
+$(GPU_IMAGE_VENV)/.d3d-installed: Makefile
+	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(GPU_IMAGE_VENV)
+	if [ -n "$(TORCH_SPEC)" ]; then $(GPU_IMAGE_VENV)/bin/pip install $(PIP_QUIET) "$(TORCH_SPEC)" 2>&1 | $(FILTER); fi
+	$(GPU_IMAGE_VENV)/bin/pip install $(PIP_QUIET) $(GPU_IMAGE_SPEC) 2>&1 | $(FILTER)
+	$(GPU_IMAGE_VENV)/bin/python -c "import importlib.util as u, transformers, accelerate, torch; \
+	    absent = [m for m in ('hydra', 'omegaconf', 'datasets', 'deepspeed') if u.find_spec(m)]; \
+	    assert not absent, f'{absent} must be absent in the GPU-image environment'; \
+	    print('gpu image env: torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+	touch $@
+
+# What CI runs in it: the GPU check's CPU mode and the collection of the gpu-marked tests. --budget-s
+# is the H200 run's guard; on 2 busy CPU cores the toy stages take longer, and none may be skipped here.
+test-gpu-image: gpu-image-env
+	rm -rf outputs/gpu_check_image
+	PYTHONPATH=src $(GPU_IMAGE_VENV)/bin/python scripts/gpu_check.py --device cpu --toy --budget-s 3600 \
+	    --out-dir outputs/gpu_check_image
+	$(GPU_IMAGE_VENV)/bin/python -c "import json, sys; s = json.load(open('outputs/gpu_check_image/gpu_check.json'))['skipped']; \
+	    sys.exit(f'gpu_check --toy skipped stages {s}: each must run on the CPU' if s else 0)"
+	PYTHONPATH=src $(GPU_IMAGE_VENV)/bin/python -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/integration/test_gpu.py
 
 # The whole pipeline on the embedded CPU default, the overlay chosen from this CPU (d3d.pipeline
 # --demo, recorded in pipeline.json): with native bf16 (avx512_bf16 / amx_bf16) the Qwen2.5-Coder

@@ -3,18 +3,31 @@
 Speed does not depend on weight values, so random-weight Qwen3-8B/32B-shaped targets and
 Qwen3-1.7B-shaped drafters (tied embeddings, as the released 1.7B) time like the trained ones.
 This script measures, on one device, at a 2k-token context by default:
-1. verify latency: one target pass over B tokens after a cached prefix, for each block size B;
-2. packed-pass latency: one drafter pass over B * ((C-1)*F + 2) tokens (d3d's real tray mask),
-   for each budget C x F, and the synchronous draft of one block;
-3. the real loops (d3d.decoding.SpecGenerator): AR, sync, and async at each budget, on a random
-   prompt of the prefix length: per round, the host wall time next to the passes' CUDA-event
-   times (the difference is the engine's per-round overhead);
-4. projected speedup over AR for sync and each async budget from those *measured round times*:
+1. pass latencies after a cached prefix, each as device time and host issue time apart
+   (d3d.utils.timing.device_and_host_ms: on CUDA the device is given a `torch.cuda._sleep` first,
+   so the host issues the pass while the device still sleeps and the CUDA events time the kernels
+   back to back; a pass whose host issue time is above its device time is host-bound there):
+   verify over B tokens for each block size B; the synchronous draft of one block; the packed
+   tray pass over B * ((C-1)*F + 2) tokens for each budget C x F; and the AR step twice, with and
+   without an explicit mask (the fair-baseline gap, below);
+2. the real loops (d3d.decoding.SpecGenerator): AR, sync, and async at each budget, on a random
+   prompt of the prefix length, on each backend of --backends (eager, and compiled: static KV
+   buffers + torch.compile, CUDA graphs on CUDA, where one replay is issued per pass and the host
+   no longer paces the device): per round, the host wall time next to the passes' CUDA-event times;
+3. projections over AR on the same backend, from those *measured round times* only:
    sync = τ · t_AR / t_sync; async = τ · t_AR / (h · t_hit + (1 − h) · t_miss) with the budget's
-   own hit rate h (flags; defaults are the paper's AIME25 budget study), t_miss the measured
-   async round (random weights: every round misses) and t_hit = t_miss − the draft pass it skips;
-   overlap = (verify alone + packed alone − t_hit) / min(both alone), clipped to [0, 1].
-The JSON file is rewritten after every stage, so a crash or a timeout keeps what finished.
+   own hit rate h (flags; defaults are the paper's AIME25 budget study), t_miss the measured async
+   round (random weights: every round misses) and t_hit = t_miss − that round's draft pass;
+   overlap = 1 − (t_miss − t_sync) / t_tray: the share of the tray pass (t_tray, its device time
+   in the same rounds) that an async round hides beside verification, against the sync round
+   that does the same draft and verify without it; clipped to [0, 1], unclipped kept;
+4. the fair baseline: the eager AR step takes SDPA's unmasked causal path, while a verify pass
+   with any mask makes HF's SDPA path copy K/V for every head. `ar_mask_cost_ms` is what the mask
+   adds to one AR step (device time), and every eager row also carries the projection with the AR
+   round made that much longer (`projected_speedup_masked_ar`): the bias, measured and stated. The
+   compiled backend's AR step always takes the mask (a static pass does), so it has no such bias.
+The JSON file is rewritten after every stage, so a crash or a timeout keeps what finished;
+`problems` lists what makes the run unusable (exit status 1 when any).
 
     python scripts/gpu_readiness.py --target qwen3_8b --drafter qwen3_1p7b --tau 7.88
     python scripts/gpu_readiness.py --target toy --drafter toy --device cpu   # what the tests run
@@ -27,72 +40,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without `pip install -e .`
 
-# Published Qwen3 shapes (config.json of each hub repo); "toy" runs in seconds on a CPU.
-SHAPES = {
-    "qwen3_32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "qwen3_8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "qwen3_1p7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
-    "toy_drafter": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-}
+from d3d.models.random_models import SHAPES, NoText, as_drafter, random_model  # noqa: E402
 
 
-def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def pass_split(model, prefix: int, device, repeats: int, width: int | None = None, blocks: int | None = None,
+               masked: bool = False) -> dict:
+    """One pass after a cached random prefix, logits included: `width` clean tokens through the
+    target (1 = an AR step, B = a verify pass) or `blocks` mask blocks through the drafter (1 = a
+    sync draft). Device time and host issue time apart (d3d.utils.timing.device_and_host_ms)."""
+    from d3d.decoding.budget import block_pass_ms, clean_pass_ms
+    from d3d.utils.timing import device_and_host_ms
 
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=32768)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with device:  # initialise on the device: a 32B model never passes through host memory
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
-class NoText:
-    """Random token ids have no text: the loop only needs decode() and an EOS id."""
-
-    eos_token_id = -1
-
-    @staticmethod
-    def decode(ids, skip_special_tokens=True):
-        return ""
-
-
-def as_drafter(model, block_size: int):
-    """Give a random model d3d drafter settings (mask token = the last id)."""
-    from d3d.models.drafter import DrafterSettings
-
-    vocab = model.config.vocab_size
-    DrafterSettings(block_size=block_size, mask_token_id=vocab - 1, vocab_size=vocab,
-                    kept_layers=list(range(model.config.num_hidden_layers)), init="random",
-                    target="random").attach(model)
-    return model
-
-
-def verify_latency(target, prefix: int, block: int, device, repeats: int) -> float:
-    """One target pass over `block` tokens after a cached random prefix, logits included."""
-    from d3d.decoding.budget import clean_pass_ms
-
-    ids = torch.randint(0, target.config.vocab_size - 2, (1, prefix), device=device)
-    return clean_pass_ms(target, ids, block, repeats)
-
-
-def draft_latency(drafter, prefix: int, blocks: int, device, repeats: int) -> float:
-    """One drafter pass of `blocks` mask blocks after a cached random prefix (1 = a sync draft)."""
-    from d3d.decoding.budget import block_pass_ms
-
-    ids = torch.randint(0, drafter.config.d3d["vocab_size"] - 2, (1, prefix), device=device)
-    return block_pass_ms(drafter, ids, blocks, repeats)
+    ids = torch.randint(0, model.config.vocab_size - 2, (1, prefix), device=device)
+    if blocks is None:
+        return clean_pass_ms(model, ids, width, repeats, masked=masked, timer=device_and_host_ms)
+    return block_pass_ms(model, ids, blocks, repeats, timer=device_and_host_ms)
 
 
 def loop_rounds(target, drafter, cfg, prefix: int, new_tokens: int, device) -> dict:
@@ -120,6 +89,70 @@ def project(tau: float, hit: float | None, t_ar: float, t_sync: float | None = N
     if hit is None:
         return tau * t_ar / t_sync
     return tau * t_ar / (hit * t_hit + (1 - hit) * t_miss)
+
+
+def overlap_from_rounds(t_sync: float, t_miss: float, t_tray: float) -> float | None:
+    """Share of the tray pass an async round hides (1: all of it, 0: none): an async miss round is
+    a sync round (draft + verify) with the tray pass beside verification, so what it costs over
+    the sync round is the part of t_tray that did not overlap. Unclipped (noise can leave [0, 1]);
+    None without a tray time."""
+    if not t_tray > 0:
+        return None
+    return 1.0 - (t_miss - t_sync) / t_tray
+
+
+def projections(loops: dict, suffix: str, tau: float, budgets, hit_rates, block_size: int,
+                mask_cost_ms: float | None) -> list[dict]:
+    """The projection rows of one backend (its loops' keys end in `suffix`), from its rounds."""
+    from d3d.decoding.budget import packed_blocks
+
+    ar, sync = loops[f"ar{suffix}"], loops[f"sync{suffix}"]
+    t_ar, t_sync = ar["round_wall_ms"], sync["round_wall_ms"]
+    backend = ar["backend"]
+
+    def row(method, budget_tokens, hit, t_round, t_hit, overlap):
+        speed = project(tau, hit, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
+        fair = None if mask_cost_ms is None else project(tau, hit, t_ar + mask_cost_ms, t_sync=t_round,
+                                                            t_miss=t_round, t_hit=t_hit)
+        return {"method": method, "backend": backend, "budget_tokens": budget_tokens, "hit_rate": hit,
+                "round_ms": t_round, "hit_round_ms": t_hit, "overlap": None if overlap is None else
+                max(0.0, min(1.0, overlap)), "overlap_unclipped": overlap, "projected_speedup": speed,
+                "projected_speedup_masked_ar": fair}
+
+    rows = [row("sync", block_size, None, t_sync, None, None)]
+    for (C, F), hit in zip(budgets, hit_rates):
+        lp = loops[f"async_{C}x{F}{suffix}"]
+        t_miss = lp["round_wall_ms"]
+        t_hit = max(t_miss - lp["draft_ms"], 1e-9)  # a hit skips the synchronous draft
+        rows.append(row(f"async C={C} F={F}", block_size * packed_blocks(block_size, C, F), hit, t_miss, t_hit,
+                        overlap_from_rounds(t_sync, t_miss, lp["tray_ms"])))
+    return rows
+
+
+def problems(res: dict) -> list[str]:
+    """What makes a readiness run unusable: a latency or round time that is not a positive number,
+    a pass whose device time was not separated from the host's (the pre-queued sleep ran dry), a
+    loop that ran no round or not on its backend, a projection that is not a positive finite
+    speedup; on CUDA, an overlap outside [0, 1] by more than noise (0.25: the rounds' medians
+    disagree; on a CPU the rounds of toy models are too short and too noisy for the bound)."""
+    import math
+
+    good = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0  # noqa: E731
+    bad = [f"passes[{k}]" for k, p in res.get("passes", {}).items()
+           if not good(p["device_ms"]) or not good(p["host_issue_ms"])]
+    bad += [f"passes[{k}]: the host did not run ahead of the device" for k, p in res.get("passes", {}).items()
+            if p["ran_dry"]]
+    bad += [f"loops[{k}]" for k, lp in res.get("loops", {}).items() if not lp["rounds"] or not good(lp["round_wall_ms"])]
+    bad += [f"loops[{k}] ran on {lp['backend']}" for k, lp in res.get("loops", {}).items()
+            if lp["backend"] != (k.partition("@")[2] or "eager")]
+    for r in res.get("projection", []):
+        where = f"projection[{r['method']}, {r['backend']}]"
+        bad += [where] * (not good(r["projected_speedup"]))
+        if r["method"] != "sync" and res.get("device", "").startswith("cuda"):
+            ov = r["overlap_unclipped"]
+            bad += [f"{where}: overlap {ov}"] * (ov is None or not -0.25 <= ov <= 1.25)
+    missing = [k for k in ("passes", "verify_ms", "sync_draft_ms", "packed_ms", "loops", "projection") if k not in res]
+    return bad + [f"{k} missing" for k in missing]
 
 
 class Results(dict):
@@ -150,6 +183,8 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--block-size", type=int, default=16, help="block size of the drafter and of the projections")
     p.add_argument("--budgets", nargs="+", default=["12x2", "16x2", "12x5"], help="C x F")
+    p.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
+                   help="decode.backend of the loops (compiled: cold compiles, ~90 s per 8B graph)")
     p.add_argument("--loop-tokens", type=int, default=64, help="tokens each real loop decodes (random weights: τ = 1)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tau", type=float, default=7.88, help="τ measured elsewhere (paper: 7.88, Qwen3-8B)")
@@ -170,52 +205,60 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
                   target=args.target, drafter=args.drafter, device=str(device),
                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   dtype=args.dtype, prefix=args.prefix, block_size=B, tau_assumed=args.tau,
-                  budgets=args.budgets, hit_rates=args.hit_rate)
+                  budgets=args.budgets, hit_rates=args.hit_rate, backends=args.backends)
     target = random_model(args.target, device, dtype, seed=0)
     drafter = as_drafter(random_model(args.drafter, device, dtype, seed=1), B)
-    res.stage("verify_ms", {b: verify_latency(target, args.prefix, b, device, args.repeats)
-                            for b in sorted({*args.block_sizes, 1, B})})
-    res.stage("sync_draft_ms", draft_latency(drafter, args.prefix, 1, device, args.repeats))
-    res.stage("packed_ms", {f"{C}x{F}": draft_latency(drafter, args.prefix, packed_blocks(B, C, F), device, args.repeats)
-                            for C, F in budgets})
+    split = lambda model, **kw: pass_split(model, args.prefix, device, args.repeats, **kw)  # noqa: E731
+    passes = {f"verify_{b}": split(target, width=b) for b in sorted({*args.block_sizes, 1, B})}
+    passes["ar_step_masked"] = split(target, width=1, masked=True)
+    passes["sync_draft"] = split(drafter, blocks=1)
+    passes.update({f"packed_{C}x{F}": split(drafter, blocks=packed_blocks(B, C, F)) for C, F in budgets})
+    res.stage("passes", passes)
+    res.stage("verify_ms", {b: passes[f"verify_{b}"]["device_ms"] for b in sorted({*args.block_sizes, 1, B})})
+    res.stage("sync_draft_ms", passes["sync_draft"]["device_ms"])
+    res.stage("packed_ms", {f"{C}x{F}": passes[f"packed_{C}x{F}"]["device_ms"] for C, F in budgets})
+    mask_cost = passes["ar_step_masked"]["device_ms"] - passes["verify_1"]["device_ms"]
+    res.stage("ar_mask_cost_ms", mask_cost)
     loops = {}
-    for name, cfg in [("ar", DecodeConfig(method="ar")), ("sync", DecodeConfig(method="sync", block_size=B))] + \
-            [(f"async_{C}x{F}", DecodeConfig(method="async", block_size=B, C=C, F=F)) for C, F in budgets]:
-        loops[name] = loop_rounds(target, drafter, cfg, args.prefix, args.loop_tokens, device)
-        res.stage("loops", loops)
-
-    t_ar, t_sync = loops["ar"]["round_wall_ms"], loops["sync"]["round_wall_ms"]
-    rows = [{"method": "sync", "budget_tokens": B, "hit_rate": None, "round_ms": t_sync, "hit_round_ms": None,
-             "overlap": None, "projected_speedup": project(args.tau, None, t_ar, t_sync)}]
-    for (C, F), hit in zip(budgets, args.hit_rate):
-        lp = loops[f"async_{C}x{F}"]
-        t_miss = lp["round_wall_ms"]
-        t_hit = max(t_miss - lp["draft_ms"], 1e-9)  # a hit skips the synchronous draft
-        v, pk = res["verify_ms"][B], res["packed_ms"][f"{C}x{F}"]
-        overlap = max(0.0, min(1.0, (v + pk - t_hit) / min(v, pk)))
-        rows.append({"method": f"async C={C} F={F}", "budget_tokens": B * packed_blocks(B, C, F), "hit_rate": hit,
-                     "round_ms": t_miss, "hit_round_ms": t_hit, "overlap": overlap,
-                     "projected_speedup": project(args.tau, hit, t_ar, t_miss=t_miss, t_hit=t_hit)})
+    for backend in args.backends:
+        suffix = "" if backend == "eager" else f"@{backend}"
+        for name, cfg in [("ar", DecodeConfig(method="ar", backend=backend)),
+                          ("sync", DecodeConfig(method="sync", block_size=B, backend=backend))] + \
+                [(f"async_{C}x{F}", DecodeConfig(method="async", block_size=B, C=C, F=F, backend=backend))
+                 for C, F in budgets]:
+            loops[name + suffix] = {**loop_rounds(target, drafter, cfg, args.prefix, args.loop_tokens, device),
+                                    "backend": cfg.backend}
+            res.stage("loops", loops)
+    rows = []
+    for backend in args.backends:
+        rows += projections(loops, "" if backend == "eager" else f"@{backend}", args.tau, budgets, args.hit_rate, B,
+                            mask_cost if backend == "eager" else None)
     res.stage("projection", rows)
+    res.stage("problems", problems(res))
 
     print(f"{args.target} target, {args.drafter} drafter, {res['device_name']}, {args.dtype}, prefix {args.prefix}")
-    print("verify ms by block size: " + ", ".join(f"B={b}: {t:.2f}" for b, t in res["verify_ms"].items()))
-    print(f"sync draft ms (one block of {B}): {res['sync_draft_ms']:.2f}; packed ms: "
-          + ", ".join(f"{k}: {t:.2f}" for k, t in res["packed_ms"].items()))
-    print("\n| loop | round wall ms | draft ms | verify ms | tray ms | overhead ms |\n|---|---|---|---|---|---|")
+    print("\n| pass | device ms | host issue ms | host-bound |\n|---|---|---|---|")
+    for name, ps in passes.items():
+        print(f"| {name} | {ps['device_ms']:.3f} | {ps['host_issue_ms']:.3f} | "
+              f"{'yes' if ps['host_issue_ms'] > ps['device_ms'] else 'no'} |")
+    print(f"\nAR step: the explicit mask costs {mask_cost:.3f} ms of device time (eager AR skips it; verification "
+          "with a mask pays it): projected_speedup_masked_ar adds it to the eager AR round")
+    print("\n| loop | backend | round wall ms | draft ms | verify ms | tray ms | overhead ms |\n|---|---|---|---|---|---|---|")
     for name, lp in loops.items():
-        print(f"| {name} | {lp['round_wall_ms']:.2f} | {lp['draft_ms']:.2f} | {lp['verify_ms']:.2f} | "
+        print(f"| {name} | {lp['backend']} | {lp['round_wall_ms']:.2f} | {lp['draft_ms']:.2f} | {lp['verify_ms']:.2f} | "
               f"{lp['tray_ms']:.2f} | {lp['overhead_ms']:.2f} |")
-    print(f"\n| method | packed tokens | hit rate | round ms (miss / hit) | overlap | projected speedup (τ = {args.tau}) |"
-          "\n|---|---|---|---|---|---|")
+    print(f"\n| method | backend | packed tokens | hit rate | round ms (miss / hit) | overlap | projected speedup "
+          f"(τ = {args.tau}) | with AR masked |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         hr = "—" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         rt = f"{r['round_ms']:.2f}" + ("" if r["hit_round_ms"] is None else f" / {r['hit_round_ms']:.2f}")
         ov = "—" if r["overlap"] is None else f"{r['overlap']:.2f}"
-        print(f"| {r['method']} | {r['budget_tokens']} | {hr} | {rt} | {ov} | {r['projected_speedup']:.2f}× |")
-    print(f"\nwritten: {res.path}")
+        fair = "—" if r["projected_speedup_masked_ar"] is None else f"{r['projected_speedup_masked_ar']:.2f}×"
+        print(f"| {r['method']} | {r['backend']} | {r['budget_tokens']} | {hr} | {rt} | {ov} | "
+              f"{r['projected_speedup']:.2f}× | {fair} |")
+    print(f"\nproblems: {res['problems'] or 'none'}\nwritten: {res.path}")
     return res
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["problems"] else 0)

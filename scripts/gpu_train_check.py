@@ -23,20 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without `pip install -e .`
 
+from d3d.models.random_models import random_model, with_shape  # noqa: E402
 from d3d.objective import Example, ObjectiveConfig, pack  # noqa: E402
 from d3d.training import (  # noqa: E402
     D3DTrainingStep, enable_activation_checkpointing, freeze_embeddings_except_mask, make_optimizer, optimizer_step,
 )
-
-
-def tiny_qwen3(vocab: int, layers: int, hidden: int, attn: str):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         max_position_embeddings=4096, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 def peak_memory_mb(device: torch.device) -> dict:
@@ -70,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     accelerator = Accelerator(mixed_precision=precision, cpu=args.device == "cpu")
-    model = tiny_qwen3(args.vocab, args.layers, args.hidden, attn)
+    shape = with_shape("train_check", vocab_size=args.vocab, num_hidden_layers=args.layers, hidden_size=args.hidden,
+                       intermediate_size=2 * args.hidden, head_dim=args.hidden // 4)
+    model = random_model(shape, "cpu", torch.float32, seed=0, attn=attn)
     enable_activation_checkpointing(model)
     mask_id = args.vocab - 1
     # as d3d.train does: the hook is registered on the CPU model, before prepare moves it to the GPU

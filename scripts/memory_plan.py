@@ -145,17 +145,16 @@ def validate(checkpointing: bool) -> dict:
     """One fp32 training step of a small Qwen3 on CPU (one process): measured tensor peak (activations,
     loss, gradients; weights and Adam counted from their sizes) against the formula at that shape."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from d3d.models.random_models import SHAPES, random_model
     from d3d.objective import Example, ObjectiveConfig, pack
     from d3d.training import D3DTrainingStep, enable_activation_checkpointing
 
-    s = Shape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, head_dim=64, vocab=8192, params=0)
-    config = Qwen3Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn, num_hidden_layers=s.layers,
-                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    f = SHAPES["memory_plan"]
+    s = Shape(layers=f["num_hidden_layers"], hidden=f["hidden_size"], ffn=f["intermediate_size"],
+              heads=f["num_attention_heads"], kv_heads=f["num_key_value_heads"], head_dim=f["head_dim"],
+              vocab=f["vocab_size"], params=0)
+    model = random_model("memory_plan", "cpu", torch.float32, seed=0, attn="sdpa").train()
     if checkpointing:
         enable_activation_checkpointing(model)
     s.params = sum(p.numel() for p in model.parameters())

@@ -43,7 +43,7 @@ class GgufSpec:
 
 @dataclass
 class TinySpec:
-    """A tiny random-weight model (d3d.models.tiny): tests and the smoke experiment."""
+    """A tiny random-weight model (d3d.models.random_models): tests and the smoke experiment."""
 
     model_type: str
     hidden_size: int

@@ -126,7 +126,7 @@ def test_layer_subset_and_skipping(tmp_path):
 
 def test_tokenizer_mismatch_is_refused(tmp_path):
     from d3d.models.drafter import check_same_tokenizer
-    from d3d.models.tiny import build_byte_tokenizer
+    from d3d.models.random_models import build_byte_tokenizer
 
     model, tok, _ = tiny_drafter(tmp_path)
     other = build_byte_tokenizer()

@@ -1,69 +1,8 @@
-"""scripts/gpu_check.py's own checks on the CPU: the race check passes on a correct loop and fails
-on a broken hand-off; async against sync holds what each dtype allows (DESIGN §10); the runner
-keeps every finished sub-step when killed, and its H200 estimate's graphs are the ones a counting
-compile backend counts (its budget bookkeeping, which runs no stage, is in tests/unit/test_gpu_check.py)."""
+"""scripts/gpu_check.py, the runner, on the CPU: killed mid-stage, it keeps every finished sub-step
+(its budget bookkeeping, which runs no stage, is in tests/unit/test_gpu_check.py; the checks it runs
+are tests/integration/test_gpu.py, with their CPU variants in the default suite)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
-
-import pytest
-
-from tests.conftest import load_script
-
-
-@pytest.fixture(scope="module")
-def check():
-    import torch
-
-    # one thread per op: on 2 shared cores two OpenMP teams made these minutes instead of seconds
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_script("gpu_check")
-    torch.set_num_threads(threads)
-
-
-def test_race_check_passes_on_the_cpu_worker_thread(check):
-    res = check.stage_race("cpu", new_tokens=24)
-    assert res["overlap"] == "thread" and res["some_hits"], res
-    assert res["ok"], res["runs"]
-
-
-def stale_hand_off(monkeypatch):
-    """Break the thread hand-off on purpose: the worker builds its trays from the previous round's
-    drafts and distributions, as a worker that read them before this round's were ready would."""
-    from d3d.decoding import methods
-
-    real = methods.Async.beside_verify
-
-    def broken(self, r):
-        prev, self._prev = getattr(self, "_prev", None), (r.drafts, self.q_logits)
-        if self.p.pool is None or prev is None or prev[0].shape != r.drafts.shape:
-            return real(self, r)
-        fresh, self.q_logits = self.q_logits, prev[1]
-        try:
-            real(self, replace(r, drafts=prev[0]))  # the worker's arguments are taken here
-        finally:
-            self.q_logits = fresh
-
-    monkeypatch.setattr(methods.Async, "beside_verify", broken)
-
-
-def test_race_check_fails_on_a_broken_thread_hand_off(check, monkeypatch):
-    """Tokens stay right (verification decides them), so only τ and hits show the bug: token
-    equality alone would not be a race check."""
-    stale_hand_off(monkeypatch)
-    res = check.stage_race("cpu", new_tokens=24)
-    assert not res["ok"]
-    assert all(r["tokens_equal"] for r in res["runs"]) and not all(r["tau_equal"] for r in res["runs"]), res["runs"]
-
-
-def test_async_against_sync_holds_tau_in_fp32_and_tokens_in_bf16(check):
-    res = check.stage_async_sync("cpu", new_tokens=24)
-    fp32, bf16 = res["float32"], res["bfloat16"]
-    assert fp32["tokens_equal"] == fp32["tau_equal"] == fp32["runs"] > 0, fp32
-    assert bf16["real"] == 0 and bf16["runs"] > 0, bf16["details"]
-    assert res["ok"]
 
 
 def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
@@ -86,7 +25,7 @@ def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
         for line in proc.stdout:
             if line.startswith("[gpu_check] step "):
                 written.append(line.split()[2])
-            if len(written) == 3:  # inside the greedy stage, which has 10
+            if len(written) == 3:  # inside the greedy stage, which has 10 tests
                 proc.send_signal(signal.SIGKILL)
                 break
     finally:
@@ -97,16 +36,3 @@ def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
     on_disk = {f"{stage}/{step}" for stage, rec in saved["stages"].items() for step in rec["steps"]}
     assert len(written) >= 3 and set(written) <= on_disk, (written, on_disk)
     assert saved["stages"]["greedy"]["status"] == "running"  # killed inside it: no verdict, its steps kept
-
-
-@pytest.mark.slow
-def test_graph_counts_of_the_compiled_stages_fit_the_budget(check):
-    """Count the graphs the compiled stages make with a counting torch.compile backend on the toy
-    models (the toy timing drafter differs from its target in structure, as 1.7B does from 8B);
-    the estimate's counts are these, and the default run with them still fits 6 minutes."""
-    counted = {"compiled_equal": check.count_graphs(lambda: check.stage_compiled_equal("cpu", toy=False))}
-    for method in ("ar", "sync"):
-        counted[method] = check.count_graphs(lambda: check.stage_compiled_timing("cpu", toy=True, methods=(method,)))
-    assert sum(counted["compiled_equal"].values()) == sum(check.Estimate.GRAPHS["compiled_equal"].values())
-    assert {m: counted[m] for m in ("ar", "sync")} == {m: check.Estimate.GRAPHS[m] for m in ("ar", "sync")}
-    assert check.Estimate(graphs=counted).table(check.STAGES)["total_s"] <= 360

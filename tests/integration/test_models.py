@@ -24,6 +24,27 @@ def test_tiny_model_is_deterministic(tmp_path):
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
 
 
+
+def test_random_models_are_seeded_and_the_tiny_pair_is_one_model_in_every_dtype():
+    """d3d.models.random_models: a shape and a seed fix the weights (another seed changes them), and
+    tiny_pair's bf16 target is its fp32 target rounded, as its CUDA copy is its CPU copy moved: the
+    race and equality checks compare runs of one model, never of two inits."""
+    import torch
+
+    from d3d.models.random_models import random_model, tiny_pair
+
+    def weights(m):
+        return {k: v.float() for k, v in m.state_dict().items()}
+
+    a, b, c = (weights(random_model("toy_drafter", seed=s)) for s in (3, 3, 4))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    (t32, d32), (t16, d16) = tiny_pair("cpu", torch.float32), tiny_pair("cpu", torch.bfloat16)
+    for k, v in t16.state_dict().items():  # (the drafter's noise is drawn in its own dtype)
+        assert v.dtype == torch.bfloat16 and torch.equal(v, t32.state_dict()[k].to(torch.bfloat16)), k
+    assert not torch.equal(t32.lm_head.weight, d32.lm_head.weight)  # the drafter is perturbed
+    assert d32.config.d3d["mask_token_id"] == 255 and d32.config.d3d["block_size"] == 4
+
 @pytest.mark.slow
 def test_smollm2_gguf_converts_and_reloads_fast(cache_dir):
     """The real CPU default target: GGUF from PyPI -> HF folder -> reload in seconds, chat works."""

@@ -128,7 +128,7 @@ def test_typed_components_import_no_omegaconf():
     import sys
 
     code = ("import sys; sys.modules['omegaconf'] = None\n"
-            "import d3d.specs, d3d.objective, d3d.training, d3d.models.target, d3d.models.drafter, d3d.models.tiny\n"
+            "import d3d.specs, d3d.objective, d3d.training, d3d.models.target, d3d.models.drafter, d3d.models.random_models\n"
             "from d3d.objective import ObjectiveConfig; ObjectiveConfig.shipped(4)\n"
             "import d3d.data.benchmarks, d3d.data.prompts")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

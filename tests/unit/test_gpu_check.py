@@ -17,18 +17,21 @@ def check():
 def test_a_stage_the_budget_cannot_hold_is_recorded_as_skipped(check, tmp_path, monkeypatch):
     """--budget-s: a stage whose H200 estimate (async_sync: 5 s) does not fit in what is left is
     not started but recorded skipped, with its reason; the run does not count it as a failure.
-    A fake clock: the first stage (race, stubbed) takes 46 of the 50 s."""
+    A fake clock: the first stage (race, its pytest run stubbed) takes 46 of the 50 s."""
     import json
     from types import SimpleNamespace
 
     clock = [0.0]
     monkeypatch.setattr(check, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
-    def race(*args, **kw):
+    ran = []
+
+    def run_tests(stage, *args, **kw):
+        ran.append(stage)
         clock[0] = 46.0
         return {"ok": True}
 
-    monkeypatch.setattr(check, "stage_race", race)
+    monkeypatch.setattr(check, "run_tests", run_tests)
     report = check.main(["--device", "cpu", "--out-dir", str(tmp_path), "--stages", "race", "async_sync",
                          "--budget-s", "50"])
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -36,7 +39,7 @@ def test_a_stage_the_budget_cannot_hold_is_recorded_as_skipped(check, tmp_path, 
     late = saved["stages"]["async_sync"]
     assert late["status"] == "skipped" and late["steps"] == {}
     assert late["reason"] == "budget: 5 s estimated, 4 s of --budget-s 50 left"
-    assert saved["skipped"] == ["async_sync"] and report["ok"]
+    assert saved["skipped"] == ["async_sync"] and report["ok"] and ran == ["race"]
 
 
 def test_the_default_run_fits_six_minutes_on_an_h200_by_its_estimate(check):

@@ -86,9 +86,10 @@ def hit_rates(outcomes: list[tuple[int, int, bool]], block_size: int, grid=GRID)
 
 
 def _after_prefix_ms(model, prefix: torch.Tensor, x: torch.Tensor, layout, plain: bool, repeats: int,
-                     logits: bool) -> float:
+                     logits: bool, timer=timed):
     """Median ms of one pass of `x` after a cached `prefix` (1, n). Each repeat gets a fresh cache
-    of the prefix, built outside the timed region."""
+    of the prefix, built outside the timed region. `timer`: d3d.utils.timing.timed (wall ms) or
+    device_and_host_ms (device and host issue time apart)."""
     from transformers import DynamicCache
 
     n = prefix.shape[1]
@@ -103,27 +104,31 @@ def _after_prefix_ms(model, prefix: torch.Tensor, x: torch.Tensor, layout, plain
         if logits:  # the decoding loop reads logits at every position of the pass
             logits_at(model, h)
 
-    return timed(one, prefix.device, repeats, setup=cached_prefix)
+    return timer(one, prefix.device, repeats, setup=cached_prefix)
 
 
 @torch.inference_mode()
-def clean_pass_ms(model, prefix: torch.Tensor, width: int, repeats: int = 5, logits: bool = True) -> float:
+def clean_pass_ms(model, prefix: torch.Tensor, width: int, repeats: int = 5, logits: bool = True, masked: bool = False,
+                  timer=timed):
     """One pass of `width` clean tokens after the prefix: a target step (1) or a verify pass (B).
-    Token values do not change the cost; the prefix's last token is repeated."""
+    Token values do not change the cost; the prefix's last token is repeated. masked: pass the
+    (all-visible causal) mask explicitly instead of taking SDPA's unmasked causal path: the same
+    output, the attention path a masked verify pass takes."""
     n = prefix.shape[1]
     x = prefix[:, -1:].expand(1, width)
-    return _after_prefix_ms(model, prefix, x, clean_layout(width, start=n, device=prefix.device), True, repeats, logits)
+    return _after_prefix_ms(model, prefix, x, clean_layout(width, start=n, device=prefix.device), not masked, repeats,
+                            logits, timer)
 
 
 @torch.inference_mode()
-def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, logits: bool = True) -> float:
+def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, logits: bool = True, timer=timed):
     """One drafter pass of `blocks` mask blocks after the prefix: 1 block is a synchronous draft;
     (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block)."""
     B, mask_id = int(drafter.config.d3d["block_size"]), int(drafter.config.d3d["mask_token_id"])
     n, dev = prefix.shape[1], prefix.device
     x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
     layout = block_layout(torch.full((1, blocks), n, device=dev), B)
-    return _after_prefix_ms(drafter, prefix, x, layout, False, repeats, logits)
+    return _after_prefix_ms(drafter, prefix, x, layout, False, repeats, logits, timer)
 
 
 def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, repeats: int = 5) -> dict:

@@ -148,7 +148,7 @@ def resolve_model_path(spec: ModelSpec, cache_dir: str | Path) -> str:
         _check_hub_id(path)
         return path
     if spec.tiny:
-        from d3d.models.tiny import build_tiny_model
+        from d3d.models.random_models import build_tiny_model
 
         out = cache_dir / "models" / f"{spec.name}-{_spec_key(spec.tiny)}"
         if not (out / "config.json").is_file():
