@@ -10,7 +10,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup vllm-env gpu-image-env test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
+.PHONY: setup vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed
 
@@ -56,14 +56,23 @@ $(GPU_IMAGE_VENV)/.d3d-installed: Makefile
 	    print('gpu image env: torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 	touch $@
 
+# A toy GPU check on the CPU fails if it skipped a stage: each one must run here.
+NONE_SKIPPED = import json, sys; s = json.load(open(sys.argv[1]))['skipped']; \
+    sys.exit(f'gpu_check --toy skipped stages {s}: each must run on the CPU' if s else 0)
+
+# The same toy check under the project's own versions (.venv); CI runs it and test-gpu-image.
+test-gpu-check: setup
+	rm -rf outputs/gpu_check_cpu
+	PYTHONPATH=src $(PY) scripts/gpu_check.py --device cpu --toy --budget-s 3600 --out-dir outputs/gpu_check_cpu
+	$(PY) -c "$(NONE_SKIPPED)" outputs/gpu_check_cpu/gpu_check.json
+
 # What CI runs in it: the GPU check's CPU mode and the collection of the gpu-marked tests. --budget-s
 # is the H200 run's guard; on 2 busy CPU cores the toy stages take longer, and none may be skipped here.
 test-gpu-image: gpu-image-env
 	rm -rf outputs/gpu_check_image
 	PYTHONPATH=src $(GPU_IMAGE_VENV)/bin/python scripts/gpu_check.py --device cpu --toy --budget-s 3600 \
 	    --out-dir outputs/gpu_check_image
-	$(GPU_IMAGE_VENV)/bin/python -c "import json, sys; s = json.load(open('outputs/gpu_check_image/gpu_check.json'))['skipped']; \
-	    sys.exit(f'gpu_check --toy skipped stages {s}: each must run on the CPU' if s else 0)"
+	$(GPU_IMAGE_VENV)/bin/python -c "$(NONE_SKIPPED)" outputs/gpu_check_image/gpu_check.json
 	PYTHONPATH=src $(GPU_IMAGE_VENV)/bin/python -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/integration/test_gpu.py
 
 # The whole pipeline on the embedded CPU default, the overlay chosen from this CPU (d3d.pipeline
