@@ -61,6 +61,9 @@ def test_methods_declare_their_widest_pass():
     assert method_class("sync").passes(DecodeConfig(method="sync", block_size=8)) == {"target": 8, "drafter": 16}
     cfg = DecodeConfig(method="async", block_size=16, C=12, F=2)
     assert method_class("async").passes(cfg) == {"target": 16, "drafter": cfg.budget} and cfg.budget == 384
+    # a tree verifies the pending token and every node, whatever the block
+    assert method_class("tree").passes(DecodeConfig(method="tree", block_size=4, tree_nodes=31)) == \
+        {"target": 32, "drafter": 8}
 
 
 def test_weights_count_against_the_memory():

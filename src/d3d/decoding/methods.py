@@ -253,10 +253,15 @@ class Sync(Method):
         self.unc = torch.zeros(b, 0, dtype=torch.long, device=p.device)
         self.unc_n = torch.zeros(b, dtype=torch.long, device=p.device)
 
-    def propose(self, r):
+    def _draft_logits(self, r) -> torch.Tensor:
+        """One timed draft pass: the drafter commits what it has not seen and reads the block."""
         t = r.clock.mark()
         q_logits = self.p.draft_pass(self.dr, r.pending, r.next_pos, self.unc, self.unc_n)
         r.clock.span(r.stat, "draft_s", t)
+        return q_logits
+
+    def propose(self, r):
+        q_logits = self._draft_logits(r)
         r.drafts, r.q = draft_from(q_logits[:, : self.p.B - 1], self.cfg.sampling, self.p.gen)
 
     def settle(self, r):
@@ -444,8 +449,6 @@ class Async(Method):
         return torch.where(found, idx, torch.full_like(idx, -1))
 
 
-
-
 @register("tree")
 class Tree(Sync):
     """Sync drafting, tree verification: one drafter pass gives q for every block slot; a tree of
@@ -459,11 +462,18 @@ class Tree(Sync):
     keys = ("block_size", "tree_nodes")
     backends = ("eager",)  # keep_path moves slots of HF's dynamic cache; the static buffers keep prefixes only
 
+    @classmethod
+    def passes(cls, cfg):
+        # the target verifies the pending token and every node; the drafter's pass is sync's
+        return {"target": cfg.tree_nodes + 1, "drafter": 2 * cfg.block_size}
+
+    @staticmethod
+    def narrower(cfg, where):
+        return f"lower {where}.tree_nodes (the verify pass is tree_nodes + 1 tokens) or {where}.block_size"
+
     def propose(self, r):
         p, s = self.p, self.cfg.sampling
-        t = r.clock.mark()
-        q_logits = p.draft_pass(self.dr, r.pending, r.next_pos, self.unc, self.unc_n)
-        r.clock.span(r.stat, "draft_s", t)
+        q_logits = self._draft_logits(r)
         # greedy scores the tree by the drafter's plain softmax; sampling by the q it would sample from
         q = probs(q_logits[:, : p.B - 1], Sampling(1.0) if s.greedy else s)
         tree = build_tree(q, self.cfg.tree_nodes)
