@@ -1,9 +1,11 @@
-"""Decoding speed on one CPU/GPU: our AR loop, sync and async speculative decoding, against
+"""Decoding speed on one CPU/GPU: our AR loop, sync, tree and async speculative decoding, against
 transformers' generate (greedy), assisted generation and prompt-lookup decoding — same target,
 same prompts, one process, greedy, batch 1.
 
     python scripts/bench_decode.py --drafter checkpoints/cpu_default_lam1/final \
         --n-prompts 8 --max-new-tokens 128 --budgets 4x1 8x2 12x2
+    # trees of drafts at verify widths 8 and 16 beside the chain, and an async tree (15 nodes, 23 trays)
+    python scripts/bench_decode.py --drafter <folder> --block-sizes 16 8 --trees 7 15 --async-trees 15x23
     # the cpu_qwen pair: 1.5B target, the 0.5B model as the assisted-generation assistant
     python scripts/bench_decode.py --drafter <trained 0.5B drafter> --assistant qwen25_coder_05b \
         --block-sizes 4 8 16 target=qwen25_coder_15b
@@ -33,7 +35,7 @@ from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.methods import BACKENDS
+from d3d.decoding.methods import BACKENDS, method_class
 from d3d.models import load_model, load_target, resolve_model_path
 from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--assistant", default=None,
                     help="target config (conf/target/<name>) for hf_assisted; default: a copy of the target")
     ap.add_argument("--budgets", nargs="*", default=["4x1", "8x2", "12x2"], help="async C x F pairs")
+    ap.add_argument("--trees", type=int, nargs="*", default=[],
+                    help="decode.method=tree with these node counts (verify width = nodes + 1), on the first block size")
+    ap.add_argument("--async-trees", nargs="*", default=[],
+                    help="decode.method=async_tree as NODESxTRAYS pairs (e.g. 15x23), on the first block size")
     ap.add_argument("--overlap", default="auto", help="async overlap: auto (stream on GPU, serial on CPU), thread, none")
     ap.add_argument("--backends", nargs="+", default=["eager"], choices=BACKENDS,
                     help="our loops once per decode.backend (rows of the others are tagged [backend])")
@@ -95,11 +101,16 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = bind_config(compose("eval", args.overrides), "eval")
     cache = resolve_path(cfg.paths.cache_dir)
     budgets = [tuple(int(x) for x in b.split("x")) for b in args.budgets]
-    # every sync and async setting against this device's memory, before the models load
-    check_decode_cost({**{f"d3d_sync_b{B}": DecodeConfig(method="sync", block_size=B, max_new_tokens=args.max_new_tokens)
-                          for B in args.block_sizes},
-                       **{f"d3d_async_c{C}_f{F}": DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F,
-                                                               max_new_tokens=args.max_new_tokens) for C, F in budgets}},
+    async_trees = [tuple(int(x) for x in t.split("x")) for t in args.async_trees]
+    # our speculative settings by row name, each checked against this device's memory before the models load
+    B0, overlap = args.block_sizes[0], args.overlap
+    ours = {**{f"d3d_sync_b{B}": DecodeConfig(method="sync", block_size=B) for B in args.block_sizes},
+            **{f"d3d_tree_n{n}": DecodeConfig(method="tree", block_size=B0, tree_nodes=n) for n in args.trees},
+            **{f"d3d_async_c{C}_f{F}": DecodeConfig(method="async", block_size=B0, C=C, F=F, overlap=overlap)
+               for C, F in budgets},
+            **{f"d3d_async_tree_n{n}_t{t}": DecodeConfig(method="async_tree", block_size=B0, tree_nodes=n, tree_trays=t,
+                                                         overlap=overlap) for n, t in async_trees}}
+    check_decode_cost({k: replace(dc, max_new_tokens=args.max_new_tokens) for k, dc in ours.items()},
                       cfg.target, replace(cfg.drafter, checkpoint=args.drafter), cache)
     path, tok, target = load_target(cfg.target, cache)
     drafter, drafter_tok = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
@@ -135,13 +146,11 @@ def main(argv: list[str] | None = None) -> dict:
     for backend in args.backends:  # eager first: d3d_ar (eager) is the reference for the others
         tag = "" if backend == "eager" else f"[{backend}]"
         methods[f"d3d_ar{tag}"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar", backend=backend), eos))
-        for B in args.block_sizes:
-            methods[f"d3d_sync_b{B}{tag}"] = our_call(
-                SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=B, backend=backend), eos))
-        for C, F in budgets:
-            dc = DecodeConfig(method="async", block_size=args.block_sizes[0], C=C, F=F, overlap=args.overlap,
-                              backend=backend)
-            methods[f"d3d_async_c{C}_f{F}({dc.budget}tok){tag}"] = our_call(SpecGenerator(target, tok, drafter, dc, eos))
+        # sync and trees first, the async methods last (see above); a tree runs on the eager backend only
+        for name, dc in sorted(ours.items(), key=lambda kv: kv[1].method.startswith("async")):
+            if backend in method_class(dc.method).backends:
+                packed = f"({dc.budget}tok)" if dc.budget else ""
+                methods[f"{name}{packed}{tag}"] = our_call(SpecGenerator(target, tok, drafter, replace(dc, backend=backend), eos))
 
     if args.only:  # d3d_ar always stays: ratios and the equality check need a baseline
         methods = {k: v for k, v in methods.items() if k == "d3d_ar" or any(k.startswith(p) for p in args.only)}

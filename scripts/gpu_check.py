@@ -1,4 +1,4 @@
-"""The GPU check: one script to run whenever a GPU is lent (about 6 minutes on one H200 by its
+"""The GPU check: one script to run whenever a GPU is lent (about 6.5 minutes on one H200 by its
 estimate, printed at start, inputs in `Estimate` below; the budget guard keeps it inside the timeout).
 
     PYTHONPATH=src timeout 480 python3 scripts/gpu_check.py --out-dir $OUT   # on the GPU machine
@@ -164,7 +164,8 @@ def stage_readiness(device: str, out_dir: Path, toy: bool, st: Stage | None = No
     if toy:
         argv = ["--target", "toy", "--drafter", "toy", "--device", device, "--dtype", "float32", "--prefix", "32",
                 "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
-                "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--out", out]
+                "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--trees", "3", "--async-trees", "3x2",
+                "--out", out]
     else:
         argv = ["--target", "qwen3_8b", "--drafter", "qwen3_1p7b", "--device", device, "--dtype", "bfloat16",
                 "--prefix", "2048", "--loop-tokens", "32", "--out", out,
@@ -226,8 +227,9 @@ class Estimate:
     - the tiny-model stages are host-bound on a GPU (a few hundred aten ops a pass): their time is
       bounded by their time on this project's 2-core CPU, one thread (measured, below);
     - an eager Qwen3-8B round costs ~20 ms of host time (2.6 k ops at 7.5 µs, DESIGN §10), a
-      1.7B-drafted sync or async round ~60-80 ms; readiness decodes 5 loops (ar, sync, 3 async
-      budgets) of 32 tokens after a 32-token warm-up, 64 rounds each at τ = 1 (random weights);
+      1.7B-drafted sync or async round ~60-80 ms; readiness decodes 7 loops (ar, sync, 3 async
+      budgets, a tree, an async tree) of 32 tokens after a 32-token warm-up, 64 rounds each at
+      τ = 1 (random weights);
     - startup (imports, CUDA context) and model init (8B and 1.7B random weights made on the device).
     """
 
@@ -242,15 +244,15 @@ class Estimate:
     STAGES_S = {  # stage: seconds on one H200, without its compiles. Tiny stages: their time on
         # this project's CPU (2-core AMD EPYC, one thread, default sizes, measured) rounded up
         "startup": 20,  # torch + transformers imports, the CUDA context, pytest's start
-        "greedy": 20,  # 10 tiny runs + transformers' generate per prompt: 17 s on the CPU
+        "greedy": 25,  # 14 tiny runs + transformers' generate per prompt: 17 s on the CPU for 10
         "sampling": 10,  # 3 loops over 3,000 requests in one batch: 24 s on the CPU, compute-bound there
-        "race": 15,  # 8 tiny async runs in bf16: 5 s on the CPU; + the broken hand-off's 4 runs (each
+        "race": 20,  # 12 tiny async runs (4 of them async trees) in bf16: 5 s on the CPU for 8; + the broken hand-off's (each
         # round held back ~0.1 s on CUDA) and the host-sync count (9 short calls)
         "async_sync": 5,  # 4 sync + 8 async tiny runs, fp32 and bf16: 2 s on the CPU
         "engine": 45,  # flex_attention's forward compile ~30 s, 6 short ragged runs
         "train": 45,  # accelerate start, flex_attention's forward and backward compiles, 20 tiny steps
-        "readiness": 48,  # 8B + 1.7B init ~10 s, 10 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
-        # 5 eager loops of 64 rounds at 20-80 ms
+        "readiness": 58,  # 8B + 1.7B init ~10 s, 10 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
+        # 7 eager loops of 64 rounds at 20-80 ms (the trees' ~100 more small ops per round)
         "compiled_equal": 5,  # 3 tiny eager and compiled runs of 24 tokens, without their compiles
         "compiled_timing": 10,  # 8B init ~5 s, eager AR 64 rounds at ~20 ms, compiled AR's rounds and capture
     }

@@ -10,7 +10,8 @@ This script measures, on one device, at a 2k-token context by default:
    verify over B tokens for each block size B; the synchronous draft of one block; the packed
    tray pass over B * ((C-1)*F + 2) tokens for each budget C x F; and the AR step twice, with and
    without an explicit mask (the fair-baseline gap, below);
-2. the real loops (d3d.decoding.SpecGenerator): AR, sync, and async at each budget, on a random
+2. the real loops (d3d.decoding.SpecGenerator): AR, sync, async at each budget, and (eager only)
+   trees of drafts (--trees) and async trees (--async-trees), on a random
    prompt of the prefix length, on each backend of --backends (eager, and compiled: static KV
    buffers + torch.compile, CUDA graphs on CUDA, where one replay is issued per pass and the host
    no longer paces the device): per round, the host wall time next to the passes' CUDA-event times;
@@ -26,6 +27,9 @@ This script measures, on one device, at a 2k-token context by default:
    adds to one AR step (device time), and every eager row also carries the projection with the AR
    round made that much longer (`projected_speedup_masked_ar`): the bias, measured and stated. The
    compiled backend's AR step always takes the mask (a static pass does), so it has no such bias.
+5. trees: projected like the chain at τ = --tree-tau (default the chain's --tau: random weights give
+   no tree τ) and hit rate --tree-hit-rate, with the τ each tree needs to match sync's projection
+   (its round costs more: the tree mask, build_tree's per-node ops, the path's cache gather).
 The JSON file is rewritten after every stage, so a crash or a timeout keeps what finished;
 `problems` lists what makes the run unusable (exit status 1 when any).
 
@@ -129,6 +133,30 @@ def projections(loops: dict, suffix: str, tau: float, budgets, hit_rates, block_
     return rows
 
 
+def tree_projections(loops: dict, tau: float, hit: float, mask_cost_ms: float, chain_tau: float) -> list[dict]:
+    """Projection rows of the eager tree loops, as `projections` makes the chain's, plus the τ a
+    tree needs to match the chain's sync projection (`tau_to_match_sync`: a tree round costs more
+    host and device time than a chain round of the same width; its τ must pay for that)."""
+    t_ar, t_sync = loops["ar"]["round_wall_ms"], loops["sync"]["round_wall_ms"]
+    rows = []
+    for name, lp in loops.items():
+        if not name.startswith(("tree_", "async_tree_")):
+            continue
+        t_round = lp["round_wall_ms"]
+        is_async = name.startswith("async")
+        h = hit if is_async else None
+        t_hit = max(t_round - lp["draft_ms"], 1e-9) if is_async else None
+        speed = project(tau, h, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
+        cost = t_round if h is None else h * t_hit + (1 - h) * t_round  # expected round time
+        rows.append({"method": name, "backend": "eager", "budget_tokens": None, "hit_rate": h, "round_ms": t_round,
+                     "hit_round_ms": t_hit, "overlap": None, "overlap_unclipped": None, "tau_used": tau,
+                     "projected_speedup": speed,
+                     "projected_speedup_masked_ar": project(tau, h, t_ar + mask_cost_ms, t_sync=t_round,
+                                                            t_miss=t_round, t_hit=t_hit),
+                     "tau_to_match_sync": chain_tau * cost / t_sync})
+    return rows
+
+
 def problems(res: dict) -> list[str]:
     """What makes a readiness run unusable: a latency or round time that is not a positive number,
     a pass whose device time was not separated from the host's (the pre-queued sleep ran dry), a
@@ -148,7 +176,7 @@ def problems(res: dict) -> list[str]:
     for r in res.get("projection", []):
         where = f"projection[{r['method']}, {r['backend']}]"
         bad += [where] * (not good(r["projected_speedup"]))
-        if r["method"] != "sync" and res.get("device", "").startswith("cuda"):
+        if r["method"].startswith("async ") and res.get("device", "").startswith("cuda"):
             ov = r["overlap_unclipped"]
             bad += [f"{where}: overlap {ov}"] * (ov is None or not -0.25 <= ov <= 1.25)
     missing = [k for k in ("passes", "verify_ms", "sync_draft_ms", "packed_ms", "loops", "projection") if k not in res]
@@ -190,12 +218,21 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     p.add_argument("--tau", type=float, default=7.88, help="τ measured elsewhere (paper: 7.88, Qwen3-8B)")
     p.add_argument("--hit-rate", type=float, nargs="+", default=[0.713, 0.783, 0.818],
                    help="one hit rate per --budgets entry (defaults: the paper's AIME25 study, B = 16)")
+    p.add_argument("--trees", type=int, nargs="*", default=[15],
+                   help="decode.method=tree loops with these node counts (eager; verify width = nodes + 1)")
+    p.add_argument("--async-trees", nargs="*", default=["15x23"],
+                   help="decode.method=async_tree loops, NODESxTRAYS (eager; 15x23 packs async 12x2's 384 tokens)")
+    p.add_argument("--tree-tau", type=float, default=None,
+                   help="τ of the trees, measured elsewhere (default: the chain's --tau, a floor at equal width)")
+    p.add_argument("--tree-hit-rate", type=float, default=0.713,
+                   help="hit rate of the async trees (default: the paper's C=12 F=2, the same 384-token budget)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     B = args.block_size
     budgets = [tuple(int(x) for x in b.lower().split("x")) for b in args.budgets]
+    async_trees = [tuple(int(x) for x in t.lower().split("x")) for t in args.async_trees]
     if len(args.hit_rate) != len(budgets):  # a budget's hit rate is its own: never one for all
         p.error(f"--hit-rate takes one value per --budgets entry ({len(budgets)} budgets, {len(args.hit_rate)} rates)")
     from d3d.decoding import DecodeConfig
@@ -222,10 +259,14 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     loops = {}
     for backend in args.backends:
         suffix = "" if backend == "eager" else f"@{backend}"
+        trees = [] if backend != "eager" else (  # a tree's caches keep a path's slots: eager only
+            [(f"tree_{n}", DecodeConfig(method="tree", block_size=B, tree_nodes=n)) for n in args.trees] +
+            [(f"async_tree_{n}x{t}", DecodeConfig(method="async_tree", block_size=B, tree_nodes=n, tree_trays=t))
+             for n, t in async_trees])
         for name, cfg in [("ar", DecodeConfig(method="ar", backend=backend)),
                           ("sync", DecodeConfig(method="sync", block_size=B, backend=backend))] + \
                 [(f"async_{C}x{F}", DecodeConfig(method="async", block_size=B, C=C, F=F, backend=backend))
-                 for C, F in budgets]:
+                 for C, F in budgets] + trees:
             loops[name + suffix] = {**loop_rounds(target, drafter, cfg, args.prefix, args.loop_tokens, device),
                                     "backend": cfg.backend}
             res.stage("loops", loops)
@@ -233,6 +274,8 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     for backend in args.backends:
         rows += projections(loops, "" if backend == "eager" else f"@{backend}", args.tau, budgets, args.hit_rate, B,
                             mask_cost if backend == "eager" else None)
+    rows += tree_projections(loops, args.tau if args.tree_tau is None else args.tree_tau, args.tree_hit_rate,
+                             mask_cost, args.tau)
     res.stage("projection", rows)
     res.stage("problems", problems(res))
 
@@ -254,8 +297,12 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
         rt = f"{r['round_ms']:.2f}" + ("" if r["hit_round_ms"] is None else f" / {r['hit_round_ms']:.2f}")
         ov = "—" if r["overlap"] is None else f"{r['overlap']:.2f}"
         fair = "—" if r["projected_speedup_masked_ar"] is None else f"{r['projected_speedup_masked_ar']:.2f}×"
-        print(f"| {r['method']} | {r['backend']} | {r['budget_tokens']} | {hr} | {rt} | {ov} | "
+        print(f"| {r['method']} | {r['backend']} | {r['budget_tokens'] or '—'} | {hr} | {rt} | {ov} | "
               f"{r['projected_speedup']:.2f}× | {fair} |")
+    for r in rows:
+        if "tau_to_match_sync" in r:
+            print(f"{r['method']}: projected at τ = {r['tau_used']}; it matches sync's speed from τ = "
+                  f"{r['tau_to_match_sync']:.2f} (its round costs {r['round_ms']:.2f} ms)")
     print(f"\nproblems: {res['problems'] or 'none'}\nwritten: {res.path}")
     return res
 

@@ -21,11 +21,11 @@ def test_bench_decode_smoke(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     res = load_script("bench_decode").main([
         "--drafter", str(drafter), "--n-prompts", "2", "--max-new-tokens", "8", "--block-sizes", "4", "2",
-        "--budgets", "3x1", "--assistant", "tiny_random", "--out", str(out), "+experiment=smoke",
-        f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+        "--budgets", "3x1", "--trees", "3", "--async-trees", "3x2", "--assistant", "tiny_random", "--out", str(out),
+        "+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
     names = [s["method"] for s in res["summary"]]
     assert names == ["hf_generate", "hf_assisted(tiny_random)", "hf_prompt_lookup", "d3d_ar", "d3d_sync_b4",
-                     "d3d_sync_b2", "d3d_async_c3_f1(16tok)"]
+                     "d3d_sync_b2", "d3d_tree_n3", "d3d_async_c3_f1(16tok)", "d3d_async_tree_n3_t2(12tok)"]
     # greedy, fp32: every method returns generate's tokens on every prompt
     assert all(s["equal_rate"] == 1.0 for s in res["summary"])
     assert set(res["pass_cost"]["target_ms"]) == {1, 2, 4, 8, 16}
@@ -41,9 +41,11 @@ def test_only_keeps_the_ar_baseline(tmp_path, monkeypatch):
     cfg, drafter = smoke_drafter(tmp_path)
     res = load_script("bench_decode").main([
         "--drafter", str(drafter), "--n-prompts", "1", "--max-new-tokens", "8", "--block-sizes", "4",
-        "--budgets", "3x1", "--only", "d3d_async", "--backends", "eager", "static", "--out", str(tmp_path / "b.json"),
+        "--budgets", "3x1", "--async-trees", "2x1", "--only", "d3d_async", "--backends", "eager", "static", "--out", str(tmp_path / "b.json"),
         "+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
-    assert [s["method"] for s in res["summary"]] == ["d3d_ar", "d3d_async_c3_f1(16tok)", "d3d_async_c3_f1(16tok)[static]"]
+    # the async tree runs on the eager backend only (its caches keep a path's slots): no [static] row
+    assert [s["method"] for s in res["summary"]] == ["d3d_ar", "d3d_async_c3_f1(16tok)", "d3d_async_tree_n2_t1(7tok)",
+                                                     "d3d_async_c3_f1(16tok)[static]"]
     assert all(s["equal_rate"] == 1.0 for s in res["summary"]) and res["summary"][0]["ratio"] == 1.0
 
 

@@ -156,14 +156,18 @@ def test_contract4_estimator_equals_loop_tau_on_trees(models, nodes):
         assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus(), text
 
 
-def test_contract2_end_to_end_two_tokens(models):
-    """Sync loop at T = 1 on a 2-token horizon: the joint law of (x1, x2) is the target's."""
+@pytest.mark.parametrize("method", ["sync", "tree", "async_tree"])
+def test_contract2_end_to_end_two_tokens(models, method):
+    """The loop at T = 1 on a 2-token horizon: the joint law of (x1, x2) is the target's (a tree's
+    second token is decided by a child's own law after a sibling was accepted or rejected; an async
+    tree's by a tray's tree when the first round hit)."""
     target, drafter, tok = models
     prompt = tok("ab")["input_ids"]
     n = 3000
     s = Sampling(temperature=1.0, top_k=4)  # top-k keeps the support small enough to test
-    res = SpecGenerator(target, tok, drafter, DecodeConfig(method="sync", block_size=4, temperature=1.0, top_k=4,
-                                                           max_new_tokens=2), seed=0).generate([prompt] * n)
+    res = SpecGenerator(target, tok, drafter, DecodeConfig(method=method, block_size=4, temperature=1.0, top_k=4,
+                                                           tree_nodes=4, tree_trays=6, max_new_tokens=2),
+                        seed=0).generate([prompt] * n)
     with torch.no_grad():
         p1 = probs(target(torch.tensor([prompt])).logits[0, -1], s)
         exact = {}
@@ -232,7 +236,7 @@ def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
     assert sizes and set(sizes) == {cfg.budget}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60
 
 
-TRAP_CASES = [(m, t, batch) for m in ("ar", "sync", "async", "tree") for t in (0.0, 1.0) for batch in (1, 3)]
+TRAP_CASES = [(m, t, batch) for m in ("ar", "sync", "async", "tree", "async_tree") for t in (0.0, 1.0) for batch in (1, 3)]
 
 
 @pytest.mark.parametrize("method,temperature,batch", TRAP_CASES)
@@ -245,7 +249,8 @@ def test_contract8_loop_is_device_clean(models, method, temperature, batch):
     prompts = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
     if batch > 1:
         prompts[1] = prompts[1][:2]  # ragged: rows of different lengths, finishing at different rounds
-    cfg = DecodeConfig(method=method, block_size=4, C=3, F=2, temperature=temperature, max_new_tokens=12 + batch)
+    cfg = DecodeConfig(method=method, block_size=4, C=3, F=2, tree_nodes=5, tree_trays=4, temperature=temperature,
+                       max_new_tokens=12 + batch)
     make = lambda: SpecGenerator(target, tok, None if method == "ar" else drafter, cfg, seed=3)  # noqa: E731
     free = make().generate(prompts)
     torch.set_default_device("meta")
@@ -438,3 +443,64 @@ def test_tree_on_a_static_backend_is_refused_before_any_model():
 
     with pytest.raises(ConfigError, match=r"decode.backend='static': method=tree runs on eager only"):
         DecodeConfig(method="tree", backend="static")
+
+
+# ---------------------------------------------------------------- async trees (decode.method=async_tree)
+
+@pytest.mark.parametrize("nodes,trays", [(1, 1), (5, 3), (12, 20)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_contract1_greedy_async_tree_equals_generate(models, nodes, trays, batch):
+    """Trays keyed by the tree's outcomes, ragged rows each keeping its own path in both caches:
+    the target's greedy tokens, and the tree's own rounds (a hit serves the block a synchronous
+    draft pass would have drafted, so the trees and τ are the tree method's, in fp32)."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
+    run = lambda method: SpecGenerator(target, tok, drafter, DecodeConfig(  # noqa: E731
+        method=method, block_size=6, tree_nodes=nodes, tree_trays=trays, max_new_tokens=40)).generate(prompts)
+    res, tree = run("async_tree"), run("tree")
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 40, tok.eos_token_id), (nodes, trays, row)
+    assert res.taus() == tree.taus() and sum(res.taus()) == res.new_tokens
+    assert res.hit_rate is not None and res.hit_rate > 0  # trays were found (a key that never matches fails here)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_async_tree_trays_cover_every_outcome_when_wide_enough(models, temperature):
+    """With a tray for every (node, token) pair a round can end in (tree_trays >= (nodes + 1) * V),
+    every round is a hit, greedy or sampled (so an outcome is keyed by the node its path ends at and
+    a token that is no child of it); with one tray, only the likeliest outcome can be."""
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    prompt = [tok(PROMPTS[2])["input_ids"]]
+    run = lambda trays: SpecGenerator(target, tok, drafter, DecodeConfig(  # noqa: E731
+        method="async_tree", block_size=4, tree_nodes=3, tree_trays=trays, temperature=temperature,
+        max_new_tokens=24)).generate(prompt, seed=1)
+    full = run(4 * s.vocab_size)
+    hits = [r["hit"][0] for r in full.rounds]
+    assert len(hits) > 3 and all(hits)
+    one = run(1)
+    assert one.hit_rate < 1
+    if temperature == 0:
+        assert one.token_ids == full.token_ids
+
+
+def test_async_tree_with_a_worker_thread_equals_serial(models):
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    run = lambda overlap: SpecGenerator(target, tok, drafter, DecodeConfig(  # noqa: E731
+        method="async_tree", block_size=6, tree_nodes=8, tree_trays=6, overlap=overlap, cpu_threads_drafter=1,
+        max_new_tokens=30)).generate(prompts)
+    serial, threaded = run("none"), run("thread")
+    assert threaded.token_ids == serial.token_ids and threaded.taus() == serial.taus()
+    assert [r["hit"] for r in threaded.rounds] == [r["hit"] for r in serial.rounds]
+    assert all("tray_wait_s" in r for r in threaded.rounds)
+
+
+def test_sampled_async_tree_decoding_runs_and_is_seeded(models):
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    gen = SpecGenerator(target, tok, drafter, DecodeConfig(method="async_tree", block_size=6, tree_nodes=8, tree_trays=8,
+                                                           temperature=1.0, max_new_tokens=25))
+    a, b = gen.generate(prompts, seed=3), gen.generate(prompts, seed=3)
+    assert a.token_ids == b.token_ids and sum(a.taus()) == a.new_tokens
+    assert all(len(t) == 25 or r == "stop" for t, r in zip(a.token_ids, a.finish_reasons))

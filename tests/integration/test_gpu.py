@@ -77,7 +77,9 @@ def generator(target, drafter, method: str, **cfg) -> SpecGenerator:
 
 # ---- greedy: every loop gives transformers' greedy tokens (fp32, batch 1 and a ragged batch) ----
 
-GREEDY_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 4, 3, 2), ("async", 6, 6, 3)]
+# (tree and async_tree read tree_nodes / tree_trays at their defaults, 15 and 23; C and F are async's)
+GREEDY_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("sync", 6, 1, 0), ("async", 4, 3, 2), ("async", 6, 6, 3),
+                ("tree", 6, 1, 0), ("async_tree", 6, 1, 0)]
 
 
 @on_device
@@ -159,9 +161,11 @@ def test_sampling_joint_law_of_two_tokens(method, two_token_law, record_property
 
 # ---- race: async with its tray pass overlapped against async serial, bit for bit ----
 
-def async_run(target, drafter, prompts, overlap: str, C: int, F: int, new_tokens: int):
-    return generator(target, drafter, "async", block_size=6, C=C, F=F, overlap=overlap, cpu_threads_drafter=1,
-                     max_new_tokens=new_tokens).generate(prompts)
+def async_run(target, drafter, prompts, overlap: str, C: int, F: int, new_tokens: int, method: str = "async"):
+    """async (C x F trays) or async_tree (a tree of C nodes, F trays), its tray pass as `overlap` says."""
+    shape = dict(C=C, F=F) if method == "async" else dict(tree_nodes=C, tree_trays=F)
+    return generator(target, drafter, method, block_size=6, overlap=overlap, cpu_threads_drafter=1,
+                     max_new_tokens=new_tokens, **shape).generate(prompts)
 
 
 def same_rounds(a, b) -> dict:
@@ -183,10 +187,11 @@ def race(device: str, new_tokens: int) -> list[dict]:
     runs = []
     for batch in (1, 3):
         prompts = random_prompts(batch, 256, seed=10 + batch)
-        for C, F in [(3, 2), (6, 3)]:
-            serial = async_run(target, drafter, prompts, "none", C, F, new_tokens)
-            both = async_run(target, drafter, prompts, overlapped, C, F, new_tokens)
-            runs.append({"batch": batch, "C": C, "F": F, "overlap": overlapped, **same_rounds(serial, both)})
+        for method, C, F in [("async", 3, 2), ("async", 6, 3), ("async_tree", 8, 6)]:
+            serial = async_run(target, drafter, prompts, "none", C, F, new_tokens, method)
+            both = async_run(target, drafter, prompts, overlapped, C, F, new_tokens, method)
+            runs.append({"method": method, "batch": batch, "C": C, "F": F, "overlap": overlapped,
+                         **same_rounds(serial, both)})
     return runs
 
 
@@ -282,7 +287,7 @@ def syncs_per_round(target, drafter, method: str, prompts, new_tokens: int) -> d
 
 @on_device
 @pytest.mark.skipif(not CUDA, reason="counts CUDA synchronisations")
-@pytest.mark.parametrize("method", ["ar", "sync", "async"])
+@pytest.mark.parametrize("method", ["ar", "sync", "async", "tree", "async_tree"])
 def test_race_host_syncs_per_round(method, record_property):
     """Recorded for the results page; required: the loop's own host transfer is seen (at least one
     sync a round), so the count counts."""

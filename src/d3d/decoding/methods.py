@@ -67,6 +67,7 @@ class DecodeConfig:
     F: int = 2  # async: alternatives per covered slot
     coverage: str = "first"  # first | confident
     tree_nodes: int = 15  # tree: draft nodes verified beside the pending token (the verify pass is tree_nodes + 1 wide)
+    tree_trays: int = 23  # async_tree: trays for the likeliest outcomes (23 + a glue of 16 = async's 384 tokens at B = 16)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -96,7 +97,7 @@ class DecodeConfig:
         if self.backend not in method.backends:
             bad("backend", f"method={self.method} runs on {', '.join(method.backends)} only "
                            "(its cache keeps non-contiguous slots, which only the eager cache does)")
-        for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("top_k", 0), ("max_new_tokens", 1)):
+        for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("tree_trays", 1), ("top_k", 0), ("max_new_tokens", 1)):
             if not whole(getattr(self, key)) or getattr(self, key) < least:
                 bad(key, f"an integer >= {least}" + (" (0 = off)" if key == "top_k" else ""))
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
@@ -171,6 +172,12 @@ class Method:
     def propose(self, r: Round) -> None:
         raise NotImplementedError
 
+    def drafts_from(self, r: Round, q_logits: torch.Tensor) -> tuple:
+        """r.drafts, r.q from the drafter's block logits (b, B, V): the chain of per-slot drafts
+        (argmax, or samples of q at T > 0). Returns the tensors the target's side reads from them."""
+        r.drafts, r.q = draft_from(q_logits[:, : self.p.B - 1], self.cfg.sampling, self.p.gen)
+        return r.drafts, r.q
+
     def verify(self, tgt: KVState, r: Round) -> torch.Tensor:
         """The target's logits over this round's drafts (b, B, V): the chain's causal [pending, drafts]."""
         return self.p.verify_pass(tgt, r.pending, r.drafts, r.next_pos)
@@ -191,16 +198,33 @@ class Method:
         """(b, k) tokens whose first r.accepted[i] row i commits (before r.token): the chain's drafts."""
         return r.drafts
 
+    def kept_slots(self, r: Round) -> torch.Tensor | None:
+        """Which of the verified slots hold the pending token and the accepted drafts, (b, k) in
+        order; None = the first r.accepted + 1 (the chain's)."""
+        return None
+
+    def outcome(self, r: Round) -> torch.Tensor:
+        """(b,) where verification ended, as a tray is keyed: the chain's accepted count."""
+        return r.accepted
+
     def keep(self, tgt: KVState, start: int, r: Round, most: int) -> None:
         """The target's cache keeps, of the slots this round's verify pass wrote (from `start` on),
         the pending token and the accepted drafts; `most` = the longest such run of any row."""
-        tgt.keep_first(start, r.accepted + 1, most)
+        keep_slots(tgt, start, self.kept_slots(r), r.accepted + 1, most)
 
     def settle(self, r: Round) -> None: ...
 
     def commit(self, r: Round, host: list[list[int]], most: int) -> None: ...
 
     def retire(self, keep: torch.Tensor, keep_list: list[int]) -> None: ...
+
+
+def keep_slots(state: KVState, start: int, slots: torch.Tensor | None, counts: torch.Tensor, most: int) -> None:
+    """A cache keeps, of its slots from `start` on, the first counts[r] (slots None) or those listed."""
+    if slots is None:
+        state.keep_first(start, counts, most)
+    else:
+        state.keep_path(start, slots, counts, most)
 
 
 METHODS: dict[str, type[Method]] = {}  # decode.method -> its class, filled by @register
@@ -261,11 +285,11 @@ class Sync(Method):
         return q_logits
 
     def propose(self, r):
-        q_logits = self._draft_logits(r)
-        r.drafts, r.q = draft_from(q_logits[:, : self.p.B - 1], self.cfg.sampling, self.p.gen)
+        self.drafts_from(r, self._draft_logits(r))
 
     def settle(self, r):
-        self.unc, self.unc_n = torch.cat([r.pending[:, None], r.drafts], dim=1), r.accepted + 1
+        # the drafter commits the pending token and the accepted path in its next draft pass
+        self.unc, self.unc_n = torch.cat([r.pending[:, None], self.path(r)], dim=1), r.accepted + 1
 
     def commit(self, r, host, most):
         self.unc = self.unc[:, :most]
@@ -303,7 +327,7 @@ class Async(Method):
     def begin(self, prompts):
         p = self.p
         with _on(p.stream):
-            self.dr = p.new_state(p.drafter, len(prompts), self.budget(self.cfg), side_stream=True)  # glue + trays
+            self.dr = p.new_state(p.drafter, len(prompts), self.passes(self.cfg)["drafter"], side_stream=True)  # glue + trays
             p.prefill(self.dr, prompts)
         # the next block's logits per row, and which rows hit (host list; device mask for the CUDA path)
         self.prepared, self.hit, self.hit_dev = None, [False] * len(prompts), None
@@ -320,9 +344,9 @@ class Async(Method):
                 r.stat["drafted_rows"] = len(miss)
             else:
                 q_logits = self.prepared
-            r.drafts, r.q = draft_from(q_logits[:, : p.B - 1], self.cfg.sampling, p.gen)
+            handed = self.drafts_from(r, q_logits)
             self.q_logits, self.glue_start = q_logits, len(self.dr)
-        p.take(ds, r.drafts, r.q)
+        p.take(ds, *handed)
 
     def _draft_misses(self, r, miss: list[int]) -> torch.Tensor:
         """Drafter logits for every row: the hit rows' prepared blocks, a synchronous draft for the
@@ -373,13 +397,14 @@ class Async(Method):
             r.stat["tray_wait_s"] = time.perf_counter() - t
         keys, self.tray_logits = self.future
         self.p.take(self.p.stream, keys, self.tray_logits)
-        r.hit_idx = self._find_trays(keys, r.accepted, r.token)
+        r.hit_idx = self._find_trays(keys, self.outcome(r), r.token)
 
     def commit(self, r, host, most):
         p, ds = self.p, self.p.stream
-        p.lend(ds, r.accepted)
-        with _on(ds):
-            self.dr.keep_first(self.glue_start, r.accepted + 1, most)  # the glue commits pending + accepted drafts
+        slots = self.kept_slots(r)
+        p.lend(ds, r.accepted, slots)
+        with _on(ds):  # the glue commits the pending token and the accepted drafts
+            keep_slots(self.dr, self.glue_start, slots, r.accepted + 1, most)
         self.hit, self.hit_dev = [h[2] >= 0 for h in host], r.hit_idx >= 0
         r.stat["hit"] = list(self.hit)
         n = len(host)
@@ -441,26 +466,63 @@ class Async(Method):
         return (reject_here.topk(c, dim=1).indices + 1).sort(dim=1).values
 
     @staticmethod
-    def _find_trays(keys: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Index of the tray keyed (accepted, token) per row, -1 when none (a miss)."""
-        match = (keys[:, :, 0] == accepted[:, None]) & (keys[:, :, 1] == token[:, None])
+    def _find_trays(keys: torch.Tensor, outcome: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Index of the tray keyed (outcome, token) per row, -1 when none (a miss)."""
+        match = (keys[:, :, 0] == outcome[:, None]) & (keys[:, :, 1] == token[:, None])
         found = match.any(dim=1)
         idx = match.long().argmax(dim=1)
         return torch.where(found, idx, torch.full_like(idx, -1))
 
 
+class _TreeSteps:
+    """The tree's half of a round, shared by `tree` (drafted synchronously) and `async_tree` (with
+    trays): a tree of `tree_nodes` drafts from the drafter's block logits (d3d.decoding.tree:
+    best-first by path probability, the chain inside), verified in one target pass of
+    tree_nodes + 1 tokens, each node seeing the prefix, the pending token and its ancestors at
+    position pending + depth. Acceptance takes the longest matching path (greedy) or
+    multi-candidate rejection sampling (T > 0; the candidates are deterministic, so q only shapes
+    the tree), and the caches keep the accepted path's slots (KVState.keep_path)."""
+
+    backends = ("eager",)  # keep_path moves slots of HF's dynamic cache; the static buffers keep prefixes only
+
+    def drafts_from(self, r, q_logits):
+        p, s = self.p, self.cfg.sampling
+        # greedy scores the tree by the drafter's plain softmax; sampling by the q it would sample from
+        q = probs(q_logits[:, : p.B - 1], Sampling(1.0) if s.greedy else s)
+        self.tree = build_tree(q, self.cfg.tree_nodes)
+        self.anc = tree_ancestors(self.tree.parents)
+        self.node_tok = torch.cat([r.pending[:, None], self.tree.tokens], dim=1)
+        r.drafts, r.q = self.tree.tokens, None  # r.drafts: the nodes in tree order, not a chain
+        return r.drafts, self.node_tok, self.anc
+
+    def verify(self, tgt, r):
+        h = tgt.forward(self.node_tok, tree_layout(r.next_pos, self.anc), tree=self.anc)
+        return logits_at(self.p.target, h).float()
+
+    def accept(self, r, p_logits):
+        s = self.cfg.sampling
+        if s.greedy:
+            r.accepted, r.token, self.best = tree_greedy_verify(p_logits, self.node_tok, self.anc)
+        else:
+            r.accepted, r.token, self.best = tree_sample_verify(p_logits, self.node_tok, self.anc, s, self.p.gen)
+        self.path_nodes, self.path_tok = tree_path(self.anc, self.best, self.node_tok, self.p.B - 1)
+
+    def path(self, r):
+        return self.path_tok
+
+    def kept_slots(self, r):
+        return torch.cat([torch.zeros_like(self.path_nodes[:, :1]), self.path_nodes], dim=1)  # pending, then the path
+
+    def outcome(self, r):
+        return self.best  # the node the accepted path ends at
+
+
 @register("tree")
-class Tree(Sync):
-    """Sync drafting, tree verification: one drafter pass gives q for every block slot; a tree of
-    `tree_nodes` drafts (d3d.decoding.tree: best-first by path probability, the chain inside) is
-    verified in one target pass of tree_nodes + 1 tokens, each node seeing the prefix, the pending
-    token and its ancestors at position pending + depth. Acceptance takes the longest matching path
-    (greedy) or multi-candidate rejection sampling (T > 0; the candidates are deterministic, so q
-    only shapes the tree), the target's cache keeps the accepted path's slots (KVState.keep_path),
-    and the drafter commits the path in its next draft pass, as sync commits the chain."""
+class Tree(_TreeSteps, Sync):
+    """Sync drafting, tree verification (_TreeSteps); the drafter commits the accepted path in its
+    next draft pass, as sync commits the chain."""
 
     keys = ("block_size", "tree_nodes")
-    backends = ("eager",)  # keep_path moves slots of HF's dynamic cache; the static buffers keep prefixes only
 
     @classmethod
     def passes(cls, cfg):
@@ -471,34 +533,63 @@ class Tree(Sync):
     def narrower(cfg, where):
         return f"lower {where}.tree_nodes (the verify pass is tree_nodes + 1 tokens) or {where}.block_size"
 
-    def propose(self, r):
-        p, s = self.p, self.cfg.sampling
-        q_logits = self._draft_logits(r)
-        # greedy scores the tree by the drafter's plain softmax; sampling by the q it would sample from
-        q = probs(q_logits[:, : p.B - 1], Sampling(1.0) if s.greedy else s)
-        tree = build_tree(q, self.cfg.tree_nodes)
-        self.anc = tree_ancestors(tree.parents)
-        self.node_tok = torch.cat([r.pending[:, None], tree.tokens], dim=1)
-        r.drafts, r.q = tree.tokens, None  # r.drafts: the nodes in tree order, not a chain
 
-    def verify(self, tgt, r):
-        h = tgt.forward(self.node_tok, tree_layout(r.next_pos, self.anc), tree=self.anc)
-        return logits_at(self.p.target, h).float()
+@register("async_tree")
+class AsyncTree(_TreeSteps, Async):
+    """Async with a tree of drafts: while the target verifies the tree, one packed drafter pass runs
+    the glue (the tree itself, each node seeing its ancestors, so the drafter's cache can keep
+    whichever path the target accepts) and `tree_trays` trays, one per outcome "the accepted path
+    ends at node n, then token t" (t no child of n: a child would have extended the path). The
+    outcomes are the likeliest under the drafter's own law, P(reach n) * q_{depth(n)}(t), the law
+    the tree was built by; a leaf's outcome is its bonus. A tray [t, MASK x (B-1)] sits at
+    position pending + depth(n) + 1 and sees the prefix, n's path and itself. A hit serves its
+    block as the next round's drafter logits, from which the next tree grows; a miss drafts as
+    async does. Tokens are the target's (verification decides them), so this is as lossless as
+    the tree."""
 
-    def accept(self, r, p_logits):
-        s = self.cfg.sampling
-        if s.greedy:
-            r.accepted, r.token, best = tree_greedy_verify(p_logits, self.node_tok, self.anc)
-        else:
-            r.accepted, r.token, best = tree_sample_verify(p_logits, self.node_tok, self.anc, s, self.p.gen)
-        self.path_nodes, self.path_tok = tree_path(self.anc, best, self.node_tok, self.p.B - 1)
+    keys = ("block_size", "tree_nodes", "tree_trays", "overlap", "cpu_threads_drafter")
 
-    def path(self, r):
-        return self.path_tok
+    @staticmethod
+    def budget(cfg):
+        """Tokens in one packed pass: the glue (tree_nodes + 1) + B per tray."""
+        return cfg.tree_nodes + 1 + cfg.tree_trays * cfg.block_size
 
-    def keep(self, tgt, start, r, most):
-        slots = torch.cat([torch.zeros_like(self.path_nodes[:, :1]), self.path_nodes], dim=1)  # pending, then the path
-        tgt.keep_path(start, slots, r.accepted + 1, most)
+    @classmethod
+    def passes(cls, cfg):
+        return {"target": cfg.tree_nodes + 1, "drafter": max(cls.budget(cfg), cfg.block_size)}
 
-    def settle(self, r):
-        self.unc, self.unc_n = torch.cat([r.pending[:, None], self.path_tok], dim=1), r.accepted + 1
+    @staticmethod
+    def narrower(cfg, where):
+        return (f"lower {where}.tree_trays or {where}.tree_nodes (the tray pass is tree_nodes + 1 + "
+                f"B * tree_trays tokens), or set {where}.block_size to the drafter's training block size")
+
+    def _tray_pass(self, dr, pending, drafts, q_logits, next_pos):
+        """Glue (the tree) + trays in one packed pass. Returns (keys (b, n, 2) = (node, token), tray logits (b, n, B, V))."""
+        p, cfg, tree = self.p, self.cfg, self.tree
+        b, B, s, dev = len(pending), p.B, p.settings, p.device
+        g = self.node_tok.shape[1]  # glue: the pending token and the nodes
+        q = probs(q_logits[:, :B], Sampling(1.0) if cfg.sampling.greedy else cfg.sampling)  # (b, B, V)
+        v = q.shape[-1]
+        # q after each node: slot depth(n) predicts the token after node n (slot B-1: the bonus)
+        after = q.gather(1, tree.depth[:, :, None].expand(-1, -1, v))  # (b, g, V)
+        children = tree.parents[:, 1:] * v + tree.tokens  # a child's token ends no path at its parent
+        after = after.reshape(b, g * v).scatter(1, children, 0.0).reshape(b, g, v)
+        k = min(cfg.tree_trays, v)
+        top_q, top_t = after.topk(k, dim=-1)  # (b, g, k): each node's likeliest outcomes
+        law = tree.score.exp()[:, :, None] * top_q  # P(reach n) * q(t)
+        pick = law.reshape(b, g * k).topk(min(cfg.tree_trays, g * k), dim=-1).indices
+        node, tok = pick // k, top_t.reshape(b, g * k).gather(1, pick)
+        n = node.shape[1]
+        keys = torch.stack([node, tok], dim=-1)
+        anchor_pos = next_pos[:, None] + tree.depth.gather(1, node) + 1
+        trays = torch.full((b, n, B), s.mask_token_id, dtype=torch.long, device=dev)
+        trays[:, :, 0] = tok
+        # in-row visibility: the glue is the tree; a tray sees its node's path (and its own block)
+        seen = torch.ones(b, g + n * B, g + n * B, dtype=torch.bool, device=dev)
+        seen[:, :g, :g] = self.anc
+        seen[:, g:, :g] = self.anc.gather(1, node[:, :, None].expand(-1, -1, g)).repeat_interleave(B, dim=1)
+        layout = concat(tree_layout(next_pos, self.anc), block_layout(anchor_pos, B))
+        h = dr.forward(torch.cat([self.node_tok, trays.reshape(b, n * B)], dim=1), layout, tree=seen)
+        dr.crop(len(dr) - n * B)  # keep the glue; verification decides which path of it stays
+        tray_logits = logits_at(p.drafter, h[:, g:].reshape(b, n, B, -1), s.vocab_size).float()
+        return keys, tray_logits
