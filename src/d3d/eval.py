@@ -49,11 +49,22 @@ log = logging.getLogger("d3d.eval")
 
 # Settings every method of one run shares, so that speedups and equality compare like with like:
 # sampling for all methods (AR included), the block size for the speculative ones.
-# Pairs whose greedy outputs must agree (`equal_to_sync`): the async loop is the sync loop plus
-# trays, verifying the same shapes. Keyed by decoding-method name. Tokens always; τ per round only
+# Pairs whose greedy outputs must agree (`equal_to_sync`): an async loop is its synchronous loop plus
+# trays, verifying the same shapes (async / sync, async_tree / tree). Keyed by decoding-method name. Tokens always; τ per round only
 # in fp32, because the two loops' drafter passes lay the same keys out differently and bf16 SDPA
 # moves by an ulp with the layout (DESIGN §10), which can flip a near-tie draft.
-BITWISE_REFERENCE = {"async": "sync"}
+BITWISE_REFERENCE = {"async": "sync", "async_tree": "tree"}
+
+
+def reference_row(refs: dict, cfg) -> dict | None:
+    """The row of this method's synchronous counterpart (BITWISE_REFERENCE) on the same request,
+    when that counterpart ran with the same settings of its own (block size; a tree's node count),
+    so the two drafted and verified the same shapes; else None (nothing to compare)."""
+    ref = BITWISE_REFERENCE.get(cfg.method)
+    if ref not in refs:
+        return None
+    row, ref_cfg = refs[ref]
+    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_class(ref).keys) else None
 # What the composed `decode` group lends to every method that reads the key: every method takes the
 # run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
 # backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
@@ -81,8 +92,8 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
             keys = [k for k in LENT_KEYS if k in decode_keys(own.method) and k in decode_keys(composed.method)]
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
-        # the budget study: a method with drafter work beside verification (async) gets one per C x F
-        if method_class(dc.method).budget(dc) and ev.async_budgets:
+        # the budget study: a method whose tray budget is C x F (async) gets one per C x F
+        if {"C", "F"} <= set(method_class(dc.method).keys) and ev.async_budgets:
             for b in ev.async_budgets:
                 if str(b).lower() == AUTO:  # resolved once the models are loaded (resolve_auto_budget)
                     out[f"{name}_{AUTO}"] = dc
@@ -289,7 +300,7 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
         history = {name: [] for name in gens}
         ended: set[str] = set()
         for turn in range(len(rec.turns)):
-            ar = sync = None
+            ar, refs = None, {}
             for name, gen in gens.items():
                 if name in ended:
                     continue
@@ -309,13 +320,13 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
-                    compare_with_references(row, gen, ar, sync, [ids])
+                    compare_with_references(row, gen, ar, reference_row(refs, gen.cfg), [ids])
                     writer.write([row])
                     fail_on_real_divergence(row)
                 if name == BASELINE:
                     ar = row
-                if gen.cfg.method in BITWISE_REFERENCE.values() and sync is None:
-                    sync = row
+                if gen.cfg.method in BITWISE_REFERENCE.values():
+                    refs.setdefault(gen.cfg.method, (row, gen.cfg))
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
@@ -326,7 +337,7 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
         prompts = [chat_prompt_ids(tok, [{"role": "user", "content": format_turn(spec, r, 0)}],
                                    ev.enable_thinking) for r in batch]
         key_id = f"c{concurrency}/" + ",".join(r.id for r in batch)
-        ar = sync = None
+        ar, refs = None, {}
         for name, gen in gens.items():
             if name == REFERENCE:  # generate's reference row times one request at a time
                 continue
@@ -340,13 +351,13 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
                 seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
                 row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
-                compare_with_references(row, gen, ar, sync, prompts)
+                compare_with_references(row, gen, ar, reference_row(refs, gen.cfg), prompts)
                 writer.write([row])
                 fail_on_real_divergence(row)
             if name == BASELINE:
                 ar = row
-            if gen.cfg.method in BITWISE_REFERENCE.values() and sync is None:
-                sync = row
+            if gen.cfg.method in BITWISE_REFERENCE.values():
+                refs.setdefault(gen.cfg.method, (row, gen.cfg))
 
 
 def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:

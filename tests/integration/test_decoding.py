@@ -464,6 +464,51 @@ def test_contract1_greedy_async_tree_equals_generate(models, nodes, trays, batch
     assert res.hit_rate is not None and res.hit_rate > 0  # trays were found (a key that never matches fails here)
 
 
+def test_an_async_tree_hit_serves_the_block_a_synchronous_draft_would(models, monkeypatch):
+    """Round by round, the drafter logits a tree grows from are the same for async_tree (a hit's
+    tray, a miss's draft pass) as for tree (a draft pass after committing the path), in fp32 to
+    rounding; and some paths end off the chain (node index != depth), where a tray keyed by the
+    accepted count instead of the end node would serve another path's block. No tray is keyed by
+    an outcome that cannot happen (a child's token at its parent would have extended the path)."""
+    from d3d.decoding.methods import AsyncTree, _TreeSteps
+
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    seen, ends, real_drafts, real_accept = [], [], _TreeSteps.drafts_from, _TreeSteps.accept
+
+    def drafts_from(self, r, q_logits):
+        seen[-1].append(q_logits[:, : self.p.B].clone())
+        return real_drafts(self, r, q_logits)
+
+    def accept(self, r, p_logits):
+        real_accept(self, r, p_logits)
+        ends.extend(zip(self.best.tolist(), r.accepted.tolist()))
+
+    impossible, real_trays = [], AsyncTree._tray_pass
+
+    def tray_pass(self, dr, *args):  # a tray keyed (n, token of a child of n) is spent on nothing
+        keys, logits = real_trays(self, dr, *args)
+        for row in range(len(keys)):
+            children = set(zip(self.tree.parents[row, 1:].tolist(), self.tree.tokens[row].tolist()))
+            impossible.extend(k for k in map(tuple, keys[row].tolist()) if k in children)
+        return keys, logits
+
+    monkeypatch.setattr(_TreeSteps, "drafts_from", drafts_from)
+    monkeypatch.setattr(_TreeSteps, "accept", accept)
+    monkeypatch.setattr(AsyncTree, "_tray_pass", tray_pass)
+    runs = {}
+    for method in ("tree", "async_tree"):
+        seen.append([])
+        runs[method] = SpecGenerator(target, tok, drafter, DecodeConfig(
+            method=method, block_size=6, tree_nodes=10, tree_trays=64, max_new_tokens=30)).generate(prompts)
+    tree, asyn = seen
+    assert runs["async_tree"].hit_rate > 0.2 and len(tree) == len(asyn)
+    for i, (a, b) in enumerate(zip(tree, asyn)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), (i, (a - b).abs().max())
+    assert any(node != depth for node, depth in ends)
+    assert not impossible, impossible[:5]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_async_tree_trays_cover_every_outcome_when_wide_enough(models, temperature):
     """With a tray for every (node, token) pair a round can end in (tree_trays >= (nodes + 1) * V),

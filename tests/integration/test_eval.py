@@ -117,6 +117,22 @@ def test_load_test_and_budget_study(tmp_path, monkeypatch):
     assert "Load test" in (out / "summary.md").read_text()
 
 
+@pytest.mark.parametrize("nodes", [5, 3])
+def test_async_tree_rows_are_compared_with_the_tree_rows(tmp_path, monkeypatch, nodes):
+    """eval.methods=[ar,tree,async_tree]: the async tree is its tree plus trays, so its greedy fp32
+    rows equal the tree's in tokens and τ per round (`equal_to_sync`), when both grow trees of the
+    same size; with another tree_nodes there is nothing to compare (None, not a false "unequal").
+    The C x F budget study is async's: it leaves the async tree one method."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = evaluate(tmp_path, "eval.methods=[ar,tree,async_tree]", "eval.async_budgets=[2x1]",
+                   "methods.tree.tree_nodes=5", f"methods.async_tree.tree_nodes={nodes}", "methods.async_tree.tree_trays=4")
+    rows = read_rows(out)
+    assert {r["method"] for r in rows} == {"ar", "tree", "async_tree"} and all(r["equal_to_ar"] for r in rows)
+    compared = [r.get("equal_to_sync") for r in rows if r["method"] == "async_tree"]
+    assert compared == ([True] * 2 if nodes == 5 else [None] * 2)
+    assert all(r.get("sync_compared") == "tokens and tau" for r in rows if r["method"] == "async_tree" and nodes == 5)
+
+
 def test_compare_two_result_folders(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     a = evaluate(tmp_path, "eval.n=1", "eval.methods=[ar,sync]")
