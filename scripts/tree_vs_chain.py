@@ -1,11 +1,14 @@
 """τ of tree verification against the chain at equal verify width (docs/results.md, Trees of drafts).
 
-    python scripts/tree_vs_chain.py [--widths 4 8 16] [--max-new-tokens 48] [overrides of d3d.train's config]
+    python scripts/tree_vs_chain.py [--widths 4 8 16] [--max-new-tokens 48] [--trays 23] [overrides of d3d.train's config]
+    python scripts/tree_vs_chain.py --trays 8 23 drafter.checkpoint=<a trained drafter folder>
 
 Loads the run's target and drafter as d3d.train builds them (the CPU default: SmolLM2-135M and an
 untrained full copy of it, unless `drafter.*` overrides say otherwise), decodes the same prompts
-greedily with sync (block = width) and with tree (the drafter's block, width - 1 nodes), and
-prints one JSON line per method: mean τ, rounds, whether its tokens equal the chain's, seconds.
+greedily with sync (block = width) and with tree (the drafter's block, width - 1 nodes), and with
+`--trays`, async_tree (the same tree, that many trays), and prints one JSON line per method: mean
+τ, hit rate, rounds, whether its tokens equal the chain's, seconds (not a fair timing: methods run
+one after another; scripts/bench_decode.py --trees times them interleaved).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--trays", type=int, nargs="*", default=[],
+                    help="also async_tree with these tray counts at each width (its τ is the tree's; the hit rate is new)")
+    ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if min(args.widths) < 2:
@@ -52,17 +58,26 @@ def main() -> None:
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
+    out = open(args.out, "w") if args.out else None
     for width in args.widths:
         chain = None
-        for method, dc in (("sync", DecodeConfig(method="sync", block_size=width)),
-                           ("tree", DecodeConfig(method="tree", block_size=block, tree_nodes=width - 1))):
+        runs = [("sync", DecodeConfig(method="sync", block_size=width)),
+                ("tree", DecodeConfig(method="tree", block_size=block, tree_nodes=width - 1))]
+        runs += [(f"async_tree_t{n}", DecodeConfig(method="async_tree", block_size=block, tree_nodes=width - 1,
+                                                   tree_trays=n)) for n in args.trays]
+        for method, dc in runs:
             t = time.perf_counter()
             res = SpecGenerator(target, tok, drafter, dc).generate(prompts, args.max_new_tokens)
             chain = res.token_ids if method == "sync" else chain
-            print(json.dumps({"width": width, "method": method, "tau": round(res.mean_tau, 3),
-                              "rounds": len(res.taus()), "tokens_equal_chain": res.token_ids == chain,
-                              "seconds": round(time.perf_counter() - t, 1), "threads": torch.get_num_threads(),
-                              "cpu": cpu}), flush=True)
+            line = json.dumps({"width": width, "method": method, "tau": round(res.mean_tau, 3),
+                               "hit_rate": None if res.hit_rate is None else round(res.hit_rate, 3),
+                               "rounds": len(res.taus()), "tokens_equal_chain": res.token_ids == chain,
+                               "seconds": round(time.perf_counter() - t, 1), "threads": torch.get_num_threads(),
+                               "cpu": cpu})
+            print(line, flush=True)
+            if out:
+                out.write(line + "\n")
+                out.flush()
 
 
 if __name__ == "__main__":
