@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from d3d.utils.hardware import cpu_info
+
 
 def contiguous_and_gapped(seed: int, visible: int = 40, gap: int = 8, queries: int = 6, heads: int = 4, dim: int = 16):
     """q, then (k, v, mask) with the visible keys contiguous, and with `gap` masked keys between them."""
@@ -46,7 +48,11 @@ def test_masked_keys_between_visible_ones_move_bf16_sdpa_by_about_an_ulp():
         # fp32: the same mathematics agrees to rounding of fp32
         torch.testing.assert_close(attend(q, dense, torch.float32), attend(q, gapped, torch.float32),
                                    rtol=1e-6, atol=1e-6)
-    assert moved > 0, "no seed moved bf16 SDPA: the layout no longer matters on this torch (revisit DESIGN §10)"
+    # Where bf16 is native (AVX512-BF16, AMX: the machines the bf16 claims were measured on) the
+    # layout moves the output; on an AVX2-only CPU (AMD EPYC, 2026-12-02, torch 2.13) bf16 SDPA
+    # computes through fp32 and no seed moved it: there the bound above is the whole claim.
+    if cpu_info()["native_bf16"]:
+        assert moved > 0, "no seed moved bf16 SDPA: the layout no longer matters on this torch (revisit DESIGN §10)"
 
 
 def test_one_layout_twice_is_bit_equal_in_bf16():
