@@ -25,18 +25,24 @@ def test_projection_hand_case(script):
 TOY = ["--target", "toy", "--drafter", "toy", "--device", "cpu", "--dtype", "float32", "--prefix", "32",
        "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
        "--loop-tokens", "12", "--repeats", "1", "--backends", "eager"]
+TREES = ["--trees", "3", "--async-trees", "3x2"]  # a tree and an async tree at toy size (the defaults are 15, 15x23)
 
 
 def test_runs_at_toy_size_on_cpu(script, tmp_path):
     out = tmp_path / "gr.json"
-    res = script.main(TOY + ["--out", str(out)])
+    res = script.main(TOY + TREES + ["--out", str(out)])
     saved = json.loads(out.read_text())
     assert set(saved["verify_ms"]) == {"1", "4"} and set(saved["packed_ms"]) == {"2x1", "3x2"}
-    assert set(saved["loops"]) == {"ar", "sync", "async_2x1", "async_3x2"}
-    assert [r["budget_tokens"] for r in res["projection"]] == [4, 4 * 3, 4 * 6]
-    assert [r["hit_rate"] for r in res["projection"][1:]] == [0.3, 0.6]  # each budget its own
+    assert set(saved["loops"]) == {"ar", "sync", "async_2x1", "async_3x2", "tree_3", "async_tree_3x2"}
+    chain, trees = res["projection"][:3], res["projection"][3:]
+    assert [r["budget_tokens"] for r in chain] == [4, 4 * 3, 4 * 6]
+    assert [r["hit_rate"] for r in chain[1:]] == [0.3, 0.6]  # each budget its own
     assert all(r["projected_speedup"] > 0 for r in res["projection"])
-    assert all(0.0 <= r["overlap"] <= 1.0 for r in res["projection"][1:])
+    assert all(0.0 <= r["overlap"] <= 1.0 for r in chain[1:])
+    # trees: eager loops, projected at the chain's τ (no --tree-tau), with the τ that matches sync
+    assert [r["method"] for r in trees] == ["tree_3", "async_tree_3x2"] and trees[1]["hit_rate"] == 0.713
+    sync_round = saved["loops"]["sync"]["round_wall_ms"]
+    assert trees[0]["tau_to_match_sync"] == pytest.approx(7.88 * saved["loops"]["tree_3"]["round_wall_ms"] / sync_round)
     assert saved["loops"]["ar"]["rounds"] == 12 and saved["loops"]["sync"]["draft_ms"] > 0
     # every pass twice over (CPU: device time is the call's wall time), the AR step masked too
     assert {"verify_1", "verify_4", "ar_step_masked", "sync_draft", "packed_2x1", "packed_3x2"} == set(saved["passes"])
@@ -61,10 +67,13 @@ def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatc
 
     monkeypatch.setattr(script, "loop_rounds", rounds)
     i = TOY.index("--backends")
-    res = script.main(TOY[:i] + ["--backends", "eager", "compiled", "--out", str(tmp_path / "gr.json")])
-    assert seen == [(m, b) for b in ("eager", "compiled") for m in ("ar", "sync", "async", "async")]
+    res = script.main(TOY[:i] + ["--backends", "eager", "compiled", *TREES, "--out", str(tmp_path / "gr.json")])
+    # trees run eager only (their caches keep a path's slots)
+    assert seen == [(m, "eager") for m in ("ar", "sync", "async", "async", "tree", "async_tree")] + \
+        [(m, "compiled") for m in ("ar", "sync", "async", "async")]
     assert {k: lp["backend"] for k, lp in res["loops"].items()} == {
-        "ar": "eager", "sync": "eager", "async_2x1": "eager", "async_3x2": "eager", "ar@compiled": "compiled",
+        "ar": "eager", "sync": "eager", "async_2x1": "eager", "async_3x2": "eager", "tree_3": "eager",
+        "async_tree_3x2": "eager", "ar@compiled": "compiled",
         "sync@compiled": "compiled", "async_2x1@compiled": "compiled", "async_3x2@compiled": "compiled"}
     compiled = [r for r in res["projection"] if r["backend"] == "compiled"]
     assert compiled[0]["method"] == "sync" and compiled[0]["projected_speedup"] == pytest.approx(7.88 * 4.0 / 12.0)
@@ -141,7 +150,7 @@ def test_the_gpu_tests_and_their_runner_import_without_hydra():
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
                            "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/integration/test_gpu.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and re.search(r"\b26/\d+ tests collected", proc.stdout), \
+    assert proc.returncode == 0 and re.search(r"\b32/\d+ tests collected", proc.stdout), \
         proc.stdout[-2000:] + proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "scripts/gpu_check.py", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
