@@ -297,6 +297,7 @@ def test_batched_async_serves_each_row_that_hit(models):
     ("top_p", 2, r"top_p=2: a number in \(0, 1\]"), ("top_p", 0, "top_p=0"), ("top_k", -1, "top_k=-1: an integer >= 0"),
     ("method", "nonsense", "method='nonsense': use ar, sync"), ("max_new_tokens", 0, "max_new_tokens=0"),
     ("C", 0, "C=0"), ("F", -1, "F=-1"), ("coverage", "most", "coverage='most'"),
+    ("tree_nodes", 0, "tree_nodes=0: an integer >= 1"), ("tree_trays", 0, "tree_trays=0: an integer >= 1"),
     ("overlap", "threads", "overlap='threads': use auto, stream, thread or none"),
     ("backend", "jit", "backend='jit': use eager, static, compiled or frozen"),
 ])
