@@ -16,7 +16,11 @@ A round, as the driver (d3d.decoding.engine.SpecGenerator) runs it:
     step.commit(r, host, most)  bookkeeping that needs the host's view (the drafter's cache)
     step.retire(keep, keep_list) finished rows leave
 
-verify / accept / path / keep default to the chain's; a tree of drafts (`Tree`) supplies its own.
+verify / accept / path / keep default to the chain's, and so do three helpers the steps share:
+drafts_from (drafts from the drafter's block logits), kept_slots (which verified slots hold the
+accepted path: None = a prefix) and outcome (what a tray is keyed by: the accepted count). A tree of
+drafts (`_TreeSteps`, for `Tree` and `AsyncTree`) supplies its own: its nodes, its path's slots,
+the node its path ends at.
 
 A step is built with its DecodeConfig and the driver's `Passes` (d3d.decoding.passes: prefill,
 verify and draft passes, the sampling generator, the side stream / worker thread), never the driver
