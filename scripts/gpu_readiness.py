@@ -92,7 +92,29 @@ def project(tau: float, hit: float | None, t_ar: float, t_sync: float | None = N
     """Speedup over AR from measured round times (ms): τ tokens per round against one per AR round."""
     if hit is None:
         return tau * t_ar / t_sync
-    return tau * t_ar / (hit * t_hit + (1 - hit) * t_miss)
+    return tau * t_ar / expected_round(hit, t_miss, t_hit)
+
+
+def expected_round(hit: float | None, t_miss: float, t_hit: float | None) -> float:
+    """A round's expected time (ms): a miss round, or with hit rate `hit` a mix with hit rounds."""
+    return t_miss if hit is None else hit * t_hit + (1 - hit) * t_miss
+
+
+def hit_round(lp: dict) -> float:
+    """An async loop's hit round (ms): its measured (miss) round less the synchronous draft a hit skips."""
+    return max(lp["round_wall_ms"] - lp["draft_ms"], 1e-9)
+
+
+def projection_row(method: str, backend: str, budget_tokens: int | None, tau: float, hit: float | None, t_ar: float,
+                   t_round: float, t_hit: float | None, overlap: float | None, mask_cost_ms: float | None) -> dict:
+    """One projection row: the speedup over an AR round t_ar, and over one that pays the AR mask cost."""
+    speed = project(tau, hit, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
+    fair = None if mask_cost_ms is None else project(tau, hit, t_ar + mask_cost_ms, t_sync=t_round,
+                                                        t_miss=t_round, t_hit=t_hit)
+    return {"method": method, "backend": backend, "budget_tokens": budget_tokens, "hit_rate": hit,
+            "round_ms": t_round, "hit_round_ms": t_hit, "overlap": None if overlap is None else
+            max(0.0, min(1.0, overlap)), "overlap_unclipped": overlap, "projected_speedup": speed,
+            "projected_speedup_masked_ar": fair}
 
 
 def overlap_from_rounds(t_sync: float, t_miss: float, t_tray: float) -> float | None:
@@ -115,20 +137,13 @@ def projections(loops: dict, suffix: str, tau: float, budgets, hit_rates, block_
     backend = ar["backend"]
 
     def row(method, budget_tokens, hit, t_round, t_hit, overlap):
-        speed = project(tau, hit, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
-        fair = None if mask_cost_ms is None else project(tau, hit, t_ar + mask_cost_ms, t_sync=t_round,
-                                                            t_miss=t_round, t_hit=t_hit)
-        return {"method": method, "backend": backend, "budget_tokens": budget_tokens, "hit_rate": hit,
-                "round_ms": t_round, "hit_round_ms": t_hit, "overlap": None if overlap is None else
-                max(0.0, min(1.0, overlap)), "overlap_unclipped": overlap, "projected_speedup": speed,
-                "projected_speedup_masked_ar": fair}
+        return projection_row(method, backend, budget_tokens, tau, hit, t_ar, t_round, t_hit, overlap, mask_cost_ms)
 
     rows = [row("sync", block_size, None, t_sync, None, None)]
     for (C, F), hit in zip(budgets, hit_rates):
         lp = loops[f"async_{C}x{F}{suffix}"]
         t_miss = lp["round_wall_ms"]
-        t_hit = max(t_miss - lp["draft_ms"], 1e-9)  # a hit skips the synchronous draft
-        rows.append(row(f"async C={C} F={F}", block_size * packed_blocks(block_size, C, F), hit, t_miss, t_hit,
+        rows.append(row(f"async C={C} F={F}", block_size * packed_blocks(block_size, C, F), hit, t_miss, hit_round(lp),
                         overlap_from_rounds(t_sync, t_miss, lp["tray_ms"])))
     return rows
 
@@ -143,17 +158,9 @@ def tree_projections(loops: dict, tau: float, hit: float, mask_cost_ms: float, c
         if not name.startswith(("tree_", "async_tree_")):
             continue
         t_round = lp["round_wall_ms"]
-        is_async = name.startswith("async")
-        h = hit if is_async else None
-        t_hit = max(t_round - lp["draft_ms"], 1e-9) if is_async else None
-        speed = project(tau, h, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
-        cost = t_round if h is None else h * t_hit + (1 - h) * t_round  # expected round time
-        rows.append({"method": name, "backend": "eager", "budget_tokens": None, "hit_rate": h, "round_ms": t_round,
-                     "hit_round_ms": t_hit, "overlap": None, "overlap_unclipped": None, "tau_used": tau,
-                     "projected_speedup": speed,
-                     "projected_speedup_masked_ar": project(tau, h, t_ar + mask_cost_ms, t_sync=t_round,
-                                                            t_miss=t_round, t_hit=t_hit),
-                     "tau_to_match_sync": chain_tau * cost / t_sync})
+        h, t_hit = (hit, hit_round(lp)) if name.startswith("async") else (None, None)
+        row = projection_row(name, "eager", None, tau, h, t_ar, t_round, t_hit, None, mask_cost_ms)
+        rows.append({**row, "tau_used": tau, "tau_to_match_sync": chain_tau * expected_round(h, t_round, t_hit) / t_sync})
     return rows
 
 

@@ -491,9 +491,11 @@ class _TreeSteps:
 
     def drafts_from(self, r, q_logits):
         p, s = self.p, self.cfg.sampling
-        # greedy scores the tree by the drafter's plain softmax; sampling by the q it would sample from
-        q = probs(q_logits[:, : p.B - 1], Sampling(1.0) if s.greedy else s)
-        self.tree = build_tree(q, self.cfg.tree_nodes)
+        # the drafter's law at every block slot: greedy scores the tree by its plain softmax,
+        # sampling by the q it would sample from; the draft slots shape the tree, and an async
+        # tree's trays read all B (slot B-1: the bonus after the deepest nodes)
+        self.law = probs(q_logits[:, : p.B], Sampling(1.0) if s.greedy else s)
+        self.tree = build_tree(self.law[:, : p.B - 1], self.cfg.tree_nodes)
         self.anc = tree_ancestors(self.tree.parents)
         self.node_tok = torch.cat([r.pending[:, None], self.tree.tokens], dim=1)
         r.drafts, r.q = self.tree.tokens, None  # r.drafts: the nodes in tree order, not a chain
@@ -568,14 +570,14 @@ class AsyncTree(_TreeSteps, Async):
                 f"B * tree_trays tokens), or set {where}.block_size to the drafter's training block size")
 
     def _tray_pass(self, dr, pending, drafts, q_logits, next_pos):
-        """Glue (the tree) + trays in one packed pass. Returns (keys (b, n, 2) = (node, token), tray logits (b, n, B, V))."""
+        """Glue (the tree) + trays in one packed pass. Returns (keys (b, n, 2) = (node, token), tray logits (b, n, B, V)).
+        Async's signature; the tree, its ancestors and its law come from drafts_from (self), not drafts / q_logits."""
         p, cfg, tree = self.p, self.cfg, self.tree
         b, B, s, dev = len(pending), p.B, p.settings, p.device
         g = self.node_tok.shape[1]  # glue: the pending token and the nodes
-        q = probs(q_logits[:, :B], Sampling(1.0) if cfg.sampling.greedy else cfg.sampling)  # (b, B, V)
-        v = q.shape[-1]
+        v = self.law.shape[-1]
         # q after each node: slot depth(n) predicts the token after node n (slot B-1: the bonus)
-        after = q.gather(1, tree.depth[:, :, None].expand(-1, -1, v))  # (b, g, V)
+        after = self.law.gather(1, tree.depth[:, :, None].expand(-1, -1, v))  # (b, g, V), the law the tree was built by
         children = tree.parents[:, 1:] * v + tree.tokens  # a child's token ends no path at its parent
         after = after.reshape(b, g * v).scatter(1, children, 0.0).reshape(b, g, v)
         k = min(cfg.tree_trays, v)
