@@ -6,6 +6,8 @@
     python scripts/sweep.py async_vs_sync  # speedup and hit rate per benchmark
     python scripts/sweep.py load           # speedup and throughput against concurrency 1..16
     python scripts/sweep.py block_size     # B in {4, 8, 16} -> τ and speedup
+    python scripts/sweep.py recipe +experiment=pipeline_cpu   # one train.* change per arm, equal wall
+                                           # time -> held-out τ per CPU-minute (--arms to choose them)
     options: --preset quick|cpu (default cpu: the sizes docs/results.md reports; quick: minutes,
              rough), --drafter <checkpoint> (default: the CPU default's), --dry-run (print the
              commands), --skip-eval (training sweeps: held-out τ only), --out docs/results, and
@@ -38,9 +40,17 @@ PRESETS = {
     "cpu": {"train_steps": 80, "train_minutes": 60, "n": 6, "max_new": 96, "suite": "all", "suite_n": 2, "prune_layers": 2,
             "concurrency": "[1,2,4,8]", "load_n": 8,
             # the paper's grid, C in {4, 8, 12, 16} x F in {1, 2, 5}: 12 async methods, so fewer, shorter items
-            "budgets": [f"{C}x{F}" for C in (4, 8, 12, 16) for F in (1, 2, 5)], "budget_n": 2, "budget_max_new": 64},
+            "budgets": [f"{C}x{F}" for C in (4, 8, 12, 16) for F in (1, 2, 5)], "budget_n": 2, "budget_max_new": 64,
+            # the recipe study: equal wall time per arm (the axis is τ per CPU-minute, so run it alone on the
+            # machine), steps uncapped; "base" is the recipe the trailing overrides compose, unchanged.
+            # trainable_from_layer=15 is the upper half of SmolLM2's 30 layers (pass --arms for another model).
+            "recipe_minutes": 10, "recipe_steps": 100_000, "recipe_val_tokens": 160,
+            "arms": ["base", "train.lr=1e-4", "train.anchors_per_seq=32", "train.gamma=3", "train.trainable_from_layer=15"]},
     "quick": {"train_steps": 10, "train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2, "prune_layers": 1,
-              "concurrency": "[1,2,4]", "load_n": 4, "budgets": ["4x1", "8x2"], "budget_n": 2, "budget_max_new": 48},
+              "concurrency": "[1,2,4]", "load_n": 4, "budgets": ["4x1", "8x2"], "budget_n": 2, "budget_max_new": 48,
+              # a step cap: the quick preset's arms are compared at equal steps (deterministic, for tests)
+              "recipe_minutes": 3, "recipe_steps": 3, "recipe_val_tokens": 16,
+              "arms": ["base", "train.lr=1e-4", "train.anchors_per_seq=8", "train.trainable_from_layer=1"]},
 }
 DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
 
@@ -192,13 +202,41 @@ def block_size(sw: Sweep) -> dict:
     return {"rows": rows, "x": "B", "plot": ["val_tau"] if sw.skip_eval else ["tau", "speedup"]}
 
 
+def recipe(sw: Sweep) -> dict:
+    """What buys held-out τ per CPU-minute. Each arm trains from the same initial drafter on the same
+    responses, batches and seed for the same wall time, changing one train.* key of the base recipe
+    (the trailing overrides). τ is evaluated at step 0 and when the budget runs out only, so evaluation
+    costs no arm training time; s/step is the arm's own (more anchors cost more per step)."""
+    m, cap = sw.p["recipe_minutes"], sw.p["recipe_steps"]
+    rows = []
+    for arm in sw.p["arms"]:
+        change = () if arm == "base" else tuple(arm.split())
+        # its folder: train.lr=1e-4 -> lr_1e-4 (a path Hydra's override grammar takes unquoted)
+        name = "base" if arm == "base" else "__".join(override_key(c).split(".")[-1] + "_" + c.split("=", 1)[1]
+                                                       for c in change)
+        out = sw.ckpts / name
+        sw.run("train", f"train.val_max_new_tokens={sw.p['recipe_val_tokens']}",
+               fixed=(f"train.max_minutes={m}", f"train.max_steps={cap}", f"train.eval_every={cap}",
+                      f"train.out_dir={out}", *change))
+        if sw.dry:
+            continue
+        history = list(read_jsonl(out / "metrics.jsonl"))
+        last = [r for r in history if "val_tau" in r][-1]
+        steps = [r for r in history if "elapsed_s" in r]
+        acc = last["val_slot_accuracy"]
+        rows.append({"arm": arm, **trained(out), "s_per_step": round(steps[-1]["elapsed_s"] / steps[-1]["step"], 2),
+                     "p_first": acc[0], "p_first_2": acc[1] if len(acc) > 1 else None,
+                     "tau_gain": round(last["val_tau"] - history[0]["val_tau"], 4)})
+    return {"rows": rows, "x": "arm", "plot": ["val_tau", "s_per_step"]}
+
+
 def trained(run: Path) -> dict:
     """What a training run of a sweep reports: steps done and held-out τ before and after."""
     summary = json.loads((run / "summary.json").read_text())
     return {"steps": summary["steps"], "val_tau_first": summary["val_tau_first"], "val_tau": summary["val_tau_last"]}
 
 
-CLAIMS = {f.__name__: f for f in (ar_loss, budget, pruning, async_vs_sync, load, block_size)}
+CLAIMS = {f.__name__: f for f in (ar_loss, budget, pruning, async_vs_sync, load, block_size, recipe)}
 
 # ---------------------------------------------------------------------------- outputs
 
@@ -246,14 +284,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--root", default=".", help="where outputs/ and checkpoints/ go (matches paths.root_dir)")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--budgets", nargs="+", help="budget sweep: C x F values instead of the preset's (e.g. 16x5)")
+    ap.add_argument("--arms", nargs="+", help="recipe sweep: the arms instead of the preset's, each 'base' or "
+                                              "space-separated train.* overrides (e.g. 'train.lr=1e-4' 'train.gamma=3')")
+    ap.add_argument("--minutes", type=float, help="recipe sweep: each arm's wall-time budget instead of the preset's")
     ap.add_argument("--skip-eval", action="store_true",
                     help="ar_loss / block_size: train, then report the held-out τ of training only (no benchmark evals)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every command")
     args = ap.parse_intermixed_args(argv)
-    if not args.dry_run and args.claim not in ("ar_loss", "block_size") and not Path(args.drafter).is_dir():
+    if not args.dry_run and args.claim not in ("ar_loss", "block_size", "recipe") and not Path(args.drafter).is_dir():
         ap.error(f"--drafter {args.drafter} does not exist: train one first (python -m d3d.train) or pass --drafter")
-    preset = dict(PRESETS[args.preset], **({"budgets": args.budgets} if args.budgets else {}))
+    bad = [a for a in args.arms or [] if a != "base" and not all(c.startswith("train.") and "=" in c for c in a.split())]
+    if bad:
+        ap.error(f"--arms {bad[0]!r}: an arm is 'base' or train.<key>=<value> overrides (e.g. train.lr=1e-4)")
+    preset = dict(PRESETS[args.preset], **({"budgets": args.budgets} if args.budgets else {}),
+                  **({"arms": args.arms} if args.arms else {}), **({"recipe_minutes": args.minutes} if args.minutes else {}))
     sw = Sweep(args.claim, preset, args.drafter, args.overrides, Path(args.root), args.dry_run, args.skip_eval)
     result = CLAIMS[args.claim](sw)
     if args.dry_run:

@@ -68,3 +68,21 @@ def test_training_sweeps(sweep, root, claim, monkeypatch):
     same = [key, "steps", "val_tau"]
     assert [{k: r[k] for k in same} for r in rows] == [{k: r[k] for k in same} for r in held_out]
     assert all(set(r) == {key, "steps", "val_tau_first", "val_tau"} for r in held_out)
+
+
+@pytest.mark.heavy  # four trainings in subprocesses: ~40 s on 2 cores
+def test_recipe_sweep(sweep, root, monkeypatch):
+    """Each arm trains its own drafter with its one change (read back from the arm's config.yaml), from
+    the same initial drafter and held-out set (equal τ at step 0), under the quick preset's step cap."""
+    from omegaconf import OmegaConf
+
+    rows = run_claim(sweep, root, "recipe", monkeypatch)
+    assert [r["arm"] for r in rows] == ["base", "train.lr=1e-4", "train.anchors_per_seq=8", "train.trainable_from_layer=1"]
+    assert all(r["steps"] == 3 and r["s_per_step"] > 0 for r in rows)
+    assert len({r["val_tau_first"] for r in rows}) == 1
+    folders = root / "checkpoints" / "sweeps" / "recipe"
+    cfg = {name: OmegaConf.load(folders / name / "config.yaml").train
+           for name in ("base", "lr_1e-4", "anchors_per_seq_8", "trainable_from_layer_1")}
+    assert cfg["lr_1e-4"].lr == 1e-4 != cfg["base"].lr
+    assert cfg["anchors_per_seq_8"].anchors_per_seq == 8 != cfg["base"].anchors_per_seq
+    assert cfg["trainable_from_layer_1"].trainable_from_layer == 1 and cfg["base"].trainable_from_layer is None
