@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from d3d.models.drafter import build_drafter, save_drafter
 from d3d.settings import bind_config
 from tests.conftest import compose, load_script
@@ -32,6 +34,18 @@ def test_bench_decode_smoke(tmp_path, monkeypatch):
     assert all(v > 0 for v in res["pass_cost"]["drafter_ms"].values())
     saved = json.loads(out.read_text())
     assert len(saved["rows"]) == 2 * len(names) and out.with_suffix(".md").exists()
+    # the τ each of our methods needs to match generate: its τ scaled by generate's speed over its own on
+    # the same prompt, median over prompts; none for transformers' methods (they report no τ)
+    rows = saved["rows"]
+    for s in res["summary"]:
+        mine = [r for r in rows if r["method"] == s["method"]]
+        if s["method"].startswith("hf_"):
+            assert s["tau_to_match_base"] is None
+            continue
+        gen = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"}
+        want = sorted(r["tau"] * gen[r["prompt"]] / r["tokens_per_s"] for r in mine)
+        assert s["tau_to_match_base"] == pytest.approx((want[0] + want[1]) / 2) and s["base"] == "hf_generate"
+    assert "τ to match hf_generate" in out.with_suffix(".md").read_text()
 
 
 def test_only_keeps_the_ar_baseline(tmp_path, monkeypatch):
@@ -63,8 +77,6 @@ def test_bench_ar_interleaved_smoke(tmp_path, monkeypatch):
 
 
 def test_a_budget_the_device_cannot_hold_is_refused_before_the_models_load(tmp_path, monkeypatch):
-    import pytest
-
     from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
