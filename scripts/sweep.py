@@ -221,12 +221,12 @@ def recipe(sw: Sweep) -> dict:
         if sw.dry:
             continue
         history = list(read_jsonl(out / "metrics.jsonl"))
-        last = [r for r in history if "val_tau" in r][-1]
-        steps = [r for r in history if "elapsed_s" in r]
-        acc = last["val_slot_accuracy"]
-        rows.append({"arm": arm, **trained(out), "s_per_step": round(steps[-1]["elapsed_s"] / steps[-1]["step"], 2),
+        acc = [r for r in history if "val_tau" in r][-1]["val_slot_accuracy"]
+        timed = [r for r in history if "elapsed_s" in r][-1]  # the last step's training wall time
+        run = trained(out)
+        rows.append({"arm": arm, **run, "s_per_step": round(timed["elapsed_s"] / timed["step"], 2),
                      "p_first": acc[0], "p_first_2": acc[1] if len(acc) > 1 else None,
-                     "tau_gain": round(last["val_tau"] - history[0]["val_tau"], 4)})
+                     "tau_gain": round(run["val_tau"] - run["val_tau_first"], 4)})
     return {"rows": rows, "x": "arm", "plot": ["val_tau", "s_per_step"]}
 
 

@@ -190,10 +190,11 @@ class TrainRecipe:
             tokens = sum(b.n_tokens for b in batches)
             # elapsed_s: training wall time so far (resumes included, evaluations before this step too):
             # the x axis of "held-out τ per CPU-minute" (scripts/sweep.py recipe)
-            row = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / (time.perf_counter() - t0),
-                   "elapsed_s": round(time.perf_counter() - start, 2), **{k: round(v, 6) for k, v in m.items()}}
+            now = time.perf_counter()
+            row = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / (now - t0),
+                   "elapsed_s": round(now - start, 2), **{k: round(v, 6) for k, v in m.items()}}
             bar.set_postfix(loss=f"{m['loss']:.3f}")
-            out_of_time = budget_s is not None and time.perf_counter() - start > budget_s
+            out_of_time = budget_s is not None and now - start > budget_s
             if tc.eval_every and (step % tc.eval_every == 0 or step == max_steps or out_of_time):
                 row.update(evaluate(self.drafter(), val, settings, self.precision))
                 model.train()
