@@ -193,7 +193,9 @@ class TrainRecipe:
             now = time.perf_counter()
             row = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / (now - t0),
                    "elapsed_s": round(now - start, 2), **{k: round(v, 6) for k, v in m.items()}}
-            bar.set_postfix(loss=f"{m['loss']:.3f}")
+            # under a wall-time budget the step total may be a cap never reached: show the minutes too
+            bar.set_postfix(loss=f"{m['loss']:.3f}",
+                            **({"min": f"{(now - start) / 60:.1f}/{tc.max_minutes:g}"} if budget_s else {}))
             out_of_time = budget_s is not None and now - start > budget_s
             if tc.eval_every and (step % tc.eval_every == 0 or step == max_steps or out_of_time):
                 row.update(evaluate(self.drafter(), val, settings, self.precision))

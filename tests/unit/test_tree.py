@@ -61,3 +61,18 @@ def test_deterministic_and_ties_to_the_first_found():
     # the chain is token 0 (the first of the ties) at every slot, and ties go to it at every depth
     assert ps[1] == (0,) and all((0,) * d in ps for d in range(1, int(a.depth.max()) + 1))
     assert a.depth.max() == 2  # 5 depth-1 nodes (0.2 each), then 7 of depth 2 (0.04)
+
+
+def test_top_k_is_a_stable_sort_prefix_under_ties():
+    """top_k_stable against the full stable sort it replaces, on laws with many exact ties (values
+    drawn from a few levels) across the k-th place: values and indices equal, seeds swept."""
+    from d3d.decoding.tree import top_k_stable
+
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        levels = torch.rand(4, generator=g)
+        q = levels[torch.randint(0, 4, (2, 3, 97), generator=g)]
+        for k in (1, 5, 15, 40, 97):
+            ref_p, ref_t = (t[..., :k] for t in torch.sort(q, dim=-1, descending=True, stable=True))
+            p, t = top_k_stable(q, k)
+            assert torch.equal(p, ref_p) and torch.equal(t, ref_t), (seed, k)
