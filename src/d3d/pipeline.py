@@ -17,6 +17,7 @@ Stage wall times go to `<outputs>/pipeline/<run_name>/pipeline.json`.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -31,13 +32,13 @@ STAGES = ("generate", "train", "prune", "eval")
 def demo_choice() -> dict:
     """`make demo` shows the method where this CPU allows: with native bf16 (AVX512-BF16 / AMX) a
     16-token pass costs ~1.3x a 1-token one, so the Qwen2.5-Coder pair's speculative decoding beats
-    plain decoding (pipeline_qwen, no pruning stage: it would take longer than the rest together);
+    plain decoding (pipeline_qwen, pruned by the tree's τ);
     on AVX2-only CPUs the same pass costs 2-4x a step, nothing speculative beats plain decoding, and
     the SmolLM2 default (pipeline_cpu) shows the whole pipeline in under an hour."""
     from d3d.utils.hardware import cpu_info, cpu_prefers_bf16
 
     if cpu_prefers_bf16():
-        experiment, stages = "pipeline_qwen", ["generate", "train", "eval"]
+        experiment, stages = "pipeline_qwen", list(STAGES)
         why = "native bf16 on this CPU: the Qwen2.5-Coder-1.5B/0.5B pair in bf16, where speculation pays"
     else:
         experiment, stages = "pipeline_cpu", list(STAGES)
@@ -84,7 +85,10 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
         cfg = stage_config(stage, overrides, wiring[stage])
         start = time.perf_counter()
         out = runners[stage](cfg)
-        record["stages"][stage] = {"wall_s": round(time.perf_counter() - start, 1), "output": str(out)}
+        # the process's peak resident memory so far (a stage's peak is where it first rises)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        record["stages"][stage] = {"wall_s": round(time.perf_counter() - start, 1), "output": str(out),
+                                   "peak_rss_gb_so_far": round(peak, 2)}
         write_json(record_dir / "pipeline.json", record)
     record["wall_s"] = round(time.perf_counter() - total, 1)
     write_json(record_dir / "pipeline.json", record)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.estimator import estimate_acceptance
+from d3d.layer_scores import score_layers
+from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.drafter import (
     DrafterSettings, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter, save_drafter,
     skipping_layers, weights_fingerprint,
@@ -38,7 +41,7 @@ from d3d.models.drafter import (
 from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings, StepSettings
-from d3d.objective import ObjectiveConfig, pack
+from d3d.objective import ObjectiveConfig, loss_from_hidden, pack
 from d3d.training import (
     RESUMABLE_TRAIN_KEYS, D3DTrainingStep, autocast, batch_at, cut_responses, freeze_embeddings_except_mask,
     load_examples, make_optimizer, mixed_precision, optimizer_step, split_examples,
@@ -53,31 +56,32 @@ from d3d.utils.plotting import pyplot, save_figure
 log = logging.getLogger("d3d.prune")
 
 
-def tau_of(model, calib, s: DrafterSettings) -> float:
-    """Exact greedy τ in the precision the drafter trains and decodes in on this device (bf16
-    autocast on CUDA and native-bf16 CPUs, where it is also 2-3x faster than fp32)."""
-    with autocast(mixed_precision("auto"), next(model.parameters()).device):
-        return estimate_acceptance(model, calib, s.block_size, s.mask_token_id, s.vocab_size).tau
+def tau_of(model, calib, s: DrafterSettings, tree_nodes: int | None = None) -> float:
+    """Exact greedy τ (the chain's, or a tree of `tree_nodes` drafts') of the drafter as it decodes on
+    this device: a bf16 copy on CUDA and native-bf16 CPUs, where it is also 2-3x faster than fp32."""
+    return estimate_acceptance(as_deployed(model), calib, s.block_size, s.mask_token_id, s.vocab_size,
+                               tree_nodes=tree_nodes).tau
 
 
-def score_by_acceptance(model, calib, s: DrafterSettings, progress: bool = True,
-                        record: Path | None = None) -> list[float]:
-    """τ of the drafter without each of its current layers. With `record`, each score is appended to
-    that jsonl as it is made (keyed by the kept layers), so a killed step resumes mid-scoring: on a
-    0.5B drafter and 2 CPU cores one step scores for ~25 minutes."""
-    done = {r["layer"]: r["tau"] for r in (read_jsonl(record) if record else []) if r["kept_layers"] == s.kept_layers}
-    writer = JsonlWriter(record) if record else None
-    scores = []
-    for i in tqdm(range(len(decoder_layers(model))), desc="scoring layers", unit="layer", disable=not progress):
-        if i not in done:
-            with skipping_layers(model, [i]):
-                done[i] = tau_of(model, calib, s)
-            if writer:
-                writer.write([{"kept_layers": s.kept_layers, "layer": i, "tau": done[i]}])
-        scores.append(done[i])
-    if writer:
-        writer.close()
-    return scores
+def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, record: Path | None = None) -> list[float]:
+    """τ of the drafter without each of its current layers, all in one sweep (d3d.layer_scores: the
+    layers below a candidate are shared, exact unless prune.anchor_fraction < 1), on the deployed
+    dtype. With `record`, the scores are appended to that jsonl keyed by the kept layers, so a run
+    killed after scoring does not score again."""
+    done = [r for r in (read_jsonl(record) if record else []) if r["kept_layers"] == s.kept_layers and "taus" in r]
+    if done:
+        return done[0]["taus"][:-1]
+    bar = tqdm(total=len(calib), desc="scoring layers (responses)", unit="resp", disable=not pc.progress)
+    start = time.perf_counter()
+    scores = score_layers(as_deployed(model), calib, s.block_size, s.mask_token_id, s.vocab_size,
+                          tree_nodes=pc.tree_nodes, anchor_fraction=pc.anchor_fraction, seed=len(s.kept_layers),
+                          progress=lambda i: bar.update(1))
+    bar.close()
+    if record:
+        with JsonlWriter(record) as writer:
+            writer.write([{"kept_layers": s.kept_layers, "taus": scores.taus,
+                           "seconds": round(time.perf_counter() - start, 1)}])
+    return scores.taus[:-1]  # the last is the whole drafter
 
 
 @torch.no_grad()
@@ -92,11 +96,11 @@ def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
     return sims
 
 
-def _by_similarity(model, calib, s, progress, record):
+def _by_similarity(model, calib, s, pc, record):
     return score_by_similarity(model, calib, s)
 
 
-def _last_layer(model, calib, s, progress, record):
+def _last_layer(model, calib, s, pc, record):
     return [float(i) for i in range(len(decoder_layers(model)))]  # the highest score is the last layer
 
 
@@ -115,20 +119,30 @@ def scorer(method: str):
     return SCORERS[method]
 
 
-def choose_layer(method: str, model, calib, s: DrafterSettings, progress: bool = True,
-                 record: Path | None = None) -> tuple[int, list[float] | None]:
-    scores = scorer(method)(model, calib, s, progress, record)
-    layer = max(range(len(scores)), key=lambda i: scores[i])
-    return layer, None if method in UNRECORDED else scores
+def choose_layers(model, calib, s: DrafterSettings, pc: PruneSettings, tau_now: float,
+                  record: Path | None = None) -> tuple[list[int], list[float] | None]:
+    """The layers (current indices) this step removes: the best-scored one, and up to
+    prune.layers_per_step of the next best whose removal alone keeps >= step_safe_retention of the
+    current τ (scores of a rule, `last`, say nothing of τ: one layer a step)."""
+    scores = scorer(pc.method)(model, calib, s, pc, record)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    chosen = order[:1]
+    if pc.method not in UNRECORDED:
+        safe = [i for i in order[1:] if scores[i] >= pc.step_safe_retention * tau_now]
+        chosen += safe[: pc.layers_per_step - 1]
+    return sorted(chosen), None if pc.method in UNRECORDED else scores
 
 
-def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed: int, pad_id: int) -> None:
-    """A short continuation of the training objective (same loss, constant LR)."""
+def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed: int, pad_id: int,
+            teacher=None) -> None:
+    """A short continuation of the training objective (same loss, constant LR); with a `teacher`
+    (prune.recovery_loss=distill) the block slots learn the teacher's laws instead of the tokens."""
     if steps <= 0:
         return
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
-    step_module = D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows)
+    step_module = (D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows) if teacher is None
+                   else DistillStep(model, teacher, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows))
     optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.betas)
     model.train()
     device = next(model.parameters()).device
@@ -142,6 +156,42 @@ def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed
         with autocast(precision, device):
             optimizer_step(step_module, optimizer, [batch], tc.clip)
     model.eval()
+
+
+class DistillStep(D3DTrainingStep):
+    """The training step with the denoising CE replaced by KL(teacher || student) on the same block
+    rows, weighted by the same slot weights: a pruned drafter learns the unpruned one's whole law
+    at each slot, not only its argmax. The AR term stays the objective's."""
+
+    def __init__(self, drafter, teacher, vocab_size: int, ar_weight: float, loss_chunk_rows: int = 4096):
+        super().__init__(drafter, vocab_size, ar_weight, loss_chunk_rows)
+        self.teacher = [teacher]  # a list: not a submodule (no gradients, not in parameters())
+
+    def forward(self, batch):
+        hidden = self.hidden(batch)
+        with torch.no_grad():
+            teacher = self.teacher[0]
+            dev = next(teacher.parameters()).device
+            t_hidden = teacher.base_model(input_ids=batch.input_ids.to(dev),
+                                          attention_mask=packed_attention_mask(teacher, batch.layout),
+                                          position_ids=batch.layout.pos.to(dev), use_cache=False).last_hidden_state
+        loss, metrics = loss_from_hidden(hidden, self.drafter.get_output_embeddings(), batch, self.ar_weight,
+                                         self.vocab_size, self.loss_chunk_rows)
+        rows = batch.dn_rows.to(hidden.device)
+        h = hidden.reshape(-1, hidden.shape[-1])[rows]
+        th = t_hidden.reshape(-1, t_hidden.shape[-1])[rows]
+        w = batch.dn_weights.to(hidden.device)
+        kl = hidden.new_zeros((), dtype=torch.float32)
+        for c in range(0, len(rows), self.loss_chunk_rows):
+            student = logits_at(self.drafter, h[c : c + self.loss_chunk_rows], self.vocab_size).float()
+            target = logits_at(teacher, th[c : c + self.loss_chunk_rows], self.vocab_size).float()
+            per_row = torch.nn.functional.kl_div(student.log_softmax(-1), target.log_softmax(-1), log_target=True,
+                                                 reduction="none").sum(-1)
+            kl = kl + (per_row * w[c : c + self.loss_chunk_rows]).sum()
+        kl = kl / w.sum().clamp(min=1e-9)
+        metrics["loss_distill"] = kl.detach()
+        # the denoising CE is reported, not trained on: L = KL + λ·L_AR
+        return loss - metrics["loss_denoise"] + kl, metrics
 
 
 def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int = 5, blocks: int = 1) -> float:
@@ -182,13 +232,18 @@ def calibration_and_holdout(val: list, pc: PruneSettings, val_max_new_tokens: in
     return cut[0], cut[1]
 
 
-def measure(model, calib, holdout, s: DrafterSettings, suffix: str = "") -> dict:
+def measure(model, calib, holdout, s: DrafterSettings, tree_nodes: int | None, suffix: str = "") -> dict:
     """τ on the calibration responses and, when there is a hold-out, on it; `suffix` names the
     moment in the row's keys ("" = after recovery, "_before_recovery")."""
-    row = {f"tau{suffix}": tau_of(model, calib, s)}
+    deployed = as_deployed(model)
+    row = {f"tau{suffix}": tau_of(deployed, calib, s, tree_nodes)}
     if holdout:
-        row[f"holdout_tau{suffix}"] = tau_of(model, holdout, s)
+        row[f"holdout_tau{suffix}"] = tau_of(deployed, holdout, s, tree_nodes)
     return row
+
+
+def tau_name(tree_nodes: int | None) -> str:
+    return "chain" if tree_nodes is None else f"tree{tree_nodes}"
 
 
 def retention(row: dict, first: dict) -> float:
@@ -319,8 +374,8 @@ def _prune(cfg: PruneConfig) -> Path:
     scores_file = out_dir / "scores.jsonl"  # acceptance scores as they are made (mid-step resume)
     if not history:
         scores_file.unlink(missing_ok=True)  # a fresh run: scores of another run's drafter do not apply
-        full = measure(model, calib, holdout, s)
-        row = {"step": 0, "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
+        full = measure(model, calib, holdout, s, pc.tree_nodes)
+        row = {"step": 0, "tau_of": tau_name(pc.tree_nodes), "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
         publish_drafter(model, tok, out_dir, "final", 0)  # before the row: a recorded step 0 has its final/
@@ -330,18 +385,31 @@ def _prune(cfg: PruneConfig) -> Path:
         ensure_final(out_dir, model, tok, history, pc.min_retention)
     tau_full = history[0]["tau"]
     step = history[-1]["step"]
-    while step < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
+    teacher = None
+    if pc.recovery_loss == "distill" and pc.recovery_steps:  # the unpruned drafter's block laws, as it decodes
+        if cfg.drafter.checkpoint:
+            teacher = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32",
+                                   attn_implementation=drafter_attention(cfg.drafter, cfg.target))[0]
+        else:  # built from drafter.init, which is deterministic
+            teacher = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
+                                    dtype="float32")[0]
+        teacher = as_deployed(teacher).eval()
+    while layers - history[-1]["layers"] < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
         step += 1
-        layer, scores = choose_layer(pc.method, model, calib, s, pc.progress, scores_file)
-        original = DrafterSettings.of(model).kept_layers[layer]
-        keep_layers(model, [i for i in range(len(decoder_layers(model))) if i != layer])
+        start = time.perf_counter()
+        chosen, scores = choose_layers(model, calib, s, pc, history[-1]["tau"], scores_file)
+        chosen = chosen[: pc.num_layers - (layers - history[-1]["layers"])]
+        original = [DrafterSettings.of(model).kept_layers[i] for i in chosen]
+        keep_layers(model, [i for i in range(len(decoder_layers(model))) if i not in chosen])
         s = DrafterSettings.of(model)
-        before = measure(model, calib, holdout, s, "_before_recovery")
-        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id)
-        after = measure(model, calib, holdout, s)
-        row = {"step": step, "removed": original, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
+        scored_s = time.perf_counter() - start
+        before = measure(model, calib, holdout, s, pc.tree_nodes, "_before_recovery")
+        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher)
+        after = measure(model, calib, holdout, s, pc.tree_nodes)
+        row = {"step": step, "removed": original[0] if len(original) == 1 else original,
+               "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers, "tau_of": tau_name(pc.tree_nodes),
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
-               **latencies(model, s, pc)}
+               **latencies(model, s, pc), "choose_s": round(scored_s, 1), "step_s": round(time.perf_counter() - start, 1)}
         publish_drafter(model, tok, out_dir, f"step_{step}", step)
         if row["retention"] >= pc.min_retention:
             publish_drafter(model, tok, out_dir, "final", step)
@@ -352,7 +420,7 @@ def _prune(cfg: PruneConfig) -> Path:
         history.append(row)
         promote(out_dir)
         held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
-        print(f"[d3d.prune] step {step}: removed layer {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
+        print(f"[d3d.prune] step {step}: removed layer(s) {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
               f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
         if pc.stop_at_step and step >= pc.stop_at_step:
             break

@@ -51,6 +51,11 @@ def _mean_or_none(values: list) -> float | None:
     return statistics.mean(values) if values else None
 
 
+def _finish(row: dict) -> str | None:
+    reason = row.get("finish_reason")
+    return reason[0] if isinstance(reason, list) else reason
+
+
 def method_stats(rs: list[dict]) -> dict:
     tokens = sum(r["new_tokens"] for r in rs)
     correct = [r.get("correct") for r in rs]
@@ -66,6 +71,8 @@ def method_stats(rs: list[dict]) -> dict:
         "prefill_ms": 1000 * statistics.mean(r["prefill_s"] for r in rs),
         "equal_to_ar": statistics.mean(1.0 if r["equal_to_ar"] else 0.0 for r in rs),
         "accuracy": _mean_or_none([None if c is None else float(c) for c in correct]),
+        # graded answers that stopped at eval.max_new_tokens: graded wrong for want of room, not skill
+        "cut_graded": sum(1 for r, c in zip(rs, correct) if c is not None and _finish(r) == "length"),
         "task_equal_to_ar": _mean_or_none([None if r.get("task_equal_to_ar") is None else float(r["task_equal_to_ar"])
                                            for r in rs]),
         # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; DESIGN §10); AR
@@ -179,6 +186,9 @@ def summary_markdown(summary: dict) -> str:
               f"({m['divergences']['numerical']} numerical, {m['divergences']['real']} real)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items()
               if sum(m.get("divergences", {}).values())]
+    notes += [f"{bench}/{method}: {m['cut_graded']} of {m['rows']} graded answers stopped at eval.max_new_tokens "
+              f"before finishing, so its accuracy is not the model's (raise eval.max_new_tokens to measure it)"
+              for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("cut_graded")]
     if summary.get("auto_budget", {}).get("why"):  # older run.json files hold the choice without a reason
         notes.append(f"async budget `auto`: {summary['auto_budget']['why']}")
     if notes:

@@ -89,28 +89,64 @@ def test_an_unknown_method_is_refused_before_the_drafter_loads(root, monkeypatch
         prune(root, "unknown_method", "prune.method=nope")
 
 
-def test_killed_scoring_resumes_from_its_last_scored_layer(root, monkeypatch):
-    """A step scores every layer (minutes each at 0.5B on CPU): scores already made are not redone."""
+def test_killed_step_does_not_score_again(root, monkeypatch):
+    """A step scores every layer in one sweep (minutes at 0.5B on CPU), recorded in scores.jsonl as
+    soon as it ends: a run killed after it (here while measuring τ before recovery) does not sweep
+    again on resume, and chooses the same layer."""
     import d3d.prune
 
     full, _, _ = prune(root, "one_step", "prune.num_layers=1")
-    real, calls, kill_at = d3d.prune.tau_of, [], [4]  # τ_full, two layer scores, killed at the third
+    real_tau, real_sweep, sweeps, taus = d3d.prune.tau_of, d3d.prune.score_layers, [], []
+
+    def sweep(*args, **kwargs):
+        sweeps.append(1)
+        return real_sweep(*args, **kwargs)
 
     def tau_of(*args):
-        calls.append(1)
-        if len(calls) in kill_at:
+        taus.append(1)
+        if len(taus) == 2:  # τ_full, then the first τ after the sweep
             raise Killed
-        return real(*args)
+        return real_tau(*args)
 
+    monkeypatch.setattr(d3d.prune, "score_layers", sweep)
     monkeypatch.setattr(d3d.prune, "tau_of", tau_of)
     with pytest.raises(Killed):
         prune(root, "killed_scoring", "prune.num_layers=1")
-    calls.clear()
-    kill_at.clear()
+    assert len(sweeps) == 1
     rows, out, _ = prune(root, "killed_scoring", "prune.num_layers=1")
-    assert len(calls) == 2 + 2  # the two unscored layers, then τ before and after recovery
+    assert len(sweeps) == 1  # not swept again
     assert rows[1]["scores"] == full[1]["scores"] and rows[1]["removed"] == full[1]["removed"]
-    assert len(list(read_jsonl(out / "scores.jsonl"))) == 4
+    assert len(list(read_jsonl(out / "scores.jsonl"))) == 1
+
+
+def test_several_layers_a_step_where_the_scores_say_it_is_safe(root):
+    """prune.layers_per_step removes the best-scored layers whose removal alone keeps
+    step_safe_retention of τ, in one step, and never more than num_layers in all."""
+    rows, _, _ = prune(root, "multi", "prune.layers_per_step=3", "prune.step_safe_retention=0", "prune.num_layers=2")
+    assert [r["layers"] for r in rows] == [4, 2]  # both layers in the first step
+    scores = rows[1]["scores"]
+    best_two = sorted(sorted(range(4), key=lambda i: -scores[i])[:2])
+    assert rows[1]["removed"] == best_two
+    rows, _, _ = prune(root, "multi_unsafe", "prune.layers_per_step=3", "prune.step_safe_retention=100",
+                       "prune.num_layers=2")
+    assert [r["layers"] for r in rows] == [4, 3, 2]  # no second layer is "safe": one a step
+
+
+def test_distilled_recovery_trains_toward_the_unpruned_drafter(root):
+    """prune.recovery_loss=distill: the same removal recovered with the KL to the unpruned drafter's
+    laws ends with other weights than the D3D objective's; the tree criterion scores and retains by
+    the tree's τ."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for loss in ("objective", "distill"):
+        rows, out, _ = prune(root, f"recover_{loss}", f"prune.recovery_loss={loss}", "prune.recovery_steps=2",
+                             "prune.num_layers=1", "prune.tree_nodes=3")
+        runs[loss] = (rows, load_file(str(out / "final" / "model.safetensors")))
+    (rows_o, w_o), (rows_d, w_d) = runs["objective"], runs["distill"]
+    assert rows_d[0]["tau_of"] == rows_d[1]["tau_of"] == "tree3"
+    assert rows_o[1]["removed"] == rows_d[1]["removed"]  # same scores, same layer
+    assert any(not torch.equal(w_o[k], w_d[k]) for k in w_o)
 
 
 @pytest.mark.parametrize("method", ["last", "similarity"])
@@ -129,7 +165,7 @@ def test_holdout_measures_the_retention_on_responses_the_choice_did_not_see(root
 
     seen = []
 
-    def tau_of(model, examples, s):
+    def tau_of(model, examples, s, tree_nodes=None):
         seen.append(tuple(tuple(e.ids) for e in examples))
         return 10.0 * len(examples) + len(s.kept_layers)
 
@@ -242,7 +278,7 @@ def test_a_broken_final_from_an_older_run_is_redone_on_resume(root, monkeypatch)
     import d3d.prune
 
     with monkeypatch.context() as m:
-        m.setattr(d3d.prune, "choose_layer", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+        m.setattr(d3d.prune, "choose_layers", lambda *a, **k: (_ for _ in ()).throw(Killed()))
         with pytest.raises(Killed):
             prune(root, "old_final")  # step 0 recorded, final/ whole
     final = root / "pruned" / "old_final" / "final"

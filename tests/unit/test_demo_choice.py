@@ -9,7 +9,7 @@ from d3d.utils import hardware
 
 
 @pytest.mark.parametrize("native, experiment, stages", [
-    (True, "pipeline_qwen", ["generate", "train", "eval"]),   # where speculation pays: the Qwen pair in bf16
+    (True, "pipeline_qwen", ["generate", "train", "prune", "eval"]),  # where speculation pays: the Qwen pair in bf16, pruned
     (False, "pipeline_cpu", ["generate", "train", "prune", "eval"]),
 ])
 def test_demo_picks_the_overlay_this_cpu_suits_and_records_why(monkeypatch, native, experiment, stages):

@@ -48,3 +48,18 @@ def test_a_folder_where_nothing_ran_is_one_line(tmp_path):
 def test_a_good_folder_still_reports(tmp_path):
     done = report(result_folder(tmp_path / "a"))
     assert done.returncode == 0 and "| gsm8k | sync |" in done.stdout
+
+
+def test_graded_answers_cut_at_max_new_tokens_are_said_in_the_summary():
+    """The demo's items read accuracy 0.00 for every method: the answers were cut at 128 tokens. The
+    summary says so, per method, instead of reporting it as the model's accuracy."""
+    from d3d.report import summarise, summary_markdown
+
+    row = {"benchmark": "gsm8k", "turn": 0, "concurrency": 1, "new_tokens": 8, "decode_s": 0.1, "prefill_s": 0.01,
+           "rounds": 4, "hit_rate": None, "equal_to_ar": True, "taus": [2, 2, 2, 2]}
+    rows = [{**row, "id": f"gsm8k/{i}", "method": m, "correct": i == 1, "finish_reason": "length" if i == 0 else "eos"}
+            for m in ("ar", "sync") for i in range(2)]
+    text = summary_markdown(summarise(rows))
+    assert "gsm8k/sync: 1 of 2 graded answers stopped at eval.max_new_tokens" in text
+    ungraded = [{**r, "correct": None} for r in rows]
+    assert "stopped at eval.max_new_tokens" not in summary_markdown(summarise(ungraded))
