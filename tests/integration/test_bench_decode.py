@@ -87,3 +87,20 @@ def test_a_budget_the_device_cannot_hold_is_refused_before_the_models_load(tmp_p
         script.main(["--drafter", str(drafter), "--block-sizes", "256", "--budgets", "256x8",
                      "--out", str(tmp_path / "bench.json"), "+experiment=smoke",
                      f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+
+
+def test_another_drafter_runs_beside_with_the_drafters_share_of_the_round(tmp_path, monkeypatch):
+    """--also-drafters label=folder adds that drafter's sync and tree rows on the same prompts (a pruned
+    drafter against the unpruned one); every speculative row reports the drafter's share of a round."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg, drafter = smoke_drafter(tmp_path)
+    res = load_script("bench_decode").main([
+        "--drafter", str(drafter), "--also-drafters", f"again={drafter}", "--n-prompts", "1", "--max-new-tokens", "8",
+        "--block-sizes", "4", "--budgets", "3x1", "--trees", "3", "--no-hf-baselines", "--out", str(tmp_path / "b.json"),
+        "+experiment=smoke", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+    by = {s["method"]: s for s in res["summary"]}
+    assert set(by) == {"d3d_ar", "d3d_sync_b4", "d3d_sync_b4@again", "d3d_tree_n3", "d3d_tree_n3@again",
+                       "d3d_async_c3_f1(16tok)"}
+    assert by["d3d_sync_b4@again"]["tau"] == by["d3d_sync_b4"]["tau"]  # the same weights: the same rounds
+    assert all(0 < by[m]["drafter_share"] < 1 for m in by if m != "d3d_ar") and by["d3d_ar"]["drafter_share"] == 0.0
+    assert set(res["pass_cost"]["drafter_ms@again"]) == set(res["pass_cost"]["drafter_ms"])

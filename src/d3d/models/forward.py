@@ -85,6 +85,12 @@ def cache_kwarg(model, cache) -> dict:
 
 
 def logits_at(model, hidden: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """LM-head logits of selected hidden rows, cut to the target's vocabulary."""
-    logits = model.get_output_embeddings()(hidden)
+    """LM-head logits of selected hidden rows, cut to the target's vocabulary.
+
+    The rows go through the head as one contiguous 2-D matrix: a strided 3-D slice (a block's draft
+    slots) makes torch's matmul broadcast the head's weight into a batched one, copying all of it
+    once per block when the weight does not require grad (a frozen or untied head): 35 of 39 s of
+    an estimate on the Qwen drafter went to that copy."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    logits = model.get_output_embeddings()(flat).reshape(*hidden.shape[:-1], -1)
     return logits[..., :vocab_size] if vocab_size else logits
