@@ -77,7 +77,7 @@ test-gpu-image: gpu-image-env
 
 # The whole pipeline on the embedded CPU default, the overlay chosen from this CPU (d3d.pipeline
 # --demo, recorded in pipeline.json): with native bf16 (avx512_bf16 / amx_bf16) the Qwen2.5-Coder
-# pair in bf16 (generate -> train -> eval, where speculation beats plain decoding); elsewhere the
+# pair in bf16 (generate -> train -> prune -> eval, where speculation beats plain decoding); elsewhere the
 # SmolLM2 default (generate -> train -> prune -> eval). Offline; every stage resumes.
 demo: setup
 	$(PY) -m d3d.pipeline --demo

@@ -77,6 +77,9 @@ def pass_cost(model, prompt: list[int], widths: list[int], repeats: int = 5) -> 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="a trained drafter folder (save_pretrained)")
+    ap.add_argument("--also-drafters", nargs="*", default=[], metavar="LABEL=FOLDER",
+                    help="more drafters (e.g. unpruned=<folder>) whose sync and tree rows run beside --drafter's, "
+                         "interleaved on the same prompts; their rows are named <method>@<label>")
     ap.add_argument("--benchmark", default="gsm8k")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -116,6 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
     drafter, drafter_tok = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
     for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
         print(f"warning: {warning}", flush=True)
+    also = {}
+    for item in args.also_drafters:
+        label, _, folder = item.partition("=")
+        if not folder:
+            raise SystemExit(f"error: --also-drafters {item!r}: write LABEL=FOLDER, e.g. unpruned=checkpoints/x/final")
+        also[label] = load_drafter(folder, device=str(target.device), dtype=cfg.target.dtype)[0]
     eos = eos_ids(tok, target)
     spec = benchmark_spec(args.benchmark)
     records = load_benchmark(spec, cache, n=args.n_prompts + 1)
@@ -123,12 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
     warm, prompts = prompts[0], prompts[1:]
 
     widths = sorted({1, 2, 4, 8, 16, *args.block_sizes})
-    cost = {"target_ms": pass_cost(target, warm, widths), "drafter_ms": pass_cost(drafter, warm, widths)}
-    cost_lines = ["| tokens in the pass | target ms | × target(1) | drafter ms | × target(1) |", "|---|---|---|---|---|"]
+    cost = {"target_ms": pass_cost(target, warm, widths), "drafter_ms": pass_cost(drafter, warm, widths),
+            **{f"drafter_ms@{label}": pass_cost(d, warm, widths) for label, d in also.items()}}
+    others = [k for k in cost if k.startswith("drafter_ms@")]
+    cost_lines = ["| tokens in the pass | target ms | × target(1) | drafter ms | × target(1) |"
+                  + "".join(f" {k[len('drafter_ms@'):]} drafter ms |" for k in others), "|---|---|---|---|---|" + "---|" * len(others)]
     t1 = cost["target_ms"][1]
     for w in widths:
         cost_lines.append(f"| {w} | {cost['target_ms'][w]:.0f} | {cost['target_ms'][w] / t1:.2f} | "
-                          f"{cost['drafter_ms'][w]:.0f} | {cost['drafter_ms'][w] / t1:.2f} |")
+                          f"{cost['drafter_ms'][w]:.0f} | {cost['drafter_ms'][w] / t1:.2f} |"
+                          + "".join(f" {cost[k][w]:.0f} |" for k in others))
     print("\n".join(cost_lines), flush=True)
 
     # transformers' baselines first, our loops after, async last: an overlap=thread run must not
@@ -151,6 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
             if backend in method_class(dc.method).backends:
                 packed = f"({dc.budget}tok)" if dc.budget else ""
                 methods[f"{name}{packed}{tag}"] = our_call(SpecGenerator(target, tok, drafter, replace(dc, backend=backend), eos))
+                for label, other in also.items():  # the same method with another drafter (sync and trees)
+                    if dc.method in ("sync", "tree"):
+                        methods[f"{name}{packed}{tag}@{label}"] = our_call(
+                            SpecGenerator(target, tok, other, replace(dc, backend=backend), eos))
 
     if args.only:  # d3d_ar always stays: ratios and the equality check need a baseline
         methods = {k: v for k, v in methods.items() if k == "d3d_ar" or any(k.startswith(p) for p in args.only)}
@@ -195,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
         if r.get("tau") is not None:
             r["tau_to_match_base"] = r["tau"] * base_by_prompt[r["prompt"]] / r["tokens_per_s"]
     table = [f"| method | tokens/s (median) | × {base} | τ | τ to match {base} | hit rate | equal to {base} "
-             "| round ms (draft / verify / tray wait) | warm-up s (compile) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| round ms (draft / verify / tray wait) | drafter share of the round | warm-up s (compile) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     summary = []
     for name in methods:
         tps = med(name, "tokens_per_s")
@@ -208,9 +226,12 @@ def main(argv: list[str] | None = None) -> dict:
         split = "—" if med(name, "round_ms") is None else (
             f"{med(name, 'round_ms'):.0f} ({med(name, 'draft_ms'):.0f} / {med(name, 'verify_ms'):.0f} / "
             f"{med(name, 'tray_wait_ms'):.0f})")
+        # the drafter's share of a round: what a cheaper (pruned) drafter can win back
+        share = [r["draft_ms"] / r["round_ms"] for r in rows if r["method"] == name and r.get("round_ms")]
+        entry["drafter_share"] = statistics.median(share) if share else None
         table.append(f"| {name} | {tps:.1f} | {entry['ratio']:.2f} | {fmt(entry['tau'])} | {fmt(entry['tau_to_match_base'])} "
                      f"| {fmt(entry['hit_rate'])} "
-                     f"| {entry['equal_rate']:.2f} | {split} | {warmup_s[name]:.1f} |")
+                     f"| {entry['equal_rate']:.2f} | {split} | {fmt(entry['drafter_share'])} | {warmup_s[name]:.1f} |")
     text = "\n".join(table) + "\n\nOne cached forward pass through the decoder layers, lm_head excluded (after the warm-up prompt, medians):\n\n" + "\n".join(cost_lines)
     print(text)
     write_json(out, {"summary": summary, "rows": rows, "args": vars(args), "target": cfg.target.name,

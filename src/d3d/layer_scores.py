@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.decoding.tree import build_tree
 from d3d.decoding.verify import Sampling, probs
 from d3d.estimator import greedy_rounds, tree_match_depth
 from d3d.models.drafter import decoder_layers, skipping_layers
@@ -93,7 +92,6 @@ class _LayerInputs:
 
 def _upper(model, h: torch.Tensor, first: int, mask, pos: torch.Tensor) -> torch.Tensor:
     """Final (normed) hidden states of layers first.. run on `h`, their input in the whole drafter."""
-    n = len(decoder_layers(model))
     with skipping_layers(model, list(range(first))):
         out = model.base_model(inputs_embeds=h, attention_mask=mask, position_ids=pos, use_cache=False)
     return out.last_hidden_state

@@ -19,7 +19,6 @@ after recovery, and the retention — the stopping rule — is measured on them.
 
 from __future__ import annotations
 
-import copy
 import logging
 import shutil
 import time
@@ -33,18 +32,16 @@ from tqdm.auto import tqdm
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers
-from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.drafter import (
-    DrafterSettings, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter, save_drafter,
-    skipping_layers, weights_fingerprint,
+    DrafterSettings, as_deployed, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter,
+    save_drafter, weights_fingerprint,
 )
 from d3d.models.target import pick_device
 from d3d.settings import bind_config
-from d3d.specs import PruneConfig, PruneSettings, StepSettings
-from d3d.objective import ObjectiveConfig, loss_from_hidden, pack
+from d3d.specs import PruneConfig, PruneSettings
 from d3d.training import (
-    RESUMABLE_TRAIN_KEYS, D3DTrainingStep, autocast, batch_at, cut_responses, freeze_embeddings_except_mask,
-    load_examples, make_optimizer, mixed_precision, optimizer_step, split_examples,
+    RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, load_examples, mixed_precision, recover,
+    split_examples,
 )
 from d3d.utils.checkpoints import (
     MARKER, check_record_reaches, drafter_folder, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
@@ -133,67 +130,6 @@ def choose_layers(model, calib, s: DrafterSettings, pc: PruneSettings, tau_now: 
     return sorted(chosen), None if pc.method in UNRECORDED else scores
 
 
-def recover(model, train, tc: StepSettings, s: DrafterSettings, steps: int, seed: int, pad_id: int,
-            teacher=None) -> None:
-    """A short continuation of the training objective (same loss, constant LR); with a `teacher`
-    (prune.recovery_loss=distill) the block slots learn the teacher's laws instead of the tokens."""
-    if steps <= 0:
-        return
-    objective = ObjectiveConfig.from_cfg(tc, s.block_size)
-    # The same training step as d3d.train (the module, its chunked loss and device-built mask).
-    step_module = (D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows) if teacher is None
-                   else DistillStep(model, teacher, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows))
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.betas)
-    model.train()
-    device = next(model.parameters()).device
-    # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
-    # with fp32 weights on CUDA and native-bf16 CPUs, fp32 on AVX2-only CPUs.
-    precision = mixed_precision("auto")
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        batch = pack(batch_at(train, step, 0, tc.batch_size, tc.batch_size, seed), objective,
-                     s.mask_token_id, pad_id, gen)
-        with autocast(precision, device):
-            optimizer_step(step_module, optimizer, [batch], tc.clip)
-    model.eval()
-
-
-class DistillStep(D3DTrainingStep):
-    """The training step with the denoising CE replaced by KL(teacher || student) on the same block
-    rows, weighted by the same slot weights: a pruned drafter learns the unpruned one's whole law
-    at each slot, not only its argmax. The AR term stays the objective's."""
-
-    def __init__(self, drafter, teacher, vocab_size: int, ar_weight: float, loss_chunk_rows: int = 4096):
-        super().__init__(drafter, vocab_size, ar_weight, loss_chunk_rows)
-        self.teacher = [teacher]  # a list: not a submodule (no gradients, not in parameters())
-
-    def forward(self, batch):
-        hidden = self.hidden(batch)
-        with torch.no_grad():
-            teacher = self.teacher[0]
-            dev = next(teacher.parameters()).device
-            t_hidden = teacher.base_model(input_ids=batch.input_ids.to(dev),
-                                          attention_mask=packed_attention_mask(teacher, batch.layout),
-                                          position_ids=batch.layout.pos.to(dev), use_cache=False).last_hidden_state
-        loss, metrics = loss_from_hidden(hidden, self.drafter.get_output_embeddings(), batch, self.ar_weight,
-                                         self.vocab_size, self.loss_chunk_rows)
-        rows = batch.dn_rows.to(hidden.device)
-        h = hidden.reshape(-1, hidden.shape[-1])[rows]
-        th = t_hidden.reshape(-1, t_hidden.shape[-1])[rows]
-        w = batch.dn_weights.to(hidden.device)
-        kl = hidden.new_zeros((), dtype=torch.float32)
-        for c in range(0, len(rows), self.loss_chunk_rows):
-            student = logits_at(self.drafter, h[c : c + self.loss_chunk_rows], self.vocab_size).float()
-            target = logits_at(teacher, th[c : c + self.loss_chunk_rows], self.vocab_size).float()
-            per_row = torch.nn.functional.kl_div(student.log_softmax(-1), target.log_softmax(-1), log_target=True,
-                                                 reduction="none").sum(-1)
-            kl = kl + (per_row * w[c : c + self.loss_chunk_rows]).sum()
-        kl = kl / w.sum().clamp(min=1e-9)
-        metrics["loss_distill"] = kl.detach()
-        # the denoising CE is reported, not trained on: L = KL + λ·L_AR
-        return loss - metrics["loss_denoise"] + kl, metrics
-
-
 def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int = 5, blocks: int = 1) -> float:
     """Median time of a pass of `blocks` blocks after a cached prefix of random tokens (lm_head
     excluded), in the dtype the drafter will decode in (bf16 on a GPU): d3d.decoding.budget's timer."""
@@ -202,15 +138,6 @@ def draft_latency_ms(model, s: DrafterSettings, prefix: int = 256, repeats: int 
     model = as_deployed(model)
     ids = torch.randint(10, s.vocab_size - 1, (1, prefix), device=next(model.parameters()).device)
     return block_pass_ms(model, ids, blocks, repeats, logits=False)
-
-
-def as_deployed(model):
-    """The drafter in the dtype it will decode in (bf16 on a GPU): itself, or a cast copy."""
-    from d3d.models.target import torch_dtype
-
-    param = next(model.parameters())
-    deployed = torch_dtype("auto", param.device)
-    return model if deployed == param.dtype else copy.deepcopy(model).to(deployed)
 
 
 def latencies(model, s: DrafterSettings, pc: PruneSettings) -> dict:

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaConf)
-from d3d.models.forward import packed_attention_mask
+from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.masks import Layout
-from d3d.objective import Example, PackedBatch, loss_from_hidden, metrics_to_floats
-from d3d.specs import TrainConfig, TrainSettings
+from d3d.objective import Example, ObjectiveConfig, PackedBatch, loss_from_hidden, metrics_to_floats, pack
+from d3d.specs import StepSettings, TrainConfig, TrainSettings
 
 # ---------------------------------------------------------------------------- data
 
@@ -328,3 +328,67 @@ def drafter_state_dict(accelerator, step_module) -> dict:
     if state is None:  # processes other than the main one get nothing under some backends
         return None
     return {k.removeprefix("drafter."): v for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------- recovery (d3d.prune)
+
+
+def recover(model, train, tc: StepSettings, s, steps: int, seed: int, pad_id: int, teacher=None) -> None:
+    """d3d.prune's recovery of a drafter `s` (its DrafterSettings) after a removal: a short
+    continuation of the training objective (same loss, constant LR); with a `teacher`
+    (prune.recovery_loss=distill) the block slots learn the teacher's laws instead of the tokens."""
+    if steps <= 0:
+        return
+    objective = ObjectiveConfig.from_cfg(tc, s.block_size)
+    # The same training step as d3d.train (the module, its chunked loss and device-built mask).
+    step_module = (D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows) if teacher is None
+                   else DistillStep(model, teacher, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows))
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.betas)
+    model.train()
+    device = next(model.parameters()).device
+    # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
+    # with fp32 weights on CUDA and native-bf16 CPUs, fp32 on AVX2-only CPUs.
+    precision = mixed_precision("auto")
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        batch = pack(batch_at(train, step, 0, tc.batch_size, tc.batch_size, seed), objective,
+                     s.mask_token_id, pad_id, gen)
+        with autocast(precision, device):
+            optimizer_step(step_module, optimizer, [batch], tc.clip)
+    model.eval()
+
+
+class DistillStep(D3DTrainingStep):
+    """The training step with the denoising CE replaced by KL(teacher || student) on the same block
+    rows, weighted by the same slot weights: a pruned drafter learns the unpruned one's whole law
+    at each slot, not only its argmax. The AR term stays the objective's."""
+
+    def __init__(self, drafter, teacher, vocab_size: int, ar_weight: float, loss_chunk_rows: int = 4096):
+        super().__init__(drafter, vocab_size, ar_weight, loss_chunk_rows)
+        self.teacher = [teacher]  # a list: not a submodule (no gradients, not in parameters())
+
+    def forward(self, batch):
+        hidden = self.hidden(batch)
+        with torch.no_grad():
+            teacher = self.teacher[0]
+            dev = next(teacher.parameters()).device
+            t_hidden = teacher.base_model(input_ids=batch.input_ids.to(dev),
+                                          attention_mask=packed_attention_mask(teacher, batch.layout),
+                                          position_ids=batch.layout.pos.to(dev), use_cache=False).last_hidden_state
+        loss, metrics = loss_from_hidden(hidden, self.drafter.get_output_embeddings(), batch, self.ar_weight,
+                                         self.vocab_size, self.loss_chunk_rows)
+        rows = batch.dn_rows.to(hidden.device)
+        h = hidden.reshape(-1, hidden.shape[-1])[rows]
+        th = t_hidden.reshape(-1, t_hidden.shape[-1])[rows]
+        w = batch.dn_weights.to(hidden.device)
+        kl = hidden.new_zeros((), dtype=torch.float32)
+        for c in range(0, len(rows), self.loss_chunk_rows):
+            student = logits_at(self.drafter, h[c : c + self.loss_chunk_rows], self.vocab_size).float()
+            target = logits_at(teacher, th[c : c + self.loss_chunk_rows], self.vocab_size).float()
+            per_row = torch.nn.functional.kl_div(student.log_softmax(-1), target.log_softmax(-1), log_target=True,
+                                                 reduction="none").sum(-1)
+            kl = kl + (per_row * w[c : c + self.loss_chunk_rows]).sum()
+        kl = kl / w.sum().clamp(min=1e-9)
+        metrics["loss_distill"] = kl.detach()
+        # the denoising CE is reported, not trained on: L = KL + λ·L_AR
+        return loss - metrics["loss_denoise"] + kl, metrics

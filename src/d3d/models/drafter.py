@@ -265,3 +265,10 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
     model = load_model(str(path), dtype, device, attn_implementation)
     DrafterSettings.of(model)  # fails clearly on a non-drafter folder
     return model, load_tokenizer(str(path))
+
+
+def as_deployed(model):
+    """The drafter in the dtype it will decode in (bf16 on a GPU): itself, or a cast copy."""
+    param = next(model.parameters())
+    deployed = torch_dtype("auto", param.device)
+    return model if deployed == param.dtype else copy.deepcopy(model).to(deployed)
