@@ -331,7 +331,7 @@ def _prune(cfg: PruneConfig) -> Path:
         s = DrafterSettings.of(model)
         scored_s = time.perf_counter() - start
         before = measure(model, calib, holdout, s, pc.tree_nodes, "_before_recovery")
-        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher)
+        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher, pc.recovery_lr)
         after = measure(model, calib, holdout, s, pc.tree_nodes)
         row = {"step": step, "removed": original[0] if len(original) == 1 else original,
                "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers, "tau_of": tau_name(pc.tree_nodes),

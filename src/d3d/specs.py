@@ -331,13 +331,15 @@ class PruneSettings:
     anchor_fraction: float  # 1 = exact scores; < 1 = the sampled estimator on that share of anchors (d3d.layer_scores)
     layers_per_step: int  # at most this many layers removed per step (the best-scored ones)
     step_safe_retention: float  # ... each of which alone keeps >= this share of the current τ
+    recovery_lr: Optional[float]  # recovery's learning rate (null: train.lr)
     recovery_loss: str  # objective (the D3D loss) | distill (KL to the unpruned drafter's block laws + λ·AR)
 
     def __post_init__(self) -> None:
         # the layer count's upper bound needs the drafter: d3d.prune checks it before loading weights
         at_least("prune", self, num_layers=1, calib_size=1, holdout_size=0, recovery_steps=0, packed_blocks=1,
                  stop_at_step=0, tree_nodes=1, layers_per_step=1)
-        at_least("prune", self, min_retention=0.0, step_safe_retention=0.0)  # 0 = keep removing to num_layers
+        at_least("prune", self, min_retention=0.0, step_safe_retention=0.0)
+        positive("prune", self, "recovery_lr")  # 0 = keep removing to num_layers
         if not 0.0 < self.anchor_fraction <= 1.0:
             raise ConfigError(f"prune.anchor_fraction={self.anchor_fraction}: must be in (0, 1]. Fix: 1 for exact "
                               f"scores, or e.g. 0.5 to score on half the anchors.")

@@ -333,7 +333,8 @@ def drafter_state_dict(accelerator, step_module) -> dict:
 # ---------------------------------------------------------------------------- recovery (d3d.prune)
 
 
-def recover(model, train, tc: StepSettings, s, steps: int, seed: int, pad_id: int, teacher=None) -> None:
+def recover(model, train, tc: StepSettings, s, steps: int, seed: int, pad_id: int, teacher=None,
+            lr: float | None = None) -> None:
     """d3d.prune's recovery of a drafter `s` (its DrafterSettings) after a removal: a short
     continuation of the training objective (same loss, constant LR); with a `teacher`
     (prune.recovery_loss=distill) the block slots learn the teacher's laws instead of the tokens."""
@@ -343,7 +344,7 @@ def recover(model, train, tc: StepSettings, s, steps: int, seed: int, pad_id: in
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
     step_module = (D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows) if teacher is None
                    else DistillStep(model, teacher, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows))
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.betas)
+    optimizer = make_optimizer(model, lr or tc.lr, tc.weight_decay, tc.betas)
     model.train()
     device = next(model.parameters()).device
     # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
