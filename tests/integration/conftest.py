@@ -59,3 +59,20 @@ def tiny_drafter(tmp_path, arch="llama", layers=2, block=4, init="target"):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model.eval(), tok, cfg
+
+
+def block_drafts(model, ids: list[int], s) -> list[int]:
+    """The drafter's greedy drafts of one block anchored on the last token of `ids` (a cached
+    prefix, then the block), as a decoding round makes them: for building responses a drafter likes."""
+    from transformers import DynamicCache
+
+    from d3d.models.forward import hidden_states, logits_at
+    from d3d.models.masks import block_layout, clean_layout
+
+    a = len(ids) - 1
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        hidden_states(model, torch.tensor([ids[:a]]), clean_layout(a), cache=cache)
+        h = hidden_states(model, torch.tensor([[ids[a]] + [s.mask_token_id] * (s.block_size - 1)]),
+                          block_layout(torch.tensor([[a]]), s.block_size), cache=cache, cache_len=a)
+    return logits_at(model, h[0], s.vocab_size).argmax(-1).tolist()

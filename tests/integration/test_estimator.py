@@ -9,7 +9,7 @@ from d3d.models.drafter import DrafterSettings
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example
-from tests.integration.conftest import tiny_drafter
+from tests.integration.conftest import block_drafts, tiny_drafter
 
 
 def test_greedy_rounds_hand_case():
@@ -54,15 +54,7 @@ def test_estimator_equals_slow_reference_on_text_the_drafter_likes(tmp_path):
     for i in range(3):
         ids = torch.randint(4, 200, (8,), generator=g).tolist()
         for _ in range(4):
-            a = len(ids) - 1
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=model.config)
-            with torch.no_grad():
-                hidden_states(model, torch.tensor([ids[:a]]), clean_layout(a), cache=cache)
-                h = hidden_states(model, torch.tensor([[ids[a]] + [s.mask_token_id] * (s.block_size - 1)]),
-                                  block_layout(torch.tensor([[a]]), s.block_size), cache=cache, cache_len=a)
-            ids += logits_at(model, h[0], s.vocab_size).argmax(-1).tolist()[: 2 + i]
+            ids += block_drafts(model, ids, s)[: 2 + i]
             ids.append(int(torch.randint(4, 200, (1,), generator=g)))
         examples.append(Example(ids, prompt_len=6))
     stats = estimate_acceptance(model, examples, s.block_size, s.mask_token_id, s.vocab_size)

@@ -8,29 +8,19 @@ import torch
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import anchors_of, score_layers, spearman
 from d3d.models.drafter import DrafterSettings, decoder_layers, skipping_layers
-from d3d.models.forward import hidden_states, logits_at
-from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example
-from tests.integration.conftest import tiny_drafter
+from tests.integration.conftest import block_drafts, tiny_drafter
 
 
 def lively_examples(model, s: DrafterSettings, seed: int, n: int = 3) -> list[Example]:
     """Responses that are partly the drafter's own drafts, so rounds accept several tokens and the
     candidates' τ differ (on random text every τ is 1 and any scorer agrees)."""
-    from transformers import DynamicCache
-
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         ids = torch.randint(4, 200, (8,), generator=g).tolist()
         for _ in range(5):
-            a = len(ids) - 1
-            cache = DynamicCache(config=model.config)
-            with torch.no_grad():
-                hidden_states(model, torch.tensor([ids[:a]]), clean_layout(a), cache=cache)
-                h = hidden_states(model, torch.tensor([[ids[a]] + [s.mask_token_id] * (s.block_size - 1)]),
-                                  block_layout(torch.tensor([[a]]), s.block_size), cache=cache, cache_len=a)
-            ids += logits_at(model, h[0], s.vocab_size).argmax(-1).tolist()[: 1 + (i + len(ids)) % s.block_size]
+            ids += block_drafts(model, ids, s)[: 1 + (i + len(ids)) % s.block_size]
             ids.append(int(torch.randint(4, 200, (1,), generator=g)))
         out.append(Example(ids, prompt_len=6))
     return out
