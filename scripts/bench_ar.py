@@ -25,7 +25,7 @@ from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.methods import BACKENDS
+from d3d.decoding.kv import BACKENDS
 from d3d.models import load_target
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info

@@ -35,7 +35,8 @@ from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.methods import BACKENDS, method_class
+from d3d.decoding.kv import BACKENDS
+from d3d.decoding.methods import method_row
 from d3d.models import load_model, load_target, resolve_model_path
 from d3d.models.drafter import check_fits_target, load_drafter
 from d3d.utils.io import write_json
@@ -54,7 +55,7 @@ def hf_call(target, tok, eos, **kw):
 def our_call(gen: SpecGenerator):
     def run(ids, n):
         res = gen.generate([ids], max_new_tokens=n)
-        mean = lambda key: statistics.mean(r.get(key, 0.0) for r in res.rounds)
+        mean = lambda key: statistics.mean(getattr(r, key) or 0.0 for r in res.rounds)
         # where a round's time goes: synchronous drafting, verification, waiting for the trays
         return res.token_ids[0], {"tau": res.mean_tau, "hit_rate": res.hit_rate, "prefill_s": res.prefill_s,
                                   "decode_s": res.decode_s, "rounds": len(res.rounds),
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         methods[f"d3d_ar{tag}"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar", backend=backend), eos))
         # sync and trees first, the async methods last (see above); a tree runs on the eager backend only
         for name, dc in sorted(ours.items(), key=lambda kv: kv[1].method.startswith("async")):
-            if backend in method_class(dc.method).backends:
+            if backend in method_row(dc.method).backends:
                 packed = f"({dc.budget}tok)" if dc.budget else ""
                 methods[f"{name}{packed}{tag}"] = our_call(SpecGenerator(target, tok, drafter, replace(dc, backend=backend), eos))
                 for label, other in also.items():  # the same method with another drafter (sync and trees)

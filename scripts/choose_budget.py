@@ -1,7 +1,9 @@
-"""Choose the async budget (C, F) for a drafter on this device: offline hit rates on greedy
-responses of the target, measured pass costs, projected speedup per budget (d3d.decoding.budget).
+"""Choose the tray budget of a method with trays (async: C x F; async_tree: tree_trays) for a drafter
+on this device: offline hit rates on greedy responses of the target, measured pass costs, projected
+speedup per budget (d3d.decoding.budget).
 
     python scripts/choose_budget.py --drafter checkpoints/cpu_default_lam1/final --n 6
+    python scripts/choose_budget.py --drafter <ckpt> --method async_tree
     python scripts/choose_budget.py --drafter <ckpt> --responses data/responses/<target>/<set> target=...
 
 Calibration responses: --responses (a d3d.generate folder; the held-out tail of it is used), else
@@ -12,6 +14,7 @@ table and writes outputs/bench/budget_<target>.json (the choice, every budget, c
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,7 +23,9 @@ from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
-from d3d.decoding.budget import calibrate, greedy_pairs, packed_blocks
+from d3d.decoding import DecodeConfig
+from d3d.decoding.budget import calibrate, greedy_pairs
+from d3d.decoding.methods import method_row
 from d3d.models import load_target
 from d3d.models.drafter import DrafterSettings, load_drafter
 from d3d.utils.io import write_json
@@ -42,6 +47,7 @@ def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
+    ap.add_argument("--method", default="async", help="a method with trays: async (C x F), async_tree (tree_trays)")
     ap.add_argument("--responses", default=None)
     ap.add_argument("--n", type=int, default=6, help="calibration responses")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -59,7 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     s = DrafterSettings.of(drafter)
     pairs = calibration(args, cfg, target, tok)
     overlap = target.device.type == "cuda" if args.overlap == "auto" else args.overlap == "stream"
-    best, basis = calibrate(target, drafter, pairs, s.block_size, overlap, repeats=args.repeats)
+    row = method_row(args.method)
+    drafts = row.drafts(DecodeConfig(method=args.method, block_size=s.block_size), s.block_size, None)
+    knobs = tuple(drafts.tray_grid[0])
+    best, basis = calibrate(target, drafter, pairs, drafts, overlap, repeats=args.repeats)
     tau, costs, rounds = basis["tau"], basis["costs"], basis["rounds"]
 
     print(f"{cfg.target.name} target, drafter {args.drafter} (B = {s.block_size}), {target.device} {target.dtype}; "
@@ -67,14 +76,16 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'overlapped' if overlap else 'serial'}")
     print(f"costs ms: step {costs['step_ms']:.1f}, verify {costs['verify_ms']:.1f}, draft {costs['draft_ms']:.1f}; "
           f"sync projected {best.sync_speedup:.3f}×\n")
-    print("| C | F | packed tokens | packed ms | hit rate | round ms | projected speedup |\n|---|---|---|---|---|---|---|")
-    for r in sorted(best.table, key=lambda r: (r["C"], r["F"])):
-        mark = " **chosen**" if best.trays and (r["C"], r["F"]) == (best.C, best.F) else ""
-        print(f"| {r['C']} | {r['F']} | {s.block_size * packed_blocks(s.block_size, r['C'], r['F'])} | "
+    print(f"| {' | '.join(knobs)} | packed tokens | packed ms | hit rate | round ms | projected speedup |\n"
+          f"|{'---|' * (len(knobs) + 5)}")
+    for r in sorted(best.table, key=lambda r: tuple(r[k] for k in knobs)):
+        setting = {k: r[k] for k in knobs}
+        mark = " **chosen**" if best.trays and setting == best.settings else ""
+        print(f"| {' | '.join(str(v) for v in setting.values())} | {row.budget(replace(drafts.cfg, **setting))} | "
               f"{r['packed_ms']:.1f} | {r['hit_rate']:.3f} | {r['round_ms']:.1f} | {r['projected_speedup']:.3f}×{mark} |")
-    print(f"| no trays (sync) | | 0 | 0.0 | — | {costs['draft_ms'] + costs['verify_ms']:.1f} | "
+    print(f"| no trays ({row.reference}) |{' |' * len(knobs)} 0.0 | — | {costs['draft_ms'] + costs['verify_ms']:.1f} | "
           f"{best.sync_speedup:.3f}×{'' if best.trays else ' **chosen**'} |")
-    result = {"target": cfg.target.name, "drafter": args.drafter, "block_size": s.block_size, "tau": tau,
+    result = {"target": cfg.target.name, "drafter": args.drafter, "method": args.method, "block_size": s.block_size, "tau": tau,
               "rounds": rounds, "responses": len(pairs), "overlap": overlap, "costs": costs,
               "choice": best.as_dict(), "dtype": str(target.dtype), "run": run_info(target.device)}
     out = Path(args.out or f"outputs/bench/budget_{cfg.target.name}.json")

@@ -79,7 +79,7 @@ def loop_rounds(target, drafter, cfg, prefix: int, new_tokens: int, device) -> d
     # shapes) are the timed call's
     gen.generate([prompt], max_new_tokens=new_tokens if cfg.backend != "eager" else min(new_tokens, 2 * cfg.block_size))
     res = gen.generate([prompt], max_new_tokens=new_tokens)
-    med = lambda k: 1000 * statistics.median([r[k] for r in res.rounds if k in r] or [0.0])  # noqa: E731
+    med = lambda k: 1000 * statistics.median([getattr(r, k) for r in res.rounds if getattr(r, k) is not None] or [0.0])  # noqa: E731
     out = {"rounds": len(res.rounds), "tau": res.mean_tau, "hit_rate": res.hit_rate, "round_wall_ms": med("wall_s"),
            "verify_ms": med("verify_s"), "draft_ms": med("draft_s"), "tray_ms": med("tray_s")}
     # the device's critical path of a round: draft, then verify (the tray pass runs beside verify)

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.decoding.tree import build_tree
-from d3d.decoding.verify import Sampling, probs
+from d3d.decoding.config import DecodeConfig
+from d3d.decoding.drafts import Drafts
+from d3d.decoding.methods import method_row
 from d3d.models.forward import hidden_states, logits_at
-from d3d.models.masks import block_layout, clean_layout, tree_ancestors
+from d3d.models.masks import block_layout, clean_layout
 
 
 @dataclass
@@ -62,6 +63,7 @@ def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_
 
     dev = next(model.parameters()).device
     B, L = block_size, len(ids)
+    drafts = drafts_of(B, tree_nodes)
     seq = torch.tensor(ids, dtype=torch.long, device=dev)
     cache = DynamicCache(config=model.config)
     # The committed text, causal, in the drafter's cache (an anchor a only sees positions < a).
@@ -77,24 +79,15 @@ def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_
         logits = logits_at(model, h.reshape(len(anc), B, -1)[:, : B - 1], vocab_size)
         pos = anc[:, None] + 1 + torch.arange(B - 1, device=dev)
         truth = torch.where(pos < L, seq[pos.clamp(max=L - 1)], torch.full_like(pos, -1))
-        if tree_nodes is None:
-            ok = (logits.argmax(-1) == truth).int()
-            out.append(ok.cumprod(dim=1).sum(dim=1))
-        else:
-            out.append(tree_match_depth(probs(logits.float(), Sampling(1.0)), truth, tree_nodes))
+        out.append(drafts.match_depth(logits, truth))
         cache.crop(-(cache.get_seq_length() - (L - 1)))  # drop this chunk's blocks
     return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
 
 
-def tree_match_depth(q: torch.Tensor, truth: torch.Tensor, nodes: int) -> torch.Tensor:
-    """(b,) depth of the deepest node of build_tree(q, nodes) whose path is truth[:, :depth]."""
-    tree = build_tree(q, nodes)
-    anc = tree_ancestors(tree.parents)
-    depth = tree.depth
-    want = truth.gather(1, (depth[:, 1:] - 1).clamp(min=0))  # the response's token at each node's slot
-    ok = torch.cat([torch.ones_like(depth[:, :1], dtype=torch.bool), tree.tokens == want], dim=1)
-    on_truth = ~(anc & ~ok[:, None, :]).any(-1)  # every node of its path is the response's
-    return torch.where(on_truth, depth, 0).max(dim=1).values
+def drafts_of(block_size: int, tree_nodes: int | None) -> Drafts:
+    """The shape of drafts whose greedy τ is estimated: the chain, or a tree of `tree_nodes` drafts."""
+    cfg = DecodeConfig(method="sync" if tree_nodes is None else "tree", block_size=block_size, tree_nodes=tree_nodes or 1)
+    return method_row(cfg.method).drafts(cfg, block_size, None)
 
 
 def greedy_rounds(m: torch.Tensor, prompt_len: int, length: int, block_size: int) -> list[int]:

@@ -29,7 +29,7 @@ from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, l
 from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
-from d3d.decoding.methods import method_class
+from d3d.decoding.methods import method_row
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
@@ -50,21 +50,22 @@ log = logging.getLogger("d3d.eval")
 # Settings every method of one run shares, so that speedups and equality compare like with like:
 # sampling for all methods (AR included), the block size for the speculative ones.
 # Pairs whose greedy outputs must agree (`equal_to_sync`): an async loop is its synchronous loop plus
-# trays, verifying the same shapes (async / sync, async_tree / tree). Keyed by decoding-method name. Tokens always; τ per round only
-# in fp32, because the two loops' drafter passes lay the same keys out differently and bf16 SDPA
-# moves by an ulp with the layout (DESIGN §10), which can flip a near-tie draft.
-BITWISE_REFERENCE = {"async": "sync", "async_tree": "tree"}
+# trays, verifying the same shapes, so a method's reference is its row's (d3d.decoding.methods:
+# (D, Async)'s is (D, Sync)). Tokens always; τ per round only in fp32, because the two loops'
+# drafter passes lay the same keys out differently and bf16 SDPA moves by an ulp with the layout
+# (DESIGN §10), which can flip a near-tie draft.
 
 
 def reference_row(refs: dict, cfg) -> dict | None:
-    """The row of this method's synchronous counterpart (BITWISE_REFERENCE) on the same request,
+    """The row of this method's synchronous counterpart (Method.reference) on the same request,
     when that counterpart ran with the same settings of its own (block size; a tree's node count),
-    so the two drafted and verified the same shapes; else None (nothing to compare)."""
-    ref = BITWISE_REFERENCE.get(cfg.method)
+    so the two drafted and verified the same shapes; else None (nothing to compare). `refs`: the
+    first row of each decoding method on this request, with its config."""
+    ref = method_row(cfg.method).reference
     if ref not in refs:
         return None
     row, ref_cfg = refs[ref]
-    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_class(ref).keys) else None
+    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_row(ref).keys) else None
 # What the composed `decode` group lends to every method that reads the key: every method takes the
 # run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
 # backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
@@ -77,7 +78,8 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     lends the shared keys to the others: `decode.temperature=1` samples every method (AR too),
     `decode.backend=compiled` compiles every method, and `decode.block_size=4` drafts 4-token blocks
     in sync and async alike.
-    `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget."""
+    `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget, and
+    `auto` every method with trays into one whose budget is chosen on this device."""
     check_eval_settings(ev)
     composed = bind_decode(cfg.decode, "decode")
     out = {}
@@ -92,17 +94,20 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
             keys = [k for k in LENT_KEYS if k in decode_keys(own.method) and k in decode_keys(composed.method)]
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
-        # the budget study: a method whose tray budget is C x F (async) gets one per C x F
-        if {"C", "F"} <= set(method_class(dc.method).keys) and ev.async_budgets:
-            for b in ev.async_budgets:
-                if str(b).lower() == AUTO:  # resolved once the models are loaded (resolve_auto_budget)
+        # the budget study: a method with trays gets one per budget it reads (C x F: async's), and
+        # `auto` one whose budget is chosen once the models are loaded (resolve_auto_budget)
+        row = method_row(dc.method)
+        budgets = [b for b in ev.async_budgets or [] if str(b).lower() == AUTO or {"C", "F"} <= set(row.keys)]
+        if row.budget(dc) and budgets:
+            for b in budgets:
+                if str(b).lower() == AUTO:
                     out[f"{name}_{AUTO}"] = dc
                     continue
                 C, F = parse_budget(b)
                 out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
         else:
             out[name] = dc
-    if BASELINE not in out or method_class(out[BASELINE].method).needs_drafter:
+    if BASELINE not in out or method_row(out[BASELINE].method).needs_drafter:
         raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it")
     return {BASELINE: out.pop(BASELINE), **out}
 
@@ -112,10 +117,12 @@ AUTO = "auto"
 
 def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: EvalConfig, ev: EvalSettings,
                         target, tok, drafter, cache: Path, processes: int) -> dict | None:
-    """Give every `<method>_auto` the budget d3d.decoding.budget chooses on this device: exact
-    hit rates per (C, F) from the target's greedy responses to the last `eval.auto_budget_prompts`
-    prompts of `data` (its prompts are outside every eval subset), measured pass costs, projected
-    speedup. A resumed run reuses the choice in its run.json, so its rows never mix two budgets."""
+    """Give every `<method>_auto` the tray budget d3d.decoding.budget chooses on this device for its
+    Drafts (C x F for a chain, tree_trays for a tree): exact hit rates from the target's greedy
+    responses to the last `eval.auto_budget_prompts` prompts of `data` (its prompts are outside
+    every eval subset), measured pass costs, projected speedup. Where no budget beats drafting
+    without trays, the method runs as its reference (async as sync, async_tree as tree). Returns
+    {name: choice}; a resumed run reuses the choices in its run.json, so its rows never mix two budgets."""
     names = [n for n in methods if n.endswith(f"_{AUTO}")]
     if not names:
         return None
@@ -124,24 +131,28 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Ev
     if earlier is None:
         if processes > 1:
             raise ConfigError("eval.async_budgets=[auto] chooses from timings, which differ per process: run the "
-                              "choice in one process (python -m d3d.eval), then launch with the C x F it printed")
+                              "choice in one process (python -m d3d.eval), then launch with the budget it printed")
         from d3d.data.prompts import load_prompt_set
         from d3d.decoding.budget import calibrate, greedy_pairs
 
         prompts = load_prompt_set(cfg.data, cache)[-ev.auto_budget_prompts:]
         pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
                              min(ev.max_new_tokens, 128), eos_ids(tok, target))
-        # packed pass beside verification (a side stream) or after it: as the loop will run it
-        first = methods[names[0]]
-        overlap = method_class(first.method).overlap_mode(first, target.device) == "stream"
-        pick, basis = calibrate(target, drafter, pairs, first.block_size, overlap=overlap)
-        earlier = {**pick.as_dict(), **basis}
-        log.info("eval.async_budgets=auto: %s", pick.why)
+        earlier = {}
+        for name in names:
+            dc, row = methods[name], method_row(methods[name].method)
+            # packed pass beside verification (a side stream) or after it: as the loop will run it
+            overlap = row.overlap_mode(dc, target.device) == "stream"
+            drafts = row.drafts(replace(dc, temperature=0.0), row.block_size(dc), None)
+            pick, basis = calibrate(target, drafter, pairs, drafts, overlap=overlap)
+            earlier[name] = {**pick.as_dict(), **basis}
+            log.info("eval.async_budgets=auto, %s: %s", name, pick.why)
     for name in names:
-        if earlier.get("trays", True):
-            methods[name] = replace(methods[name], C=int(earlier["C"]), F=int(earlier["F"]))
-        else:  # no budget beats plain drafting here: the method runs as sync (run.json says why)
-            methods[name] = replace(methods[name], method="sync")
+        row, choice = method_row(methods[name].method), earlier[name]
+        if choice["trays"]:
+            methods[name] = replace(methods[name], **{k: int(choice[k]) for k in row.drafts.tray_grid[0]})
+        else:  # no budget beats drafting without trays here: the method runs as its reference (run.json says why)
+            methods[name] = replace(methods[name], method=row.reference)
     return earlier
 
 
@@ -217,7 +228,7 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
 def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     _, tok, target = load_target(cfg.target, cache, process_device(state, cfg.target.device))
     drafter = None
-    if any(method_class(dc.method).needs_drafter for dc in methods.values()):
+    if any(method_row(dc.method).needs_drafter for dc in methods.values()):
         if cfg.drafter.checkpoint:
             drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
                                                 dtype=cfg.target.dtype,
@@ -230,7 +241,7 @@ def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, 
     if drafter is not None:
         trained = DrafterSettings.of(drafter).block_size
         for name, dc in methods.items():
-            if method_class(dc.method).needs_drafter and int(dc.block_size) != trained:
+            if method_row(dc.method).needs_drafter and int(dc.block_size) != trained:
                 log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
                             "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
@@ -266,7 +277,7 @@ def compare_with_references(row: dict, gen: SpecGenerator, ar: dict | None, sync
     - `divergence` (greedy rows that differ from AR): the first differing position, the target's
       logit margins there, and whether rounding explains it (numerical) or not (real)."""
     comparable = gen.cfg.sampling.greedy and sync is not None and int(sync.get("concurrency", 1)) == int(row["concurrency"])
-    if gen.cfg.method in BITWISE_REFERENCE and comparable:  # sampled rows draw from per-method streams: no bitwise claim
+    if comparable:  # sampled rows draw from per-method streams: no bitwise claim
         fp32 = all(next(m.parameters()).dtype == torch.float32 for m in (gen.target, gen.drafter) if m is not None)
         row["sync_compared"] = "tokens and tau" if fp32 else "tokens"
         row["equal_to_sync"] = row["token_ids"] == sync["token_ids"] and (not fp32 or row["taus"] == sync["taus"])
@@ -325,8 +336,7 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                     fail_on_real_divergence(row)
                 if name == BASELINE:
                     ar = row
-                if gen.cfg.method in BITWISE_REFERENCE.values():
-                    refs.setdefault(gen.cfg.method, (row, gen.cfg))
+                refs.setdefault(gen.cfg.method, (row, gen.cfg))
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
@@ -356,8 +366,7 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
                 fail_on_real_divergence(row)
             if name == BASELINE:
                 ar = row
-            if gen.cfg.method in BITWISE_REFERENCE.values():
-                refs.setdefault(gen.cfg.method, (row, gen.cfg))
+            refs.setdefault(gen.cfg.method, (row, gen.cfg))
 
 
 def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
@@ -425,7 +434,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
-    gens = {name: SpecGenerator(target, tok, drafter if method_class(dc.method).needs_drafter else None, dc, eos,
+    gens = {name: SpecGenerator(target, tok, drafter if method_row(dc.method).needs_drafter else None, dc, eos,
                                 seed=cfg.seed)
             for name, dc in methods.items()}
     if ev.reference_generate:  # transformers' generate on the same items, right after our AR baseline

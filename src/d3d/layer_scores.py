@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.decoding.verify import Sampling, probs
-from d3d.estimator import greedy_rounds, tree_match_depth
+from d3d.estimator import drafts_of, greedy_rounds
 from d3d.models.drafter import decoder_layers, skipping_layers
 from d3d.models.forward import attention_mask_for, logits_at
 from d3d.models.masks import block_layout, build_mask, clean_layout, concat
@@ -148,7 +147,7 @@ def score_layers(model, examples, block_size: int, mask_id: int, vocab_size: int
             if tree_nodes is None:
                 m = _chain_match(model, h, truth, vocab_size)
             else:
-                m = tree_match_depth(probs(logits_at(model, h, vocab_size).float(), Sampling(1.0)), truth, tree_nodes)
+                m = drafts_of(B, tree_nodes).match_depth(logits_at(model, h, vocab_size), truth)
             m = m.cpu()
             if anchor_fraction >= 1.0:
                 taus = greedy_rounds(m, ex.prompt_len, L, B)

@@ -189,8 +189,7 @@ def summary_markdown(summary: dict) -> str:
     notes += [f"{bench}/{method}: {m['cut_graded']} of {m['rows']} graded answers stopped at eval.max_new_tokens "
               f"before finishing, so its accuracy is not the model's (raise eval.max_new_tokens to measure it)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("cut_graded")]
-    if summary.get("auto_budget", {}).get("why"):  # older run.json files hold the choice without a reason
-        notes.append(f"async budget `auto`: {summary['auto_budget']['why']}")
+    notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()]
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     if summary.get("load"):
@@ -290,10 +289,12 @@ def methods_info(folder: Path) -> dict:
 
 
 def auto_budget_info(folder: Path) -> dict | None:
-    """What `eval.async_budgets=[auto]` chose and why (run.json), for the summary's notes."""
+    """What `eval.async_budgets=[auto]` chose for each method and why (run.json), for the summary's
+    notes: the chosen knobs and the projection, without the table and the costs it rests on."""
     run = folder / "run.json"
-    choice = json.loads(run.read_text()).get("auto_budget") if run.is_file() else None
-    return {k: choice.get(k) for k in ("C", "F", "trays", "why", "projected_speedup", "sync_speedup")} if choice else None
+    chosen = json.loads(run.read_text()).get("auto_budget") if run.is_file() else None
+    return {name: {k: v for k, v in choice.items() if k not in ("table", "costs")}
+            for name, choice in chosen.items()} if chosen else None
 
 
 def result_rows(folder: str | Path) -> list[dict]:

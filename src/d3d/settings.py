@@ -84,17 +84,17 @@ def shipped_benchmark(name: str) -> BenchmarkSpec:
 
 
 # `decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml) bind to d3d.decoding.DecodeConfig, here and
-# nowhere else. Which of its fields a file holds is its method class's to say (Method.reads()): `name` names
+# nowhere else. Which of its fields a file holds is its method row's to say (Method.reads()): `name` names
 # the run (run_name: ${decode.name}) besides; `max_new_tokens` comes from eval.max_new_tokens and
 # `stop_strings` is for callers of the engine, so neither is a decode file's key.
 
 
 def decode_keys(method: str, where: str = "decode") -> tuple[str, ...]:
-    """The DecodeConfig fields `method` reads, as its class in d3d.decoding.methods declares them. A decode
+    """The DecodeConfig fields `method` reads, as its row in d3d.decoding.methods composes them. A decode
     file holds exactly these and `name`; eval's resume key and run.json record only these."""
-    from d3d.decoding.methods import method_class
+    from d3d.decoding.methods import method_row
 
-    return method_class(method, where).reads()
+    return method_row(method, where).reads()
 
 
 def bind_decode(node: Any, where: str) -> DecodeConfig:
@@ -122,18 +122,18 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, draft
     scripts. `methods` maps the name each was bound under to its config; `batch` = the most requests
     decoded together (eval.concurrency)."""
     from d3d.decoding.cost import check_fits, memory_bytes
-    from d3d.decoding.methods import method_class
+    from d3d.decoding.methods import method_row
     from d3d.models.target import pick_device, resolve_model_path, torch_dtype
 
     device = str(pick_device(target.device))
     width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
     target_path = resolve_model_path(target, cache_dir)
     shapes = {"target": _shape(target_path, width, target.attn_implementation)}
-    if drafter is not None and any(method_class(dc.method).needs_drafter for dc in methods.values()):
+    if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
         shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
     memory = memory_bytes(device)
     for name, dc in methods.items():
-        check_fits(dc, method_class(dc.method), name, shapes, batch, memory, device)
+        check_fits(dc, method_row(dc.method), name, shapes, batch, memory, device)
 
 
 def _shape(path: str, width: int, attn: str | None):

@@ -7,6 +7,7 @@ import pytest
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.budget import hit_rates, round_outcomes
+from d3d.decoding.drafts import Chain
 from d3d.models.drafter import DrafterSettings
 from tests.integration.conftest import PROMPTS
 
@@ -25,12 +26,13 @@ def test_offline_hit_rates_equal_the_async_loop(models, C, F):
         res = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=C, F=F,
                                                                max_new_tokens=30)).generate([prompt])
         ids = prompt + res.token_ids[0]
-        outcomes = round_outcomes(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size)
-        loop = [r for r in res.rounds if "hit" in r]
+        drafts = Chain(DecodeConfig(method="async", block_size=6, C=C, F=F), 6, None)
+        outcomes = round_outcomes(drafter, drafts, ids, len(prompt), s.mask_token_id, s.vocab_size)
+        loop = [r for r in res.rounds if r.hit is not None]
         # the loop's last round has no successor in the response, so the offline walk stops before it
-        assert [o[0] + 1 for o in outcomes] == res.taus()[: len(outcomes)]
-        assert [bool(r["hit"][0]) for r in loop[: len(outcomes)]] == \
-            [hit for hit in (hit_rates([o], 6, [(C, F)])[(C, F)] == 1.0 for o in outcomes)]
+        assert [o.accepted + 1 for o in outcomes] == res.taus()[: len(outcomes)]
+        assert [bool(r.hit[0]) for r in loop[: len(outcomes)]] == \
+            [hit for hit in (hit_rates([o], drafts, [{"C": C, "F": F}])[(C, F)] == 1.0 for o in outcomes)]
 
 
 def test_choose_budget_script_on_the_smoke_setup(tmp_path):

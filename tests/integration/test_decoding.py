@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
-from d3d.decoding.methods import Async, Method
+from d3d.decoding.drafts import Chain, Draft
+from d3d.decoding.methods import Method
+from d3d.decoding.schedules import Async, Schedule, Sync
+from d3d.decoding.tree import Tree
+from d3d.decoding.tree_drafts import TreeDrafts
 from d3d.decoding.verify import Sampling, probs
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.masks import tree_ancestors
 from d3d.settings import bind_config
 from tests.conftest import compose
 from tests.integration.conftest import PROMPTS, reference
@@ -96,7 +101,6 @@ def test_overlap_mode_resolution():
     outside auto | stream | thread | none never reaches this: DecodeConfig refuses it
     (test_bad_decode_settings_are_refused_at_construction)."""
     from d3d.config import ConfigError
-    from d3d.decoding.methods import Async, Sync
 
     cpu, cfg = torch.device("cpu"), lambda **kw: DecodeConfig(method="async", **kw)
     assert Async.overlap_mode(cfg(overlap="auto"), cpu) == "none"  # serial on CPU (measured faster)
@@ -119,13 +123,13 @@ def test_hits_and_misses_on_a_constructed_case(models):
     prompt = [tok(PROMPTS[2])["input_ids"]]
     full = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=4, C=4, F=s.vocab_size - 1,
                                                             max_new_tokens=24)).generate(prompt)
-    pairs = [(r["tau"][0], r["hit"][0]) for r in full.rounds if "hit" in r]
+    pairs = [(r.tau[0], r.hit[0]) for r in full.rounds if r.hit is not None]
     assert pairs and all(hit for tau, hit in pairs if tau < 4)
     assert full.hit_rate > 0.5
     for C, F in [(4, 0), (1, 2)]:
         none = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=4, C=C, F=F,
                                                                 max_new_tokens=24)).generate(prompt)
-        pairs = [(r["tau"][0], r["hit"][0]) for r in none.rounds if "hit" in r]
+        pairs = [(r.tau[0], r.hit[0]) for r in none.rounds if r.hit is not None]
         assert not any(hit for tau, hit in pairs if tau < 4)
         assert none.token_ids == full.token_ids
 
@@ -217,8 +221,6 @@ def test_contract1_on_the_real_smollm2_target(cache_dir):
 def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
     """run.json and the budget sweep report DecodeConfig.budget as the packed tokens: it must be the
     size of the pass the loop really runs (glue + trays), also when C exceeds the draft slots."""
-    from d3d.decoding.methods import Async
-
     target, drafter, tok = models
     sizes, real = [], Async._tray_pass
 
@@ -284,11 +286,11 @@ def test_batched_async_serves_each_row_that_hit(models):
     res = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=6, C=4, F=2,
                                                            max_new_tokens=30)).generate(prompts)
     assert res.token_ids == sync.token_ids and res.taus() == sync.taus()
-    mixed = [r for r in res.rounds if 0 < r.get("drafted_rows", len(r["rows"])) < len(r["rows"])]
+    mixed = [r for r in res.rounds if r.drafted_rows is not None and 0 < r.drafted_rows < len(r.rows)]
     assert mixed, "no round served some rows from trays and drafted the others"
     for prev, cur in zip(res.rounds, res.rounds[1:]):  # a round drafts exactly the rows that missed before
-        missed = [row for row, h in zip(prev["rows"], prev["hit"]) if not h and row in cur["rows"]]
-        assert cur.get("drafted_rows", 0) == len(missed)
+        missed = [row for row, h in zip(prev.rows, prev.hit) if not h and row in cur.rows]
+        assert (cur.drafted_rows or 0) == len(missed)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -328,12 +330,11 @@ def test_one_token_prompts_and_a_row_that_ends_in_round_one(models, method):
 # ---- the seam: a new method is its class (and its config), nothing else
 
 
-class PromptLookup(Method):
+class PromptLookup(Schedule):
     """Prompt-lookup drafts (drafter-free): what followed the latest earlier occurrence of the row's
     last n tokens (n = 3, 2, 1) in its own prompt and output, the pending token repeated where none
-    occurred. Written against the seam only: its keys, its class attributes and the hooks."""
+    occurred, verified as a chain. Written against the seam only: its class attributes and the hooks."""
 
-    keys = ("block_size",)
     needs_drafter = False
     NGRAM = 3
 
@@ -341,8 +342,8 @@ class PromptLookup(Method):
         self.text = [list(p) for p in prompts]  # each row's tokens so far, the pending one last
 
     def propose(self, r):
-        n = self.p.B - 1
-        r.drafts = torch.tensor([self.lookup(t, n) for t in self.text], dtype=torch.long, device=self.p.device)
+        n = self.passes.B - 1
+        r.draft = Draft(torch.tensor([self.lookup(t, n) for t in self.text], dtype=torch.long, device=self.passes.device))
 
     @classmethod
     def lookup(cls, text: list[int], n: int) -> list[int]:
@@ -369,7 +370,7 @@ def test_a_chain_method_registered_in_a_test_decodes_losslessly(models, monkeypa
     from d3d.decoding.methods import METHODS
     from d3d.settings import bind_decode, decode_keys
 
-    monkeypatch.setitem(METHODS, "lookup", PromptLookup)
+    monkeypatch.setitem(METHODS, "lookup", Method(Chain, PromptLookup))
     target, _, tok = models
     assert set(decode_keys("lookup")) == {"method", "temperature", "top_p", "top_k", "backend", "block_size"}
     cfg = bind_decode({"name": "lookup_b5", "method": "lookup", "block_size": 5, "temperature": 0.0, "top_p": 1.0,
@@ -389,7 +390,7 @@ def test_an_async_subclass_under_a_new_name_keeps_its_overlap(models, monkeypatc
     by `method == "async"`, so it silently ran serially), and returns the sync tokens and rounds."""
     from d3d.decoding.methods import METHODS
 
-    monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
+    monkeypatch.setitem(METHODS, "trays", Method(Chain, type("Trays", (Async,), {})))
     target, drafter, tok = models
     trays = lambda **kw: DecodeConfig(method="trays", block_size=6, C=4, F=2, max_new_tokens=30, **kw)  # noqa: E731
     assert METHODS["trays"].overlap_mode(trays(), torch.device("cuda")) == "stream"
@@ -399,7 +400,44 @@ def test_an_async_subclass_under_a_new_name_keeps_its_overlap(models, monkeypatc
     assert gen.passes.overlap == "thread"
     res = gen.generate(prompts)
     assert res.token_ids == sync.token_ids and res.taus() == sync.taus()
-    assert all("tray_wait_s" in r for r in res.rounds)  # the tray pass ran in the worker thread, every round
+    assert all(r.tray_wait_s is not None for r in res.rounds)  # the tray pass ran in the worker thread, every round
+
+
+class Siblings(TreeDrafts):
+    """A third shape of drafts, written against the seam only: the two likeliest first drafts side by
+    side, a tree of two siblings under the pending token (verified, accepted and kept as a tree)."""
+
+    keys = ("block_size",)
+
+    @classmethod
+    def width(cls, cfg):
+        return 3  # the pending token and the two siblings
+
+    def make(self, pending, logits):
+        law = probs(logits[:, : self.B], Sampling(1.0))
+        top, tokens = law[:, 0].topk(2, dim=-1)
+        b, dev = len(pending), pending.device
+        parents = torch.tensor([-1, 0, 0], device=dev).expand(b, 3)
+        tree = Tree(tokens, parents, torch.tensor([0, 1, 1], device=dev).expand(b, 3),
+                    torch.cat([torch.zeros(b, 1, device=dev), top.log()], dim=1))
+        return Draft(tokens, logits, None, torch.cat([pending[:, None], tokens], dim=1), tree_ancestors(parents), law, tree)
+
+
+@pytest.mark.parametrize("schedule", [Sync, Async])
+def test_a_drafts_kind_registered_in_a_test_decodes_losslessly(models, monkeypatch, schedule):
+    """A new shape of drafts is one class and one row: sibling drafts, drafted synchronously or with
+    trays of their outcomes, give generate's greedy tokens on a ragged batch."""
+    from d3d.decoding.methods import METHODS
+
+    monkeypatch.setitem(METHODS, "siblings", Method(Siblings, schedule))
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    prompts[1] = prompts[1][:2]  # ragged
+    res = SpecGenerator(target, tok, drafter, DecodeConfig(method="siblings", block_size=6, tree_trays=8,
+                                                           max_new_tokens=30)).generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), row
+    assert sum(res.taus()) == res.new_tokens and max(res.taus()) == 2  # a sibling was accepted, never more
 
 
 # ---------------------------------------------------------------- trees (decode.method=tree)
@@ -471,32 +509,30 @@ def test_an_async_tree_hit_serves_the_block_a_synchronous_draft_would(models, mo
     rounding; and some paths end off the chain (node index != depth), where a tray keyed by the
     accepted count instead of the end node would serve another path's block. No tray is keyed by
     an outcome that cannot happen (a child's token at its parent would have extended the path)."""
-    from d3d.decoding.methods import AsyncTree, _TreeSteps
-
     target, drafter, tok = models
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    seen, ends, real_drafts, real_accept = [], [], _TreeSteps.drafts_from, _TreeSteps.accept
+    seen, ends, real_make, real_accept = [], [], TreeDrafts.make, TreeDrafts.accept
 
-    def drafts_from(self, r, q_logits):
-        seen[-1].append(q_logits[:, : self.p.B].clone())
-        return real_drafts(self, r, q_logits)
+    def make(self, pending, q_logits):
+        seen[-1].append(q_logits[:, : self.B].clone())
+        return real_make(self, pending, q_logits)
 
     def accept(self, r, p_logits):
         real_accept(self, r, p_logits)
-        ends.extend(zip(self.best.tolist(), r.accepted.tolist()))
+        ends.extend(zip(r.outcome.tolist(), r.accepted.tolist()))
 
-    impossible, real_trays = [], AsyncTree._tray_pass
+    impossible, real_trays = [], Async._tray_pass
 
-    def tray_pass(self, dr, *args):  # a tray keyed (n, token of a child of n) is spent on nothing
-        keys, logits = real_trays(self, dr, *args)
+    def tray_pass(self, dr, d, *args):  # a tray keyed (n, token of a child of n) is spent on nothing
+        keys, logits = real_trays(self, dr, d, *args)
         for row in range(len(keys)):
-            children = set(zip(self.tree.parents[row, 1:].tolist(), self.tree.tokens[row].tolist()))
+            children = set(zip(d.tree.parents[row, 1:].tolist(), d.tree.tokens[row].tolist()))
             impossible.extend(k for k in map(tuple, keys[row].tolist()) if k in children)
         return keys, logits
 
-    monkeypatch.setattr(_TreeSteps, "drafts_from", drafts_from)
-    monkeypatch.setattr(_TreeSteps, "accept", accept)
-    monkeypatch.setattr(AsyncTree, "_tray_pass", tray_pass)
+    monkeypatch.setattr(TreeDrafts, "make", make)
+    monkeypatch.setattr(TreeDrafts, "accept", accept)
+    monkeypatch.setattr(Async, "_tray_pass", tray_pass)
     runs = {}
     for method in ("tree", "async_tree"):
         seen.append([])
@@ -522,7 +558,7 @@ def test_async_tree_trays_cover_every_outcome_when_wide_enough(models, temperatu
         method="async_tree", block_size=4, tree_nodes=3, tree_trays=trays, temperature=temperature,
         max_new_tokens=24)).generate(prompt, seed=1)
     full = run(4 * s.vocab_size)
-    hits = [r["hit"][0] for r in full.rounds]
+    hits = [r.hit[0] for r in full.rounds]
     assert len(hits) > 3 and all(hits)
     one = run(1)
     assert one.hit_rate < 1
@@ -538,8 +574,8 @@ def test_async_tree_with_a_worker_thread_equals_serial(models):
         max_new_tokens=30)).generate(prompts)
     serial, threaded = run("none"), run("thread")
     assert threaded.token_ids == serial.token_ids and threaded.taus() == serial.taus()
-    assert [r["hit"] for r in threaded.rounds] == [r["hit"] for r in serial.rounds]
-    assert all("tray_wait_s" in r for r in threaded.rounds)
+    assert [r.hit for r in threaded.rounds] == [r.hit for r in serial.rounds]
+    assert all(r.tray_wait_s is not None for r in threaded.rounds)
 
 
 def test_sampled_async_tree_decoding_runs_and_is_seeded(models):

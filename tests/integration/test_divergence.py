@@ -57,7 +57,7 @@ def test_eval_rows_carry_async_equal_to_sync_and_stop_on_a_real_divergence(tmp_p
     too many (a lossless bug) makes the run fail loudly, after the offending row is written."""
     import json
 
-    from d3d.decoding import methods  # the chain's accept hook (Method.accept) calls greedy_verify
+    from d3d.decoding import drafts  # the chain's accept (Chain.accept) calls greedy_verify
     from d3d.eval import run_eval
     from d3d.utils.io import read_jsonl
 
@@ -73,9 +73,9 @@ def test_eval_rows_carry_async_equal_to_sync_and_stop_on_a_real_divergence(tmp_p
     assert summary["benchmarks"]["gsm8k"]["async"]["equal_to_sync"] == 1.0
     assert summary["benchmarks"]["gsm8k"]["sync"]["divergences"] == {"numerical": 0, "real": 0}
 
-    real = methods.greedy_verify
+    real = drafts.greedy_verify
 
-    monkeypatch.setattr(methods, "greedy_verify", lambda p, d: _lax(real, p, d))
+    monkeypatch.setattr(drafts, "greedy_verify", lambda p, d: _lax(real, p, d))
     with pytest.raises(RealDivergence, match="not numerics"):
         run_eval(compose("eval", base + ["eval.methods=[ar,sync]", f"eval.out_dir={tmp_path}/bad"], tmp_path))
     bad = [r for r in read_jsonl(tmp_path / "bad" / "rows.jsonl") if r["method"] == "sync"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from d3d.decoding.methods import method_class
+from d3d.decoding.methods import method_row
 from d3d.eval import read_settings, run_eval
 from d3d.report import compare_markdown, main as report_main, read_rows, summarise
 from d3d.utils.io import read_jsonl
@@ -206,13 +206,13 @@ def test_methods_share_sampling_and_block_size(tmp_path):
         assert [m.method for m in methods.values()] == ["ar", "sync", "async"]
         for dc in methods.values():
             assert (dc.temperature, dc.top_p, dc.top_k) == (1.0, 0.9, 7)
-        assert method_class("ar").block_size(methods["ar"]) == 1  # the block AR runs, whatever B is lent
+        assert method_row("ar").block_size(methods["ar"]) == 1  # the block AR runs, whatever B is lent
         assert methods["sync"].block_size == methods["async"].block_size == 4
     # method-specific keys stay with their own method: C and F set on the composed async group only
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode.C=3", "decode.F=1"], tmp_path))
     assert (methods["async"].C, methods["async"].F) == (3, 1)
     # sync reads no tray keys (its class's `keys`): no packed budget, and its record holds none
-    assert method_class("sync").budget(methods["sync"]) == 0 and not {"C", "F"} & set(read_settings(methods["sync"]))
+    assert method_row("sync").budget(methods["sync"]) == 0 and not {"C", "F"} & set(read_settings(methods["sync"]))
     # an AR group lends sampling, not its B = 1
     methods = methods_of(compose("eval", ["+experiment=smoke", "decode=ar", "decode.temperature=1.0"], tmp_path))
     assert methods["sync"].block_size == 16 and methods["sync"].temperature == 1.0
@@ -367,11 +367,13 @@ def test_a_new_method_is_placed_by_its_class_not_by_its_name(tmp_path, monkeypat
     sampling only; one that verifies blocks (prompt lookup, say) the block size too; an Async
     subclass both, and the budget grid."""
     from d3d.config import ConfigError
-    from d3d.decoding.methods import AR, METHODS, Async, Method
+    from d3d.decoding.drafts import Chain, NoDrafts
+    from d3d.decoding.methods import METHODS, Method
+    from d3d.decoding.schedules import AR, Async, Schedule
 
-    monkeypatch.setitem(METHODS, "plain", type("Plain", (AR,), {}))
-    monkeypatch.setitem(METHODS, "lookup", type("Lookup", (Method,), {"keys": ("block_size",), "needs_drafter": False}))
-    monkeypatch.setitem(METHODS, "trays", type("Trays", (Async,), {}))
+    monkeypatch.setitem(METHODS, "plain", Method(NoDrafts, type("Plain", (AR,), {})))
+    monkeypatch.setitem(METHODS, "lookup", Method(Chain, type("Lookup", (Schedule,), {"needs_drafter": False})))
+    monkeypatch.setitem(METHODS, "trays", Method(Chain, type("Trays", (Async,), {})))
     new = ["+methods.plain={method: plain}", "+methods.lookup={method: lookup, block_size: 8}",
            "+methods.trays={method: trays, block_size: 16, C: 3, F: 1}"]
     cfg = compose("eval", ["+experiment=smoke", "decode=sync", "decode.block_size=4", "decode.temperature=1.0", *new,
@@ -397,11 +399,12 @@ def test_auto_budget_is_chosen_on_this_device_and_kept_on_resume(tmp_path, monke
     of re-timing (its rows must not mix two budgets). Which way the choice goes on the tiny model
     depends on this machine's timings, so both ways are forced."""
     import d3d.decoding.budget as budget
+    from d3d.decoding.drafts import Chain
 
     real_choose = budget.choose
 
-    def forced(costs, hits, tau, overlap):
-        choice = real_choose(costs, hits, tau, overlap)
+    def forced(costs, hits, tau, overlap, knobs):
+        choice = real_choose(costs, hits, tau, overlap, knobs)
         choice.trays, choice.why = trays, choice.why if trays else "no trays: forced by the test"
         return choice
 
@@ -409,8 +412,8 @@ def test_auto_budget_is_chosen_on_this_device_and_kept_on_resume(tmp_path, monke
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = evaluate(tmp_path, "eval.n=1", "eval.auto_budget_prompts=2", "eval.async_budgets=[auto,2x1]")
     run = json.loads((out / "run.json").read_text())
-    choice = run["auto_budget"]
-    assert len(choice["table"]) == len(budget.GRID) and choice["rounds"] > 0
+    choice = run["auto_budget"]["async_auto"]
+    assert len(choice["table"]) == len(Chain.tray_grid) and choice["rounds"] > 0
     best = max(choice["table"], key=lambda r: r["projected_speedup"])
     assert (best["C"], best["F"]) == (choice["C"], choice["F"])
     if choice["trays"]:
@@ -428,7 +431,7 @@ def test_auto_budget_is_chosen_on_this_device_and_kept_on_resume(tmp_path, monke
     monkeypatch.setattr(budget, "choose", must_not_run)
     out = evaluate(tmp_path, "eval.n=2", "eval.auto_budget_prompts=2", "eval.async_budgets=[auto,2x1]")
     again = json.loads((out / "run.json").read_text())
-    assert again["auto_budget"] == choice and again["methods"]["async_auto"] == run["methods"]["async_auto"]
+    assert again["auto_budget"]["async_auto"] == choice and again["methods"]["async_auto"] == run["methods"]["async_auto"]
 
 
 def test_an_over_long_prompt_is_skipped_with_its_reason_not_the_run(tmp_path, monkeypatch):

@@ -170,7 +170,7 @@ def async_run(target, drafter, prompts, overlap: str, C: int, F: int, new_tokens
 
 def same_rounds(a, b) -> dict:
     """Bit-for-bit comparison of two async runs: tokens, τ and hits per round."""
-    hits = lambda res: [r.get("hit") for r in res.rounds]  # noqa: E731
+    hits = lambda res: [r.hit for r in res.rounds]  # noqa: E731
     return {"tokens_equal": a.token_ids == b.token_ids, "tau_equal": a.taus() == b.taus(),
             "hits_equal": hits(a) == hits(b), "hit_rate": a.hit_rate}
 
@@ -212,41 +212,39 @@ def break_stream_hand_off(monkeypatch):
     """CUDA: `lend` without its `wait_stream`, and the main stream held back (torch.cuda._sleep,
     ~tens of ms) right before it computes what the side stream reads next (positions, hit flags,
     the prepared block), so the side stream reads them before they are written."""
-    from d3d.decoding import methods, passes
+    from d3d.decoding import passes, schedules
 
     def lend_without_wait(self, stream, *tensors):
         for t in tensors:
             if stream is not None and t is not None and t.numel():
                 t.record_stream(stream)  # memory stays safe; only the ordering is gone
 
-    real_commit = methods.Async.commit
+    real_commit = schedules.Async.commit
 
     def late_commit(self, r, host, most):
         torch.cuda._sleep(100_000_000)  # on the main stream: what follows in this round lands late
         real_commit(self, r, host, most)
 
     monkeypatch.setattr(passes.Passes, "lend", lend_without_wait)
-    monkeypatch.setattr(methods.Async, "commit", late_commit)
+    monkeypatch.setattr(schedules.Async, "commit", late_commit)
 
 
 def break_thread_hand_off(monkeypatch):
     """CPU: the worker builds its trays from the previous round's drafts and distributions, as a
     worker that read them before this round's were ready would."""
-    from d3d.decoding import methods
+    from d3d.decoding import schedules
 
-    real = methods.Async.beside_verify
+    real = schedules.Async.beside_verify
 
     def broken(self, r):
-        prev, self._prev = getattr(self, "_prev", None), (r.drafts, self.q_logits)
-        if self.p.pool is None or prev is None or prev[0].shape != r.drafts.shape:
+        prev, self._prev = getattr(self, "_prev", None), r.draft
+        if self.passes.pool is None or prev is None or prev.tokens.shape != r.draft.tokens.shape:
             return real(self, r)
-        fresh, self.q_logits = self.q_logits, prev[1]
-        try:
-            real(self, replace(r, drafts=prev[0]))  # the worker's arguments are taken here
-        finally:
-            self.q_logits = fresh
+        stale = replace(r, draft=replace(r.draft, tokens=prev.tokens, logits=prev.logits))
+        real(self, stale)  # the worker's arguments are taken here
+        r.trays = stale.trays
 
-    monkeypatch.setattr(methods.Async, "beside_verify", broken)
+    monkeypatch.setattr(schedules.Async, "beside_verify", broken)
 
 
 @pytest.mark.parametrize("device", AND_CPU)

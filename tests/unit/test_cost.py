@@ -6,7 +6,7 @@ import pytest
 
 from d3d.decoding import DecodeConfig
 from d3d.decoding.cost import GIB, ModelShape, check_fits
-from d3d.decoding.methods import method_class
+from d3d.decoding.methods import method_row
 from d3d.errors import ConfigError
 
 # conf/target/tiny_random.yaml's llama (the smoke target) in fp32: 260 tokens, 2 layers of 64
@@ -17,7 +17,7 @@ SHAPES = {"target": TINY, "drafter": TINY}
 
 def check(memory_gib: float, batch: int = 1, shapes=SHAPES, **decode):
     cfg = DecodeConfig(**{"method": "async", "max_new_tokens": 16, **decode})
-    check_fits(cfg, method_class(cfg.method), cfg.method, shapes, batch, int(memory_gib * GIB), "cpu")
+    check_fits(cfg, method_row(cfg.method), cfg.method, shapes, batch, int(memory_gib * GIB), "cpu")
 
 
 def test_the_smoke_case_that_asked_for_17_gb_is_refused_naming_its_settings():
@@ -57,12 +57,12 @@ def test_F_is_at_most_the_vocabulary_less_the_drafted_token(F, ok):
 
 
 def test_methods_declare_their_widest_pass():
-    assert method_class("ar").passes(DecodeConfig(method="ar")) == {"target": 1}
-    assert method_class("sync").passes(DecodeConfig(method="sync", block_size=8)) == {"target": 8, "drafter": 16}
+    assert method_row("ar").widest(DecodeConfig(method="ar")) == {"target": 1}
+    assert method_row("sync").widest(DecodeConfig(method="sync", block_size=8)) == {"target": 8, "drafter": 16}
     cfg = DecodeConfig(method="async", block_size=16, C=12, F=2)
-    assert method_class("async").passes(cfg) == {"target": 16, "drafter": cfg.budget} and cfg.budget == 384
+    assert method_row("async").widest(cfg) == {"target": 16, "drafter": cfg.budget} and cfg.budget == 384
     # a tree verifies the pending token and every node, whatever the block
-    assert method_class("tree").passes(DecodeConfig(method="tree", block_size=4, tree_nodes=31)) == \
+    assert method_row("tree").widest(DecodeConfig(method="tree", block_size=4, tree_nodes=31)) == \
         {"target": 32, "drafter": 8}
 
 

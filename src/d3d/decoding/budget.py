@@ -1,18 +1,21 @@
-"""Choosing the async budget (C, F) from measurements on this device (`decode.C=auto`).
+"""Choosing a tray budget from measurements on this device (`eval.async_budgets=[auto]`), for any
+Drafts kind that lists outcomes: the chain's (C, F), the tree's tree_trays (Drafts.tray_grid).
 
-A packed tray pass of B·((C−1)·F + 2) tokens buys a hit rate h(C, F): on a hit the next round skips
-its synchronous draft. Whether that pays depends on the device: on a GPU the packed pass hides
-behind verification while it is small enough; on a CPU it runs serially and costs its full price
-(DESIGN §5: the budget is chosen by projected speedup, never by hit rate). So:
+A packed tray pass of Drafts.budget tokens buys a hit rate h: on a hit the next round skips its
+synchronous draft. Whether that pays depends on the device: on a GPU the packed pass hides behind
+verification while it is small enough; on a CPU it runs serially and costs its full price (DESIGN
+§5: the budget is chosen by projected speedup, never by hit rate). So:
 
 1. hit rates, exactly and offline: when the calibration responses are the target's greedy
-   outputs, a greedy round at anchor a accepts k = min(m(a), B−1) drafts and then emits the
-   response's next token t*. With coverage `first`, its outcome has a tray iff k < B−1, slot
-   j = k+1 ≤ C−1 and t* is among the top-F tokens of q at slot j other than the draft — i.e. its
-   rank there is < F — or k = B−1 and the bonus guess (slot B−1's argmax) is t*. One drafter pass
-   per anchor (as the acceptance estimator does) gives every (C, F) at once.
-2. pass costs on this device: target step (1 token) and verify (B tokens), the drafter's sync
-   draft (one block), and the packed pass for each budget, after a cached prefix.
+   outputs, a greedy round accepts exactly the drafts that match the response and then emits the
+   response's next token. So one drafter pass at each round's anchor (as the acceptance estimator
+   does) gives the round: the Drafts kind makes its drafts and accepts them against target logits
+   that put the response first at every verified position, as the loop would (`round_outcomes`);
+   a budget hits the round iff the outcomes its Drafts lists at that setting hold the round's
+   (Drafts.outcomes, the loop's own listing).
+2. pass costs on this device: target step (1 token) and verify (the Drafts' width), the drafter's
+   sync draft (one block), and the packed pass for each budget (its tokens in whole blocks), after
+   a cached prefix.
 3. projection per round: sync = draft + verify; async = verify ⊕ packed + (1 − h)·draft, where ⊕
    is a sum when the packed pass runs serially (CPU) and max when it overlaps (CUDA stream).
    Speedup = τ · step / round; τ is the same for sync and async (greedy outputs are identical).
@@ -22,27 +25,39 @@ behind verification while it is small enough; on a CPU it runs serially and cost
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from d3d.decoding.drafts import Draft, Drafts
+from d3d.decoding.passes import Round, RoundStats
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.utils.timing import timed
 
-GRID = [(C, F) for C in (2, 4, 8, 12, 16) for F in (1, 2, 5)]
+
+@dataclass(frozen=True)
+class Outcome:
+    """One greedy round of a response, offline: its drafts and where its verification ended."""
+
+    draft: Draft
+    pending: torch.Tensor  # (1,)
+    next_pos: torch.Tensor  # (1,)
+    accepted: int
+    at: torch.Tensor  # (1,) Round.outcome
+    token: torch.Tensor  # (1,) the response's token after the accepted drafts
 
 
 @torch.no_grad()
-def round_outcomes(model, ids: list[int], prompt_len: int, block_size: int, mask_id: int,
-                   vocab_size: int | None = None) -> list[tuple[int, int, bool]]:
-    """(accepted k, rank of the next token among the non-drafted tokens at slot k+1, bonus right)
-    for every round of greedy decoding of this response (the acceptance estimator's teacher
-    forcing, walked round by round)."""
+def round_outcomes(model, drafts: Drafts, ids: list[int], prompt_len: int, mask_id: int,
+                   vocab_size: int | None = None) -> list[Outcome]:
+    """Every round of greedy decoding of this response with `drafts` (a greedy config) but the last,
+    whose successor the response does not hold (the acceptance estimator's teacher forcing, walked
+    round by round)."""
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
-    B, L = block_size, len(ids)
+    B, L = drafts.B, len(ids)
     seq = torch.tensor(ids, dtype=torch.long, device=dev)
     cache = DynamicCache(config=model.config)
     hidden_states(model, seq[None, : L - 1], clean_layout(L - 1, device=dev), cache=cache, plain=True)
@@ -54,35 +69,34 @@ def round_outcomes(model, ids: list[int], prompt_len: int, block_size: int, mask
         h = hidden_states(model, blocks, block_layout(torch.full((1, 1), a, device=dev), B), cache=cache,
                           cache_len=L - 1, plain=False)
         cache.crop(-B)
-        logits = logits_at(model, h[0], vocab_size)  # (B, V): slot i predicts the token at a+i+1
-        drafts = logits[: B - 1].argmax(-1).tolist()
-        truth = ids[a + 1 : a + B]
-        k = 0
-        while k < min(B - 1, len(truth)) and drafts[k] == truth[k]:
-            k += 1
+        logits = logits_at(model, h, vocab_size).float()  # (1, B, V): slot i predicts the token at a+i+1
+        r = Round(seq[a : a + 1], torch.full((1,), a, device=dev), RoundStats([0]), None)
+        r.draft = drafts.make(r.pending, logits)
+        # the target's greedy choice after a verified token at depth j is the response's token a+j+1
+        depth = drafts.depths(r.draft)
+        truth = torch.where(a + 1 + depth < L, seq[(a + 1 + depth).clamp(max=L - 1)], -1)
+        target = torch.zeros(*depth.shape, logits.shape[-1], device=dev)
+        target.scatter_(2, truth.clamp(min=0)[..., None], (truth >= 0).float()[..., None])
+        drafts.accept(r, target)
+        k = int(r.accepted)
         if a + k + 1 >= L:  # the response ended inside the block: no next round to prepare
             break
-        t_star = ids[a + k + 1]
-        if k < B - 1:
-            row = logits[k].clone()
-            row[drafts[k]] = float("-inf")  # the drafted token is no alternative
-            rank = int((row > row[t_star]).sum())
-            out.append((k, rank, False))
-        else:
-            out.append((k, -1, int(logits[B - 1].argmax()) == t_star))
+        out.append(Outcome(r.draft, r.pending, r.next_pos, k, r.outcome, r.token))
         a += k + 1
     return out
 
 
-def hit_rates(outcomes: list[tuple[int, int, bool]], block_size: int, grid=GRID) -> dict[tuple[int, int], float]:
-    """h(C, F) for coverage `first` from round outcomes (see the module docstring)."""
-    def hit(k, rank, bonus, C, F):
-        if k == block_size - 1:
-            return bonus
-        return k + 1 <= C - 1 and rank < F
-
-    n = max(len(outcomes), 1)
-    return {(C, F): sum(hit(*o, C, F) for o in outcomes) / n for C, F in grid}
+def hit_rates(outcomes: list[Outcome], drafts: Drafts, grid: list[dict]) -> dict[tuple, float]:
+    """h per setting of the grid (keyed by its values), from offline round outcomes (module docstring)."""
+    out = {}
+    for setting in grid:
+        at = type(drafts)(replace(drafts.cfg, **setting), drafts.B, None)
+        hits = 0
+        for o in outcomes:
+            listed = at.outcomes(o.draft, o.pending, o.next_pos)
+            hits += bool(((listed.at == o.at[:, None]) & (listed.token == o.token[:, None])).any())
+        out[tuple(setting.values())] = hits / max(len(outcomes), 1)
+    return out
 
 
 def _after_prefix_ms(model, prefix: torch.Tensor, x: torch.Tensor, layout, plain: bool, repeats: int,
@@ -131,13 +145,21 @@ def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, 
     return _after_prefix_ms(drafter, prefix, x, layout, False, repeats, logits, timer)
 
 
-def pass_costs(target, drafter, prefix: list[int], block_size: int, grid=GRID, repeats: int = 5) -> dict:
-    """Median ms of each pass the loops run, after a cached prefix, on the models' device."""
+def pass_costs(target, drafter, prefix: list[int], drafts: Drafts, grid: list[dict], repeats: int = 5) -> dict:
+    """Median ms of each pass the loops run, after a cached prefix, on the models' device: the packed
+    pass of each setting as its budget in whole blocks."""
     ids = torch.tensor([prefix], dtype=torch.long, device=next(target.parameters()).device)
-    return {"step_ms": clean_pass_ms(target, ids, 1, repeats), "verify_ms": clean_pass_ms(target, ids, block_size, repeats),
+    cfg, B = drafts.cfg, drafts.B
+    blocks = lambda setting: -(-type(drafts).budget(replace(cfg, **setting)) // B)  # noqa: E731
+    return {"step_ms": clean_pass_ms(target, ids, 1, repeats),
+            "verify_ms": clean_pass_ms(target, ids, type(drafts).width(cfg), repeats),
             "draft_ms": block_pass_ms(drafter, ids, 1, repeats),
-            "packed_ms": {f"{C}x{F}": block_pass_ms(drafter, ids, packed_blocks(block_size, C, F), repeats)
-                          for C, F in grid}}
+            "packed_ms": {label(setting): block_pass_ms(drafter, ids, blocks(setting), repeats) for setting in grid}}
+
+
+def label(setting: dict) -> str:
+    """A setting's name in the tables: its values joined by x (C=4, F=1: 4x1)."""
+    return "x".join(str(v) for v in setting.values())
 
 
 def packed_blocks(block_size: int, C: int, F: int) -> int:
@@ -149,8 +171,7 @@ def packed_blocks(block_size: int, C: int, F: int) -> int:
 
 @dataclass
 class BudgetChoice:
-    C: int
-    F: int
+    settings: dict  # the tray knobs chosen (C, F | tree_trays)
     projected_speedup: float
     sync_speedup: float
     table: list[dict]
@@ -158,33 +179,39 @@ class BudgetChoice:
     why: str = ""
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Flat: the chosen knobs beside the rest (what run.json records)."""
+        out = asdict(self)
+        return {**out.pop("settings"), **out}
 
 
-def choose(costs: dict, hits: dict[tuple[int, int], float], tau: float, overlap: bool) -> BudgetChoice:
+def choose(costs: dict, hits: dict[tuple, float], tau: float, overlap: bool, knobs: tuple[str, ...]) -> BudgetChoice:
     """The budget with the highest projected speedup (module docstring, step 3), or no trays at all
     when synchronous drafting projects at least as fast: a tray pass that cannot overlap
-    verification (a CPU) costs its full price every round, so async must not lose to sync there."""
+    verification (a CPU) costs its full price every round, so async must not lose to sync there.
+    `hits` is keyed by the values of the tray knobs `knobs`."""
     step, verify, draft = costs["step_ms"], costs["verify_ms"], costs["draft_ms"]
     sync = tau * step / (draft + verify)
     table = []
-    for (C, F), h in hits.items():
-        packed = costs["packed_ms"][f"{C}x{F}"]
+    for values, h in hits.items():
+        setting = dict(zip(knobs, values))
+        packed = costs["packed_ms"][label(setting)]
         both = max(verify, packed) if overlap else verify + packed
-        table.append({"C": C, "F": F, "hit_rate": h, "packed_ms": packed, "round_ms": both + (1 - h) * draft,
+        table.append({**setting, "hit_rate": h, "packed_ms": packed, "round_ms": both + (1 - h) * draft,
                       "projected_speedup": tau * step / (both + (1 - h) * draft)})
     best = max(table, key=lambda r: r["projected_speedup"])
-    choice = BudgetChoice(best["C"], best["F"], best["projected_speedup"], sync, table)
+    chosen = {k: best[k] for k in knobs}
+    named = " ".join(f"{k}={v}" for k, v in chosen.items())
+    choice = BudgetChoice(chosen, best["projected_speedup"], sync, table)
     # the τ at which a sync round (draft + verify) yields as many tokens per second as AR steps do
     even = f"; sync breaks even at τ = {(draft + verify) / step:.2f} (τ here {tau:.2f})"
     if best["projected_speedup"] <= sync:
         where = "runs after verification (no overlap on this device)" if not overlap else "does not hide behind verification"
         choice.trays = False
-        choice.why = (f"no trays: the packed pass {where}, so the best budget, C={best['C']} F={best['F']} "
+        choice.why = (f"no trays: the packed pass {where}, so the best budget, {named} "
                       f"(hit rate {best['hit_rate']:.2f}), projects {best['projected_speedup']:.2f}x against "
                       f"sync's {sync:.2f}x; the method runs as synchronous drafting" + even)
     else:
-        choice.why = (f"C={best['C']} F={best['F']}: projected {best['projected_speedup']:.2f}x against sync's "
+        choice.why = (f"{named}: projected {best['projected_speedup']:.2f}x against sync's "
                       f"{sync:.2f}x (hit rate {best['hit_rate']:.2f})" + even)
     return choice
 
@@ -198,13 +225,14 @@ def greedy_pairs(target, tok, prompt_ids: list[list[int]], max_new_tokens: int, 
     return [(ids + ar.generate([ids]).token_ids[0], len(ids)) for ids in prompt_ids]
 
 
-def calibrate(target, drafter, pairs: list[tuple[list[int], int]], block_size: int, overlap: bool, grid=GRID,
+def calibrate(target, drafter, pairs: list[tuple[list[int], int]], drafts: Drafts, overlap: bool,
               repeats: int = 5) -> tuple[BudgetChoice, dict]:
-    """Steps 1-3 of the module docstring on calibration pairs: the choice, and what it rests on
-    (τ, rounds, pass costs)."""
+    """Steps 1-3 of the module docstring on calibration pairs for `drafts` (a greedy config of a
+    method with trays) over its tray grid: the choice, and what it rests on (τ, rounds, pass costs)."""
     mask_id, vocab = int(drafter.config.d3d["mask_token_id"]), int(drafter.config.d3d["vocab_size"])
-    outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, ids, n, block_size, mask_id, vocab)]
-    tau = sum(k + 1 for k, _, _ in outcomes) / max(len(outcomes), 1)
-    costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], block_size, grid, repeats)
-    return choose(costs, hit_rates(outcomes, block_size, grid), tau, overlap), \
+    grid = list(drafts.tray_grid)
+    outcomes = [o for ids, n in pairs for o in round_outcomes(drafter, drafts, ids, n, mask_id, vocab)]
+    tau = sum(o.accepted + 1 for o in outcomes) / max(len(outcomes), 1)
+    costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], drafts, grid, repeats)
+    return choose(costs, hit_rates(outcomes, drafts, grid), tau, overlap, tuple(grid[0])), \
         {"tau": tau, "rounds": len(outcomes), "costs": costs}

@@ -1,6 +1,6 @@
 """What one decoding pass costs in memory, estimated from the models' configs before any weight loads.
 
-A method's widest pass (Method.passes: the async tray pass is its budget, B·((C−1)·F + 2) tokens)
+A method's widest pass (Method.widest: the async tray pass is its budget, B·((C−1)·F + 2) tokens)
 runs q new tokens against kv keys, its cached prefix plus itself. Nothing in DecodeConfig bounds q
 by what the device holds: `decode.block_size=256 decode.C=256` on the tiny smoke target built a
 17 GB boolean mask, and F above the vocabulary failed in `topk` after the models had loaded. So the
@@ -97,8 +97,8 @@ def memory_bytes(device: str) -> int:
 
 def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int, memory: int,
                device: str, where: str = "decode") -> None:
-    """Refuse `cfg` (the DecodeConfig of the run's method `name`, of class `method`; its keys named
-    `where`.<key>, as DecodeConfig names them) when its widest passes cannot fit in `memory`. The weights of both models and each one's widest pass (method.passes) must fit
+    """Refuse `cfg` (the DecodeConfig of the run's method `name`, of row `method`; its keys named
+    `where`.<key>, as DecodeConfig names them) when its widest passes cannot fit in `memory`. The weights of both models and each one's widest pass (method.widest) must fit
     together (an overlapped tray pass runs while the target verifies). F above the vocabulary, which
     no memory makes work, is said first."""
     v = shapes["target"].vocab
@@ -106,7 +106,7 @@ def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int
         raise ConfigError(f"{where}.F={cfg.F} (method {name}): a tray per alternative token, so at most {v - 1} (the {v}-token "
                           f"vocabulary less the drafted token). Fix: set {where}.F={min(2, v - 1)} or at most {v - 1}.")
     need, widest = 0, None
-    for model, q in method.passes(cfg).items():
+    for model, q in method.widest(cfg).items():
         kv = q + cfg.max_new_tokens  # the prompt left out: a lower bound
         terms = shapes[model].pass_bytes(batch, q, kv)
         need += shapes[model].weight_bytes() + sum(terms.values())

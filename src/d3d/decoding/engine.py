@@ -2,12 +2,12 @@
 
 `SpecGenerator` is the driver every method shares: prefill, the target's verify pass, the accept
 decision, the one host transfer per round, committing text (EOS, max_new_tokens, stop strings),
-retiring finished rows and timing. What differs between methods — where drafts come from, what
-runs beside verification, and (for a tree of drafts) the verify layout, the acceptance, the cache
-keep and the committed path — is a step object per method (d3d.decoding.methods, a registry keyed by
-`decode.method`), built with the passes it may run (d3d.decoding.passes), not with the driver; the
-driver asks the method's class what it needs (a drafter, its block, whether it overlaps), never its
-name. One round of each, for a batch of requests (rows advance at their own speed):
+retiring finished rows and timing. What differs between methods is a row of the table in
+d3d.decoding.methods (keyed by `decode.method`): its Drafts (what the drafts look like: how they are
+verified and accepted, which slots the caches keep, the committed path) and its Schedule (when they
+are made, what runs beside verification), built with the passes they may run (d3d.decoding.passes),
+not with the driver; the driver asks the row what it needs (a drafter, its block, whether it
+overlaps), never its name. One round of each, for a batch of requests (rows advance at their own speed):
 
     ar:    target([pending])                      -> next token
     sync:  drafter([newly committed | pending, MASK x (B-1)])      -> drafts d_1..d_{B-1}
@@ -37,7 +37,7 @@ pending tokens, positions, accept counts the other) are ordered with `wait_strea
 with `record_stream`. Each round launches the verify pass first, then the tray pass, so the GPU
 runs them concurrently.
 
-Timings per round (`rounds[i]`): `wall_s` is host wall time from the round's start to its host
+Timings per round (`rounds[i]`, a RoundStats): `wall_s` is host wall time from the round's start to its host
 transfer (it includes waiting for the device). `draft_s`, `verify_s`, `tray_s` are the passes'
 device time: CUDA events on their stream (on CUDA), wall time of the synchronous call (on CPU);
 `verify_s` includes the accept/reject decision. `tray_wait_s` (CPU worker thread only) is how
@@ -51,8 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-from d3d.decoding.methods import DecodeConfig, method_class
-from d3d.decoding.passes import Passes, Round, _Clock, _sync
+from d3d.decoding.config import DecodeConfig
+from d3d.decoding.methods import method_row
+from d3d.decoding.passes import Passes, Round, RoundStats, _Clock, _sync
 
 
 @dataclass
@@ -60,14 +61,14 @@ class GenerationResult:
     token_ids: list[list[int]]
     texts: list[str]
     finish_reasons: list[str]
-    rounds: list[dict]  # one per round: tau/hit per active row, times
+    rounds: list[RoundStats]  # one per round: tau/hit per active row, times
     prefill_s: float
     decode_s: float
 
     def taus(self, row: int | None = None) -> list[int]:
         out = []
         for r in self.rounds:
-            for rid, tau in zip(r["rows"], r["tau"]):
+            for rid, tau in zip(r.rows, r.tau):
                 if row is None or rid == row:
                     out.append(tau)
         return out
@@ -79,7 +80,7 @@ class GenerationResult:
 
     @property
     def hit_rate(self) -> float | None:
-        hits = [h for r in self.rounds for h in r.get("hit", []) if h is not None]
+        hits = [h for r in self.rounds for h in r.hit or []]
         return sum(hits) / len(hits) if hits else None
 
     @property
@@ -105,7 +106,7 @@ class SpecGenerator:
     def __init__(self, target, tokenizer, drafter=None, config: DecodeConfig | None = None,
                  eos_token_ids: list[int] | None = None, seed: int = 0):
         self.cfg = config or DecodeConfig()
-        self.method = method_class(self.cfg.method)
+        self.method = method_row(self.cfg.method)
         if self.method.needs_drafter and drafter is None:
             raise ValueError(f"decode.method={self.cfg.method} needs a drafter; use method=ar for the baseline")
         self.target, self.drafter, self.tok = target, drafter, tokenizer
@@ -148,7 +149,8 @@ class SpecGenerator:
             raise ValueError(f"{problem}. Fix: shorten the prompt or lower max_new_tokens.")
         b = len(prompts)
         clock = _Clock(dev)
-        step = self.method(cfg, passes)
+        step = self.method.step(cfg, passes)
+        drafts = step.drafts
         passes.room = max(len(p) for p in prompts) + max_new + B  # slots committed at most, before a pass
         _sync(dev)
         t0 = time.perf_counter()
@@ -167,20 +169,21 @@ class SpecGenerator:
         t_dec = time.perf_counter()
         while rows:
             r_start = time.perf_counter()
-            r = Round(pending, next_pos, {"rows": list(rows)}, clock)
-            step.propose(r)  # r.drafts (b, B-1), r.q
+            r = Round(pending, next_pos, RoundStats(list(rows)), clock)
+            step.propose(r)  # r.draft
             start = len(tgt)
             v0 = clock.mark()
-            p_logits = step.verify(tgt, r)
+            p_logits = drafts.verify(passes, tgt, r)
             step.beside_verify(r)  # launched after verification: on CUDA the two overlap
-            step.accept(r, p_logits)  # r.accepted, r.token
-            clock.span(r.stat, "verify_s", v0)
+            drafts.accept(r, p_logits)  # r.accepted, r.token, r.path, r.kept, r.outcome
+            clock.span(r.stats, "verify_s", v0)
             step.settle(r)
-            # ---- the one host transfer of the round: accept counts, next tokens, hits, the drafts' path
-            hits = r.hit_idx if r.hit_idx is not None else r.accepted
-            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], step.path(r)], dim=1).tolist()
+            # ---- the one host transfer of the round: accept counts, next tokens, hits (-1: no tray
+            # prepared, as for a method without trays), the drafts' path
+            hits = r.hit_idx if r.hit_idx is not None else torch.full_like(r.accepted, -1)
+            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.path], dim=1).tolist()
             most = max(h[0] for h in host) + 1  # the longest commit of any row
-            step.keep(tgt, start, r, most)
+            tgt.keep(start, r.kept, r.accepted + 1, most)  # the pending token and the accepted path
             step.commit(r, host, most)
             # ---- commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
             taus, finished = [], []
@@ -190,11 +193,11 @@ class SpecGenerator:
                 taus.append(kept)
                 if kept < a + 1 or len(out[row]) >= max_new or reasons[row] == "stop":
                     finished.append(i)
-            r.stat["tau"] = taus
+            r.stats.tau = taus
             pending = r.token
             next_pos = next_pos + r.accepted + 1
-            r.stat["wall_s"] = time.perf_counter() - r_start
-            rounds.append(r.stat)
+            r.stats.wall_s = time.perf_counter() - r_start
+            rounds.append(r.stats)
             if finished:
                 keep_list = [i for i in range(len(rows)) if i not in set(finished)]
                 if not keep_list:

@@ -20,6 +20,11 @@ from d3d.errors import ConfigError
 from d3d.models.forward import attention_mask_for, cache_kwarg, hidden_states
 from d3d.models.masks import CLEAN, Layout, build_mask
 
+# How passes run (docs/design.md, Backends): eager (HF's dynamic cache, the reference) | static
+# (preallocated slots) | compiled (static + torch.compile; CUDA graphs on CUDA) | frozen (compiled,
+# weights folded into the graph: prepacked for oneDNN on CPU)
+BACKENDS = ("eager", "static", "compiled", "frozen")
+
 
 class KVState:
     def __init__(self, model, batch: int):
@@ -53,6 +58,13 @@ class KVState:
         if extra > 0:
             self.cache.crop(-extra)
             self.pos, self.valid = self.pos[:, :length], self.valid[:, :length]
+
+    def keep(self, start: int, slots: torch.Tensor | None, counts: torch.Tensor, most: int) -> None:
+        """Of the slots from `start` on, keep the first counts[r] (slots None) or those listed (b, k)."""
+        if slots is None:
+            self.keep_first(start, counts, most)
+        else:
+            self.keep_path(start, slots, counts, most)
 
     def keep_first(self, start: int, counts: torch.Tensor, most: int) -> None:
         """Of the slots from `start` on, row r keeps its first counts[r] visible and hides the
@@ -165,7 +177,10 @@ class StaticKVState(KVState):
         extra = self.rows - t.shape[0]
         return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
 
-    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False,
+                tree: None = None) -> torch.Tensor:
+        if tree is not None:  # the methods that verify trees declare the eager backend only (Drafts.backends)
+            raise ValueError("a static KV state runs no tree of drafts")
         q = input_ids.shape[1]
         if self.length + q > self.capacity:
             raise RuntimeError(f"static KV cache full: {self.length} + {q} slots > capacity {self.capacity} "

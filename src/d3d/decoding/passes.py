@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from d3d.decoding.drafts import Draft
 from d3d.decoding.kv import KVState, StaticKVState, batch_bucket
 from d3d.models.drafter import DrafterSettings
 from d3d.models.forward import logits_at
@@ -34,7 +35,7 @@ class _Clock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: list[tuple[dict, str, object, object]] = []
+        self.spans: list[tuple[RoundStats, str, object, object]] = []
 
     def mark(self, stream=None):
         if not self.cuda:
@@ -43,12 +44,13 @@ class _Clock:
         event.record(stream)
         return event
 
-    def span(self, stat: dict, key: str, start, end=None) -> None:
-        self.spans.append((stat, key, start, self.mark() if end is None else end))
+    def span(self, stats: RoundStats, field: str, start, end=None) -> None:
+        """stats.<field> = the time from `start` to `end` (now), once the call resolves it."""
+        self.spans.append((stats, field, start, self.mark() if end is None else end))
 
     def resolve(self) -> None:
-        for stat, key, a, b in self.spans:
-            stat[key] = a.elapsed_time(b) / 1000 if self.cuda else b - a
+        for stats, field, a, b in self.spans:
+            setattr(stats, field, a.elapsed_time(b) / 1000 if self.cuda else b - a)
         self.spans = []
 
 
@@ -58,18 +60,43 @@ def _on(stream):
 
 
 @dataclass
+class RoundStats:
+    """What one round reports (GenerationResult.rounds): per active row, and the passes' times in
+    seconds (engine docstring, Timings). A field a method does not measure stays None."""
+
+    rows: list[int]  # the original index of each active row
+    tau: list[int] = field(default_factory=list)  # tokens each row committed this round
+    hit: list[bool] | None = None  # whether each row's outcome had a tray (methods with trays)
+    drafted_rows: int | None = None  # rows drafted synchronously (async: the rows that missed)
+    wall_s: float | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+    tray_s: float | None = None
+    tray_wait_s: float | None = None  # overlap=thread: how long the main thread waited for the trays
+
+
+@dataclass
 class Round:
-    """What one round knows, filled in as it goes (tensors on the device)."""
+    """One round's record, filled in as it goes (tensors on the device): what the driver knows,
+    the drafts, their verdict, and what a schedule hands from one hook to the next within the
+    round, so a round can be followed from propose to commit by its data."""
 
     pending: torch.Tensor  # (b,) the last committed token of each row
     next_pos: torch.Tensor  # (b,) its position
-    stat: dict  # this round's record: rows, tau, hit, timings
+    stats: RoundStats
     clock: _Clock
-    drafts: torch.Tensor | None = None  # (b, B-1)
-    q: torch.Tensor | None = None  # (b, B-1, V): the drafts' distributions (T > 0); None: deterministic drafts
-    accepted: torch.Tensor | None = None  # (b,)
+    draft: Draft | None = None  # this round's drafts (Schedule.propose, by Drafts.make)
+    # the verdict (Drafts.accept)
+    accepted: torch.Tensor | None = None  # (b,) drafts accepted
     token: torch.Tensor | None = None  # (b,) correction or bonus
-    hit_idx: torch.Tensor | None = None  # (b,) the outcome the step prepared that happened, -1 for none (async's trays)
+    path: torch.Tensor | None = None  # (b, B-1) tokens whose first `accepted` each row commits, before `token`
+    kept: torch.Tensor | None = None  # (b, k) the verified slots of the pending token and the path; None = a prefix
+    outcome: torch.Tensor | None = None  # (b,) where verification ended, as a tray is keyed
+    # async: where the glue starts in the drafter's cache, the tray pass's (keys, logits) (a future
+    # while a worker thread runs it), and the tray that served each row's outcome, -1 for none
+    glue_start: int = 0
+    trays: object = None
+    hit_idx: torch.Tensor | None = None
 
 
 class Passes:

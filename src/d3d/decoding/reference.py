@@ -15,8 +15,8 @@ import time
 import torch
 
 from d3d.decoding.engine import GenerationResult, context_problem
-from d3d.decoding.methods import DecodeConfig
-from d3d.decoding.passes import _sync
+from d3d.decoding.config import DecodeConfig
+from d3d.decoding.passes import RoundStats, _sync
 
 
 class HFGenerate:
@@ -66,6 +66,6 @@ class HFGenerate:
             if t in self.eos:  # generate pads after EOS: cut there, EOS kept as our loop keeps it
                 new, finish = new[: i + 1], "stop"
                 break
-        rounds = [{"rows": [0], "tau": [1]} for _ in new]  # one token per step
+        rounds = [RoundStats([0], [1]) for _ in new]  # one token per step
         return GenerationResult([new], [self.tokenizer.decode(new, skip_special_tokens=True)], [finish], rounds,
                                 prefill_s=prefill, decode_s=max(wall - prefill, 1e-9))

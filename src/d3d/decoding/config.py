@@ -1,0 +1,68 @@
+"""The one config every decoding method reads: `decode.*` and `methods.<name>.*`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from d3d.decoding.kv import BACKENDS
+from d3d.decoding.verify import Sampling
+from d3d.errors import ConfigError
+
+
+@dataclass
+class DecodeConfig:
+    """`decode.*` and `methods.<name>.*` (conf/decode/<name>.yaml, bound by d3d.settings.bind_decode);
+    a method reads EVERY_METHOD_KEYS and its row's `keys` (d3d.decoding.methods). `max_new_tokens`
+    comes from the caller (eval.max_new_tokens), `stop_strings` from callers of the engine."""
+
+    method: str = "sync"  # a name in METHODS
+    block_size: int = 16
+    C: int = 12  # async: covered rejection slots + 1
+    F: int = 2  # async: alternatives per covered slot
+    coverage: str = "first"  # first | confident
+    tree_nodes: int = 15  # tree: draft nodes verified beside the pending token (the verify pass is tree_nodes + 1 wide)
+    tree_trays: int = 23  # async_tree: trays for the likeliest outcomes (23 + a glue of 16 = async's 384 tokens at B = 16)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    overlap: str = "auto"  # auto | stream | thread | none (see Schedule.overlap_mode)
+    cpu_threads_drafter: int | None = None  # overlap=thread on CPU: cores for the drafter (None = half)
+    backend: str = "eager"  # one of BACKENDS
+    stop_strings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Every value's range checked here, and what depends on the method by its row's parts
+        (Method.check), before any model loads: a bad value used to fail deep in torch
+        (block_size=0), run silently greedy (temperature=-1) or do nothing (top_p=2)."""
+        from d3d.decoding.methods import method_row  # the table, which reads this config
+
+        def bad(key, allowed):
+            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}")
+
+        method = method_row(self.method)  # a registered name, or the names there are
+        choices = {"coverage": ("first", "confident"), "overlap": ("auto", "stream", "thread", "none"),
+                   "backend": BACKENDS}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("tree_trays", 1), ("top_k", 0), ("max_new_tokens", 1)):
+            if not whole(getattr(self, key)) or getattr(self, key) < least:
+                bad(key, f"an integer >= {least}" + (" (0 = off)" if key == "top_k" else ""))
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1] (1 = off)")
+        method.check(self)
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(float(self.temperature), float(self.top_p), int(self.top_k))
+
+    @property
+    def budget(self) -> int:
+        """Tokens of drafter work beside each verification (async: the packed pass)."""
+        from d3d.decoding.methods import method_row
+
+        return method_row(self.method).budget(self)
