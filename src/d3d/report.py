@@ -189,7 +189,8 @@ def summary_markdown(summary: dict) -> str:
     notes += [f"{bench}/{method}: {m['cut_graded']} of {m['rows']} graded answers stopped at eval.max_new_tokens "
               f"before finishing, so its accuracy is not the model's (raise eval.max_new_tokens to measure it)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("cut_graded")]
-    notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()]
+    notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
+              if choice.get("why")]  # older run.json files hold the choice without a reason
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     if summary.get("load"):
@@ -293,6 +294,8 @@ def auto_budget_info(folder: Path) -> dict | None:
     notes: the chosen knobs and the projection, without the table and the costs it rests on."""
     run = folder / "run.json"
     chosen = json.loads(run.read_text()).get("auto_budget") if run.is_file() else None
+    if chosen and "table" in chosen:  # a run.json written before choices were per method held async's alone
+        chosen = {"async_auto": chosen}
     return {name: {k: v for k, v in choice.items() if k not in ("table", "costs")}
             for name, choice in chosen.items()} if chosen else None
 

@@ -2,7 +2,7 @@
 
 `Passes` holds the models' passes over KV states (prefill, the target's verify pass, the drafter's
 draft pass), the sampling generator, and where work beside verification runs: a side CUDA stream
-(`stream`) or a worker thread (`pool`), present only when the method overlaps (Method.overlaps)
+(`stream`) or a worker thread (`pool`), present only when the schedule overlaps (Schedule.overlaps)
 and its overlap mode resolved to one. A step sees this object, never the driver, so what a method
 may touch is the list below. `Round` is one round's record, filled in by the driver and the step.
 """
