@@ -209,7 +209,7 @@ def choose(costs: dict, hits: dict[tuple, float], tau: float, overlap: bool, kno
         choice.trays = False
         choice.why = (f"no trays: the packed pass {where}, so the best budget, {named} "
                       f"(hit rate {best['hit_rate']:.2f}), projects {best['projected_speedup']:.2f}x against "
-                      f"sync's {sync:.2f}x; the method runs as synchronous drafting" + even)
+                      f"sync's {sync:.2f}x; the method drafts synchronously, without trays" + even)
     else:
         choice.why = (f"{named}: projected {best['projected_speedup']:.2f}x against sync's "
                       f"{sync:.2f}x (hit rate {best['hit_rate']:.2f})" + even)
