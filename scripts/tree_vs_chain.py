@@ -1,4 +1,4 @@
-"""τ of tree verification against the chain at equal verify width (docs/results.md, Trees of drafts).
+"""τ of tree verification against the chain at equal verify width (docs/results/study_2026-12-02_trees_vs_chain.md).
 
     python scripts/tree_vs_chain.py [--widths 4 8 16] [--max-new-tokens 48] [--trays 23] [overrides of d3d.train's config]
     python scripts/tree_vs_chain.py --trays 8 23 drafter.checkpoint=<a trained drafter folder>

@@ -32,7 +32,7 @@ log = logging.getLogger("d3d.generate")
 
 # What a row depends on, hence the folder's resume key (meta.json "settings"; every row carries them).
 # The backend is one: an engine's greedy rows can differ from transformers' by bf16 near-ties, and
-# one folder holds one backend's rows (docs/results.md, "Generation backends").
+# one folder holds one backend's rows (docs/results/study_2026-12-01_generation_backends.md).
 SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt",
                 "backend")
 # A folder written before a key existed was made with its value here (so it still resumes).
