@@ -56,15 +56,22 @@ log = logging.getLogger("d3d.eval")
 BITWISE_REFERENCE = {"async": "sync", "async_tree": "tree"}
 
 
-def reference_row(refs: dict, cfg) -> dict | None:
-    """The row of this method's synchronous counterpart (BITWISE_REFERENCE) on the same request,
-    when that counterpart ran with the same settings of its own (block size; a tree's node count),
-    so the two drafted and verified the same shapes; else None (nothing to compare)."""
-    ref = BITWISE_REFERENCE.get(cfg.method)
+def remember_reference(refs: dict, name: str, cfg, row: dict) -> None:
+    """Keep the first row of each synchronous counterpart on this request, per drafter (the run's
+    own, or an eval.also_drafters label: async@x compares with sync@x)."""
+    if cfg.method in BITWISE_REFERENCE.values():
+        refs.setdefault((drafter_label(name), cfg.method), (row, cfg))
+
+
+def reference_row(refs: dict, name: str, cfg) -> dict | None:
+    """The row of this method's synchronous counterpart (BITWISE_REFERENCE) on the same request with
+    the same drafter, when that counterpart ran with the same settings of its own (block size; a
+    tree's node count), so the two drafted and verified the same shapes; else None (nothing to compare)."""
+    ref = (drafter_label(name), BITWISE_REFERENCE.get(cfg.method))
     if ref not in refs:
         return None
     row, ref_cfg = refs[ref]
-    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_class(ref).keys) else None
+    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_class(ref[1]).keys) else None
 # What the composed `decode` group lends to every method that reads the key: every method takes the
 # run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
 # backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
@@ -160,6 +167,10 @@ def check_eval_settings(ev: EvalSettings) -> None:
             raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}")
     if ev.exec_timeout_s <= 0:
         raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0")
+    for label in ev.also_drafters:  # its rows are named <method>@<label>
+        if not label or "@" in label or "/" in label:
+            raise ConfigError(f"eval.also_drafters.{label}: a label names rows <method>@<label>. Fix: use a plain "
+                              f"name such as `unpruned` (no '@' or '/').")
 
 
 def parse_budget(text) -> tuple[int, int]:
@@ -200,7 +211,11 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
             "benchmarks": {spec.name: asdict(spec) for spec in iter_specs(cfg.benchmark)},
             # each method's keys it reads (a key written when ar and sync held async's tray keys still matches:
             # keys only one side has are not compared); max_new_tokens is above
-            "methods": {name: read_settings(dc) for name, dc in methods.items()}}
+            "methods": {name: read_settings(dc) for name, dc in methods.items()},
+            # more drafters' rows (<method>@<label>): their weights too (absent when none, so older folders resume)
+            **({"also_drafters": {label: {"drafter": str(drafter_folder(path)),
+                                          "drafter_weights": weights_fingerprint(drafter_folder(path))}
+                                  for label, path in ev.also_drafters.items()}} if ev.also_drafters else {})}
 
 
 def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
@@ -234,6 +249,26 @@ def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, 
                 log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
                             "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
+
+
+def also_drafter_generators(cfg: EvalConfig, methods: dict[str, DecodeConfig], target, tok, eos) -> dict:
+    """`eval.also_drafters`: every speculative method again with each of these drafters, on the same
+    items, as rows `<method>@<label>` (a pruned drafter beside the one it was pruned from)."""
+    gens = {}
+    for label, path in cfg.eval.also_drafters.items():
+        drafter, drafter_tok = load_drafter(resolve_path(path), device=str(target.device), dtype=cfg.target.dtype,
+                                            attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+        for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
+            log.warning("eval.also_drafters.%s: %s", label, warning)
+        for name, dc in methods.items():
+            if method_class(dc.method).needs_drafter:
+                gens[f"{name}@{label}"] = SpecGenerator(target, tok, drafter, dc, eos, seed=cfg.seed)
+    return gens
+
+
+def drafter_label(name: str) -> str:
+    """Which drafter a row's method ran with: '' for drafter.checkpoint, else its eval.also_drafters label."""
+    return name.partition("@")[2]
 
 
 def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompts: list[list[int]], res) -> dict:
@@ -320,13 +355,12 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
-                    compare_with_references(row, gen, ar, reference_row(refs, gen.cfg), [ids])
+                    compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), [ids])
                     writer.write([row])
                     fail_on_real_divergence(row)
                 if name == BASELINE:
                     ar = row
-                if gen.cfg.method in BITWISE_REFERENCE.values():
-                    refs.setdefault(gen.cfg.method, (row, gen.cfg))
+                remember_reference(refs, name, gen.cfg, row)
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
@@ -351,13 +385,12 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
                 seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
                 row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
-                compare_with_references(row, gen, ar, reference_row(refs, gen.cfg), prompts)
+                compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), prompts)
                 writer.write([row])
                 fail_on_real_divergence(row)
             if name == BASELINE:
                 ar = row
-            if gen.cfg.method in BITWISE_REFERENCE.values():
-                refs.setdefault(gen.cfg.method, (row, gen.cfg))
+            remember_reference(refs, name, gen.cfg, row)
 
 
 def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
@@ -430,6 +463,8 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
             for name, dc in methods.items()}
     if ev.reference_generate:  # transformers' generate on the same items, right after our AR baseline
         gens = {BASELINE: gens.pop(BASELINE), REFERENCE: HFGenerate(target, tok, methods[BASELINE], eos), **gens}
+    also = also_drafter_generators(cfg, methods, target, tok, eos)
+    gens |= also
     warm = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
     for gen in gens.values():
         for _ in range(ev.warmup):
@@ -442,7 +477,9 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
             "methods": {name: {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": dc.budget}
                         for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
-               if ev.reference_generate else {}),
+               if ev.reference_generate else {})
+            | {name: {**read_settings(gen.cfg), "max_new_tokens": gen.cfg.max_new_tokens, "budget": gen.cfg.budget,
+                      "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))} for name, gen in also.items()},
             "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}

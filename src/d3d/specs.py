@@ -242,6 +242,7 @@ class EvalSettings:
     progress: bool
     enable_thinking: bool
     out_dir: Optional[str]
+    also_drafters: dict[str, str]  # label -> checkpoint: rows <method>@<label>
 
 
 @dataclass

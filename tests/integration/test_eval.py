@@ -117,6 +117,42 @@ def test_load_test_and_budget_study(tmp_path, monkeypatch):
     assert "Load test" in (out / "summary.md").read_text()
 
 
+def test_also_drafters_run_every_speculative_method_again_beside_the_first(tmp_path, monkeypatch):
+    """eval.also_drafters.other=<folder>: sync and async run with that drafter too, as rows sync@other and
+    async@other on the same items, lossless, and async@other is compared with sync@other (its own
+    drafter's loop: τ per round equal in fp32), not with the first drafter's sync. Changing that
+    drafter's weights refuses a resume; a missing folder is one line before any model loads."""
+    import torch
+
+    from d3d.config import ConfigError
+    from d3d.models.drafter import build_drafter, load_drafter, save_drafter
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = bind_config(compose("eval", SMOKE, tmp_path), "eval")
+    first = save_drafter(*build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32"), tmp_path / "d1")
+    model, tok = load_drafter(first, dtype="float32")
+    with torch.no_grad():  # a drafter that always drafts token 0 (all logits tie): τ 1 where the first's is not
+        model.get_output_embeddings().weight.zero_()
+    other = save_drafter(model, tok, tmp_path / "d2")
+    args = [f"drafter.checkpoint={first}", f"+eval.also_drafters.other={other}", "eval.methods=[ar,sync,async]",
+            "eval.async_budgets=[2x1]"]
+    rows = read_rows(evaluate(tmp_path, *args))
+    by = {m: [r for r in rows if r["method"] == m] for m in {r["method"] for r in rows}}
+    assert set(by) == {"ar", "sync", "async_c2_f1", "sync@other", "async_c2_f1@other"}
+    assert all(r["equal_to_ar"] for r in rows)
+    assert [r["taus"] for r in by["sync@other"]] != [r["taus"] for r in by["sync"]]  # another drafter drafted
+    assert [r.get("equal_to_sync") for r in by["async_c2_f1@other"]] == [True, True]
+    run = json.loads((tmp_path / "ev" / "run.json").read_text())
+    assert run["methods"]["sync@other"]["drafter"] == str(other)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    save_drafter(model, tok, other)
+    with pytest.raises(ConfigError, match=r"also_drafters\.other\.drafter_weights"):
+        evaluate(tmp_path, *args)
+    with pytest.raises(ConfigError, match="nowhere"):
+        evaluate(tmp_path, "+eval.also_drafters.x=" + str(tmp_path / "nowhere"))
+
+
 @pytest.mark.parametrize("nodes", [5, 3])
 def test_async_tree_rows_are_compared_with_the_tree_rows(tmp_path, monkeypatch, nodes):
     """eval.methods=[ar,tree,async_tree]: the async tree is its tree plus trays, so its greedy fp32

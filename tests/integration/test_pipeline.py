@@ -25,7 +25,10 @@ def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch,
     assert [s["layers"] for s in steps] == [2, 1]  # started from the trained 2-layer drafter
     used = OmegaConf.load(eval_out / "config.yaml")
     assert Path(used.drafter.checkpoint) == prune_out / "final"  # eval measures the pruned drafter
-    assert "| gsm8k | sync |" in capsys.readouterr().out
+    assert Path(used.eval.also_drafters.unpruned) == train_out / "final"  # beside the one it was pruned from
+    assert {r["method"] for r in read_jsonl(eval_out / "rows.jsonl")} == {"ar", "sync", "sync@unpruned"}
+    out = capsys.readouterr().out
+    assert "| gsm8k | sync |" in out and "| gsm8k | sync@unpruned |" in out
     # a rerun resumes every stage: nothing is trained, pruned or decoded again
     rows_before = (eval_out / "rows.jsonl").read_text()
     metrics_before = (train_out / "metrics.jsonl").read_text()
