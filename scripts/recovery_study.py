@@ -34,7 +34,8 @@ def measure(model, calib, holdout, s, suffix: str = "") -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True)
-    p.add_argument("--remove", type=int, nargs="+", required=True, help="layer indices to remove")
+    p.add_argument("--remove", type=int, nargs="*", default=[],
+                   help="layer indices to remove; none: the control (the whole drafter trained the same steps)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--losses", nargs="+", default=["objective", "distill"])
     p.add_argument("--out", default="docs/results/prune_recovery_qwen_zen4.json")
