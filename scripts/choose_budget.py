@@ -22,7 +22,8 @@ from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.decoding.budget import calibrate, greedy_pairs, packed_blocks
 from d3d.models import load_target
-from d3d.models.drafter import DrafterSettings, load_drafter
+from d3d.models.drafter import load_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 

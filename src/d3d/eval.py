@@ -33,9 +33,8 @@ from d3d.decoding.methods import method_class
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
-from d3d.models.drafter import (
-    DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
-)
+from d3d.models.drafter import build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import grade, isolation, isolation_warning
 from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings

@@ -17,7 +17,6 @@ import contextlib
 import copy
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -25,33 +24,13 @@ import torch
 from torch import nn
 
 from d3d.errors import ConfigError
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
 
 
 class TokenizerMismatchError(ValueError):
     """The drafter and the target do not share a tokenizer."""
-
-
-@dataclass
-class DrafterSettings:
-    block_size: int = 16
-    mask_token_id: int = -1
-    vocab_size: int = 0  # the target's vocabulary: drafts never leave it
-    kept_layers: list[int] = field(default_factory=list)  # original layer indices still present
-    init: str = "target"
-    target: str = ""
-    tokenizer_fingerprint: str = ""
-
-    @classmethod
-    def of(cls, model) -> "DrafterSettings":
-        raw = getattr(model.config, "d3d", None)
-        if raw is None:
-            raise ValueError("this model has no d3d settings in its config: it is not a d3d drafter checkpoint")
-        return cls(**raw)
-
-    def attach(self, model) -> None:
-        model.config.d3d = asdict(self)
 
 
 def tokenizer_fingerprint(tokenizer, ignore: tuple[str, ...] = ()) -> str:
