@@ -30,10 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from d3d.config import compose, resolve_path
-from d3d.settings import bind_config, check_decode_cost
+from d3d.settings import bind_config, check_decode_cost, shipped_benchmark
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
-from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.methods import BACKENDS, method_class
 from d3d.models import load_model, load_target, resolve_model_path
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"error: --also-drafters {item!r}: write LABEL=FOLDER, e.g. unpruned=checkpoints/x/final")
         also[label] = load_drafter(folder, device=str(target.device), dtype=cfg.target.dtype)[0]
     eos = eos_ids(tok, target)
-    spec = benchmark_spec(args.benchmark)
+    spec = shipped_benchmark(args.benchmark)
     records = load_benchmark(spec, cache, n=args.n_prompts + 1)
     prompts = [chat_prompt_ids(tok, first_turn_messages(spec, r)) for r in records]
     warm, prompts = prompts[0], prompts[1:]

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from d3d.config import compose, resolve_path
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import DrafterSettings, as_deployed, keep_layers, load_drafter
+from d3d.models.drafter import as_deployed, keep_layers, load_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
 from d3d.training import cut_responses, freeze_embeddings_except_mask, load_examples, recover, split_examples
 from d3d.utils.hardware import cpu_info

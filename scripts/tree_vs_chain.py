@@ -23,7 +23,8 @@ import torch
 from d3d.config import compose
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.drafter import build_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
 
 QUESTIONS = [  # written for this script: short grade-school problems, as the CPU default's prompts are

@@ -34,13 +34,13 @@ from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
 from d3d.models.drafter import (
-    DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
+    build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
 )
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import grade, isolation, isolation_warning
-from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys
+from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
-from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
@@ -135,7 +135,7 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Ev
         from d3d.data.prompts import load_prompt_set
         from d3d.decoding.budget import calibrate, greedy_pairs
 
-        prompts = load_prompt_set(cfg.data, cache)[-ev.auto_budget_prompts:]
+        prompts = load_prompt_set(cfg.data, cache, shipped_benchmark)[-ev.auto_budget_prompts:]
         pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
                              min(ev.max_new_tokens, 128), eos_ids(tok, target))
         # packed pass beside verification (a side stream) or after it: as the loop will run it

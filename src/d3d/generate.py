@@ -21,7 +21,7 @@ from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.engines import check_backend, engine_version, open_backend
-from d3d.settings import bind_config
+from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, process_device,
                                process_state, resolve_model_path, torch_dtype)
@@ -103,7 +103,7 @@ def _generate(cfg: GenerateConfig) -> Path:
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
-    prompts = load_prompt_set(cfg.data, cache_dir)
+    prompts = load_prompt_set(cfg.data, cache_dir, shipped_benchmark)
     if gen.limit:
         prompts = prompts[: gen.limit]
     settings = {k: getattr(gen, k) for k in SETTING_KEYS}

@@ -33,9 +33,10 @@ from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers
 from d3d.models.drafter import (
-    DrafterSettings, as_deployed, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter,
+    as_deployed, build_drafter, decoder_layers, drafter_attention, drafter_folder, keep_layers, load_drafter,
     save_drafter, weights_fingerprint,
 )
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
@@ -44,7 +45,7 @@ from d3d.training import (
     split_examples,
 )
 from d3d.utils.checkpoints import (
-    MARKER, check_record_reaches, drafter_folder, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
+    MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import CorruptFile, JsonlWriter, lock_folder, read_jsonl, unique, write_json

@@ -13,7 +13,8 @@ from d3d.decoding.methods import Async, Method
 from d3d.decoding.verify import Sampling, probs
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.drafter import build_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
 from tests.conftest import compose
 from tests.integration.conftest import PROMPTS, reference

@@ -9,7 +9,7 @@ import pytest
 from d3d.data.benchmarks import (
     BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
 )
-from d3d.data.prompts import benchmark_spec
+from d3d.settings import shipped_benchmark
 from tests.conftest import FIXTURES
 from tests.unit.conftest import with_local
 
@@ -33,14 +33,14 @@ def test_fixture_formats(cache_dir):
     assert "remove first and last occurrence" in text and 'assert remove_Occ("hello","l") == "heo"' in text
     mt, _ = load_records(with_local("mt_bench", "mt_bench_hub.jsonl"), cache_dir)
     assert mt[0].turns == ["Write a haiku about autumn.", "Now rewrite it about spring."]
-    math = benchmark_spec("gsm8k")
+    math = shipped_benchmark("gsm8k")
     assert format_turn(math, gsm[0]).endswith("put your final answer within \\boxed{}.")
 
 
 def test_hub_only_benchmark_is_unavailable_offline(cache_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(BenchmarkUnavailable, match="local_file"):
-        load_records(benchmark_spec("mbpp"), cache_dir)
+        load_records(shipped_benchmark("mbpp"), cache_dir)
 
 
 def test_seeded_subset_is_deterministic_and_ordered(cache_dir):
@@ -57,7 +57,7 @@ def test_seeded_subset_is_deterministic_and_ordered(cache_dir):
 ])
 def test_real_shipped_data_counts(name, total, subset, cache_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the PyPI copy, not the hub
-    spec = benchmark_spec(name)
+    spec = shipped_benchmark(name)
     records, source = load_records(spec, cache_dir)
     assert source == "offline" and len(records) == total
     assert len(load_benchmark(spec, cache_dir)) == subset
@@ -76,7 +76,7 @@ def test_list_command(capsys, cache_dir, monkeypatch):
 def local_spec(tmp_path, text: str, name="gsm8k", filename="bench.jsonl"):
     path = tmp_path / filename
     path.write_text(text)
-    return replace(benchmark_spec(name), local_file=str(path))  # the shipped sources stay listed after local, as in conf/
+    return replace(shipped_benchmark(name), local_file=str(path))  # the shipped sources stay listed after local, as in conf/
 
 
 def test_a_mistyped_local_file_is_refused_not_replaced_by_the_shipped_data(cache_dir, monkeypatch, tmp_path):
@@ -84,7 +84,7 @@ def test_a_mistyped_local_file_is_refused_not_replaced_by_the_shipped_data(cache
     from d3d.config import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    spec = replace(benchmark_spec("gsm8k"), local_file=str(tmp_path / "gsm8k_typo.jsonl"))
+    spec = replace(shipped_benchmark("gsm8k"), local_file=str(tmp_path / "gsm8k_typo.jsonl"))
     with pytest.raises(ConfigError, match=r"^benchmark.specs.gsm8k.local_file=.*gsm8k_typo.jsonl: .* is not a file. Fix"):
         load_records(spec, cache_dir)
 

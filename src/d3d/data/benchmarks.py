@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from d3d.errors import ConfigError
-from d3d.fetch import PackageUnavailableError, package_file
+from d3d.fetch import PackageUnavailableError, hub_reachable, package_file
 from d3d.specs import BenchmarkSpec, BenchmarkSuite
 
 
@@ -201,8 +201,6 @@ def _load_offline(spec: BenchmarkSpec, cache_dir: Path) -> Located:
 
 
 def _load_hub(spec: BenchmarkSpec) -> Located:
-    from d3d.models.target import hub_reachable
-
     hub = spec.hub
     if not hub_reachable():
         raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
