@@ -566,6 +566,10 @@ def test_a_tree_sampled_at_top_k_1_is_the_greedy_output(models, method):
         res = SpecGenerator(target, tok, drafter, cfg).generate(prompts, seed=1)
         for row, p in enumerate(prompts):
             assert res.token_ids[row] == reference(target, tok, p, 20, tok.eos_token_id), (block, row)
+    # top-p: runs on ragged rows, seeded, every token accounted for by a round
+    gen = SpecGenerator(target, tok, drafter, replace(cfg, top_k=0, top_p=0.5))
+    a, b = gen.generate(prompts, seed=2), gen.generate(prompts, seed=2)
+    assert a.token_ids == b.token_ids and sum(a.taus()) == a.new_tokens
 
 
 def test_the_python_api_refuses_a_pass_the_device_cannot_hold(models):
