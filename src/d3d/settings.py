@@ -193,14 +193,17 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, draft
         shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
         _check_logits_width(drafter, target, shapes["target"].vocab)
     memory = memory_bytes(device)
-    context = _context(target_path)
     for name, dc in methods.items():
         check_fits(dc, method_class(dc.method), name, shapes, batch, memory, device)
-        block = method_class(dc.method).block_size(dc)
-        if context and 1 + dc.max_new_tokens + block > context:  # every request would be skipped, after loading
-            raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
-                              f"(method {name}) that passes the target's context of {context} tokens, so every request "
-                              f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
+    # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
+    # request of that method would be skipped after the models loaded
+    context = _context(target_path)
+    block, name, dc = max(((method_class(dc.method).block_size(dc), name, dc) for name, dc in methods.items()),
+                          default=(0, None, None))
+    if context and dc is not None and 1 + dc.max_new_tokens + block > context:
+        raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
+                          f"(method {name}) that passes the target's context of {context} tokens, so every request "
+                          f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
 
 
 def _check_logits_width(drafter: DrafterSpec, target: ModelSpec, vocab: int) -> None:
