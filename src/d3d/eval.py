@@ -160,13 +160,16 @@ def read_settings(dc: DecodeConfig) -> dict:
 def check_eval_settings(ev: EvalSettings) -> None:
     """eval.* values of the right type that still cannot work, refused before any model loads
     (max_new_tokens=0 used to write empty rows and an empty table). Types are EvalSettings' job."""
+    if not ev.concurrency:  # max() of no batch sizes used to be a traceback
+        raise ConfigError("eval.concurrency=[]: no batch size to run. Fix: set eval.concurrency=[1] (or e.g. [1,4,16]).")
     for key, least, value in [("max_new_tokens", 1, ev.max_new_tokens), ("warmup", 0, ev.warmup),
+                              ("auto_budget_prompts", 1, ev.auto_budget_prompts),
                               *([("n", 1, ev.n)] if ev.n is not None else []),
                               *(("concurrency", 1, c) for c in ev.concurrency)]:
         if value < least:
-            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}")
+            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}. Fix: set eval.{key} to {least} or more.")
     if ev.exec_timeout_s <= 0:
-        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0")
+        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0. Fix: set eval.exec_timeout_s=10.")
     for label in ev.also_drafters:  # its rows are named <method>@<label>
         if not label or "@" in label or "/" in label:
             raise ConfigError(f"eval.also_drafters.{label}: a label names rows <method>@<label>. Fix: use a plain "
@@ -427,8 +430,11 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
     every stage before the first runs)."""
     typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
     if check_only:
-        check_decode_cost(method_configs(cfg, typed.eval), typed.target, typed.drafter,
-                          resolve_path(typed.paths.cache_dir), max(typed.eval.concurrency))
+        cache = resolve_path(typed.paths.cache_dir)
+        check_decode_cost(method_configs(cfg, typed.eval), typed.target, typed.drafter, cache,
+                          max(typed.eval.concurrency))
+        if typed.eval.enable_thinking:  # else said only when the eval stage starts, after the others ran
+            require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
         return None
     with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, typed)

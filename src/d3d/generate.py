@@ -87,10 +87,17 @@ def dtype_name(dtype: str | None, device: str) -> str:
     return str(torch_dtype(dtype, pick_device(device))).removeprefix("torch.")
 
 
-def run_generate(cfg: DictConfig) -> Path:
+def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
-    time per folder: a second writer would answer every prompt again."""
+    time per folder: a second writer would answer every prompt again. `check_only`: bind the settings,
+    check the backend and the thinking switch, and return None (d3d.pipeline checks every stage first)."""
     typed = bind_config(cfg, "generate")  # the typed boundary: unknown keys fail here
+    if check_only:
+        check_backend(typed.generate.backend)
+        if typed.generate.enable_thinking:
+            cache_dir = resolve_path(typed.paths.cache_dir)
+            require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
+        return None
     with lock_folder(resolve_path(typed.generate.out_dir), "d3d.generate", process_state().process_index):
         return _generate(typed)
 

@@ -75,8 +75,8 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).
-    if "generate" in stages:
-        bind_config(stage_config("generate", overrides, wiring["generate"]), "generate")
+    if "generate" in stages:  # the backend and the thinking switch too
+        run_generate(stage_config("generate", overrides, wiring["generate"]), check_only=True)
     if "eval" in stages:
         run_eval(stage_config("eval", overrides, wiring["eval"]), check_only=True)
     record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name

@@ -551,3 +551,42 @@ def test_sampled_async_tree_decoding_runs_and_is_seeded(models):
     a, b = gen.generate(prompts, seed=3), gen.generate(prompts, seed=3)
     assert a.token_ids == b.token_ids and sum(a.taus()) == a.new_tokens
     assert all(len(t) == 25 or r == "stop" for t, r in zip(a.token_ids, a.finish_reasons))
+
+
+# ---------------------------------------------------------------- hostile settings (issue 38)
+
+@pytest.mark.parametrize("method", ["tree", "async_tree"])
+def test_a_tree_sampled_at_top_k_1_is_the_greedy_output(models, method):
+    """T = 1 with top-k 1 leaves one token per step: a tree (its other nodes at q = 0) must then
+    return the target's greedy tokens, ragged rows and block 2 (one draft slot) included."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    for block in (2, 6):
+        cfg = DecodeConfig(method=method, block_size=block, tree_nodes=4, tree_trays=3, temperature=1.0, top_k=1,
+                           max_new_tokens=20)
+        res = SpecGenerator(target, tok, drafter, cfg).generate(prompts, seed=1)
+        for row, p in enumerate(prompts):
+            assert res.token_ids[row] == reference(target, tok, p, 20, tok.eos_token_id), (block, row)
+    # top-p: runs on ragged rows, seeded, every token accounted for by a round
+    gen = SpecGenerator(target, tok, drafter, replace(cfg, top_k=0, top_p=0.5))
+    a, b = gen.generate(prompts, seed=2), gen.generate(prompts, seed=2)
+    assert a.token_ids == b.token_ids and sum(a.taus()) == a.new_tokens
+
+
+def test_the_python_api_refuses_a_pass_the_device_cannot_hold(models):
+    """The memory bound was the CLI's only (d3d.settings.check_decode_cost): SpecGenerator built the
+    131072-token tray pass of `block_size=256 C=256` (a 17 GB mask at toy size) and trees beyond
+    the block's distinct nodes; scripts/tree_vs_chain.py and any caller reach it. Now the engine
+    applies the same bound at construction (batch 1) and per call (the call's batch)."""
+    from d3d.config import ConfigError
+
+    target, drafter, tok = models
+    with pytest.raises(ConfigError, match=r"^decode.block_size=256 decode.C=256 decode.F=2 \(method async, batch 1\)"):
+        SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=256, C=256))
+    vocab = target.config.vocab_size
+    with pytest.raises(ConfigError, match=rf"^decode.tree_nodes={vocab + 1} \(method tree\): .* at most {vocab} "):
+        SpecGenerator(target, tok, drafter, DecodeConfig(method="tree", block_size=2, tree_nodes=vocab + 1))
+    # fits one request, not 64 at once: refused when the call's batch is known, before any pass
+    gen = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=16, C=16, F=100))
+    with pytest.raises(ConfigError, match=r"\(method async, batch 64\).*or fewer requests at once"):
+        gen.generate([[1, 2, 3]] * 64, max_new_tokens=4)

@@ -558,3 +558,35 @@ def test_thinking_on_a_template_without_the_switch_is_refused_before_loading(tmp
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a, **k: pytest.fail("the models loaded first"))
     with pytest.raises(ConfigError, match=r"^eval.enable_thinking=true but the chat template of .* has no enable_thinking switch"):
         evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", "eval.enable_thinking=true")
+
+
+def test_a_run_that_would_skip_every_request_or_a_drafter_of_another_vocabulary_is_refused_before_loading(
+        tmp_path, monkeypatch):
+    """eval.max_new_tokens past the target's context skipped every request after the models loaded, then
+    failed with "holds no rows"; a drafter checkpoint built for another vocabulary was a ValueError
+    traceback (TokenizerMismatchError) after both loaded (issue 38). Now one line each, before any weight."""
+    import d3d.eval
+    from d3d.config import ConfigError, resolve_path
+    from d3d.models.target import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(d3d.eval, "load_target", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    with pytest.raises(ConfigError, match=r"^eval.max_new_tokens=5000: .* the target's context of 2048 tokens, so every "
+                                          r"request would be skipped. Fix: set eval.max_new_tokens=2043 or less"):
+        evaluate(tmp_path, "eval.max_new_tokens=5000")
+    typed = bind_config(compose("eval", SMOKE, tmp_path), "eval")
+    config = json.loads((resolve_path(resolve_model_path(typed.target, typed.paths.cache_dir)) / "config.json").read_text())
+    other = tmp_path / "other_vocab"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "d3d": {"block_size": 4, "vocab_size": 999}}))
+    with pytest.raises(ConfigError, match=rf"^drafter.checkpoint={other}: the drafter was built for a target with 999 "
+                                          r"logits; target tiny_random has 260\. Fix: "):
+        evaluate(tmp_path, f"drafter.checkpoint={other}")
+
+
+def test_a_tokenizer_mismatch_is_a_config_error():
+    """TokenizerMismatchError was a bare ValueError: the CLI showed a traceback, not its one line (issue 38)."""
+    from d3d.config import USER_ERRORS
+    from d3d.models.drafter import TokenizerMismatchError
+
+    assert issubclass(TokenizerMismatchError, USER_ERRORS)

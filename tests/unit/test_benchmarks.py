@@ -121,3 +121,51 @@ def test_a_broken_json_file_names_its_line(cache_dir, tmp_path):
     with pytest.raises(MalformedFile, match=r"bench.json:3 is not JSON"):
         load_records(local_spec(tmp_path, '[\n{"question": "a", "answer": "1"},\n{"question": }\n]\n', filename="bench.json"),
                      cache_dir)
+
+
+def _hostile_path(tmp_path, kind: str):
+    """A benchmark or prompt file path that is no readable UTF-8 file: latin-1 bytes, a directory, a FIFO,
+    a symlink loop."""
+    import os
+
+    path = tmp_path / f"{kind}.jsonl"
+    if kind == "latin1":
+        path.write_bytes('{"question": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"))
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)  # opening it would block for ever: never opened
+    elif kind == "loop":
+        os.symlink(tmp_path / "loop_b.jsonl", path)
+        os.symlink(path, tmp_path / "loop_b.jsonl")
+    return path
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("latin1", r"latin1.jsonl: byte 17 is not UTF-8 \(invalid continuation byte\)\. Fix: save the file as UTF-8"),
+    ("directory", r"^benchmark.specs.gsm8k.local_file=.*directory.jsonl: .* is not a file\. Fix"),
+    ("fifo", r"^benchmark.specs.gsm8k.local_file=.*fifo.jsonl: .* is not a file\. Fix"),
+    ("loop", r"^benchmark.specs.gsm8k.local_file=.*loop.jsonl: .* is not a file\. Fix"),
+])
+def test_a_benchmark_file_that_is_no_utf8_file_is_one_line(cache_dir, monkeypatch, tmp_path, kind, match):
+    """latin-1 bytes were a UnicodeDecodeError traceback naming no file; a symlink loop a RuntimeError
+    ("Symlink loop from ...") traceback (issue 38). A directory and a FIFO were already refused."""
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = replace(shipped_benchmark("gsm8k"), local_file=str(_hostile_path(tmp_path, kind)))
+    with pytest.raises(ConfigError, match=match):
+        load_records(spec, cache_dir)
+
+
+def test_two_items_under_one_id_are_refused_and_a_repeated_item_is_kept(cache_dir, tmp_path):
+    """Rows are keyed by (benchmark, id, ...): the second of two math500 items sharing a unique_id never
+    ran (the first's row counted as its), silently (issue 38). An item repeated whole stays as it was."""
+    from d3d.data.benchmarks import MalformedFile
+
+    a, b = '{"unique_id": "x", "problem": "1+1", "answer": "2"}', '{"unique_id": "x", "problem": "2+2", "answer": "4"}'
+    with pytest.raises(MalformedFile, match=r"bench.jsonl:2: id 'math500/x' again, for another item \(first at "
+                                            r".*bench.jsonl:1\).* Fix: give each item its own id"):
+        load_records(local_spec(tmp_path, f"{a}\n{b}\n", "math500"), cache_dir)
+    records, _ = load_records(local_spec(tmp_path, f"{a}\n{a}\n", "math500"), cache_dir)
+    assert [r.id for r in records] == ["math500/x", "math500/x"]

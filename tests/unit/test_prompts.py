@@ -71,3 +71,31 @@ def test_a_missing_prompt_file_is_one_line_with_the_key(cache_dir, tmp_path):
     cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'nope.jsonl'}"]).data
     with pytest.raises(ConfigError, match=r"^data.local_file=.*nope.jsonl: .* is not a file\. Fix"):
         load_prompt_set(cfg, cache_dir, shipped_benchmark)
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("latin1", r"latin1.jsonl: byte 17 is not UTF-8 .* Fix: save the file as UTF-8"),
+    ("directory", r"^data.local_file=.*directory.jsonl: .* is not a file\. Fix"),
+    ("fifo", r"^data.local_file=.*fifo.jsonl: .* is not a file\. Fix"),
+    ("loop", r"^data.local_file=.*loop.jsonl: .* is not a file\. Fix"),
+])
+def test_a_prompt_file_that_is_no_utf8_file_is_one_line(cache_dir, tmp_path, kind, match):
+    """latin-1 bytes and a symlink loop were tracebacks (UnicodeDecodeError, RuntimeError) (issue 38)."""
+    from d3d.config import ConfigError
+    from tests.unit.test_benchmarks import _hostile_path
+
+    path = _hostile_path(tmp_path, kind)
+    cfg = compose("generate", ["data=local", f"data.local_file={path}"]).data
+    with pytest.raises(ConfigError, match=match):
+        load_prompt_set(cfg, cache_dir, shipped_benchmark)
+
+
+def test_two_prompts_under_one_id_are_refused(cache_dir, tmp_path):
+    """generate keyed the prompts' token ids by id: of two prompts sharing one, both rows got the
+    second's response under their own messages, training pairs that never happened (issue 38)."""
+    from d3d.data.benchmarks import MalformedFile
+
+    (tmp_path / "prompts.jsonl").write_text('{"id": "a", "prompt": "hi"}\n{"id": "a", "prompt": "bye"}\n')
+    cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'prompts.jsonl'}"]).data
+    with pytest.raises(MalformedFile, match=r"prompts.jsonl:2: id 'a' again, for another prompt \(first at .*prompts.jsonl:1\)"):
+        load_prompt_set(cfg, cache_dir, shipped_benchmark)

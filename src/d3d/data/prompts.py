@@ -69,7 +69,7 @@ def _from_benchmarks(cfg: PromptSetSpec, cache_dir: Path, spec_of: SpecOf) -> li
 def _rows_to_prompts(rows: Located, prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
     """One prompt per row (its first user turn). A row that has neither field, or no user turn with
     text, fails naming its file and line: a KeyError after the set was half read used to say neither."""
-    out = []
+    out, first = [], {}
     for i, (at, row) in enumerate(rows):
         try:
             if row.get(messages_field):
@@ -83,14 +83,24 @@ def _rows_to_prompts(rows: Located, prefix: str, messages_field="messages", prom
             raise MalformedFile(f"{at}: a prompt row needs {prompt_field!r}: \"<text>\" or {messages_field!r}: [{{\"role\": "
                                 f"\"user\", \"content\": \"<text>\"}}]; its fields are {sorted(row)}. Fix: rename the "
                                 f"field in that file.")
-        messages = [{"role": "user", "content": content}]
-        out.append(Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), messages))
-    return out
+        prompt = Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), [{"role": "user", "content": content}])
+        out.append(prompt)
+        if prompt.id not in first:
+            first[prompt.id] = (at, prompt)
+        elif prompt.messages != first[prompt.id][1].messages:  # responses are keyed by id: one would get the other's
+            raise MalformedFile(f"{at}: id {prompt.id!r} again, for another prompt (first at {first[prompt.id][0]}); "
+                                f"responses are keyed by id, so one prompt would get the other's response. Fix: give "
+                                f"each prompt its own id in that file (or drop the ids).")
+    return out  # a prompt repeated whole is kept as it was (the same text, the same response)
 
 
 def _from_local(cfg: PromptSetSpec) -> list[Prompt]:
     """data.local_file, checked: a missing or empty file is said with the key, before any model loads."""
-    path = Path(os.path.expanduser(str(cfg.local_file or ""))).resolve()
+    path = Path(os.path.expanduser(str(cfg.local_file or "")))
+    try:
+        path = path.resolve()
+    except RuntimeError:  # a symlink loop (Python 3.11; later ones resolve it and is_file() says no)
+        pass
     if not cfg.local_file or not path.is_file():
         raise ConfigError(f"data.local_file={cfg.local_file}: {path} is not a file. Fix: pass a jsonl of "
                           f"prompts, one {{\"prompt\": \"...\"}} (or {{\"messages\": [...]}}) a line.")

@@ -47,10 +47,11 @@ long the main thread waited for the tray pass after verifying.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from d3d.decoding.cost import check_loaded
 from d3d.decoding.methods import DecodeConfig, method_class
 from d3d.decoding.passes import Passes, Round, _Clock, _sync
 
@@ -114,6 +115,7 @@ class SpecGenerator:
             raise ValueError(f"the drafter is on {next(drafter.parameters()).device} and the target on {self.device}: "
                              "put both on one device (the loop keeps its state there)")
         self.B = self.method.block_size(self.cfg)
+        check_loaded(self.cfg, self.method, target, drafter, 1)  # the CLI's memory bound (d3d.decoding.cost)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
         self.seed = seed
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -147,6 +149,7 @@ class SpecGenerator:
         if problem:
             raise ValueError(f"{problem}. Fix: shorten the prompt or lower max_new_tokens.")
         b = len(prompts)
+        check_loaded(replace(cfg, max_new_tokens=max_new), self.method, self.target, self.drafter, b)
         clock = _Clock(dev)
         step = self.method(cfg, passes)
         passes.room = max(len(p) for p in prompts) + max_new + B  # slots committed at most, before a pass

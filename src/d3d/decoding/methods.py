@@ -84,15 +84,16 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         """Every setting checked here, before any model loads: a bad value used to fail deep in torch
         (block_size=0), run silently greedy (temperature=-1) or do nothing (top_p=2)."""
-        def bad(key, allowed):
-            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}")
+        def bad(key, allowed, fix=None):
+            fix = fix or f"set decode.{key} to {allowed.rsplit(' (', 1)[0]}"
+            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}. Fix: {fix}.")
 
         method = method_class(self.method)  # a registered name, or the names there are
         choices = {"coverage": ("first", "confident"), "overlap": ("auto", "stream", "thread", "none"),
                    "backend": BACKENDS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
-                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
+                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}", f"set decode.{key} to one of them")
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
         low = 2 if method.needs_drafter else 1  # a speculative block: the pending token + >= 1 draft
         if not whole(self.block_size) or not low <= self.block_size <= MAX_BLOCK:
@@ -100,7 +101,8 @@ class DecodeConfig:
                               "training block size is the right one)")
         if self.backend not in method.backends:
             bad("backend", f"method={self.method} runs on {', '.join(method.backends)} only "
-                           "(its cache keeps non-contiguous slots, which only the eager cache does)")
+                           "(its cache keeps non-contiguous slots, which only the eager cache does)",
+                f"set decode.backend={method.backends[0]}")
         for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("tree_trays", 1), ("top_k", 0), ("max_new_tokens", 1)):
             if not whole(getattr(self, key)) or getattr(self, key) < least:
                 bad(key, f"an integer >= {least}" + (" (0 = off)" if key == "top_k" else ""))
@@ -245,7 +247,8 @@ def register(name: str):
 def method_class(name: str, where: str = "decode") -> type[Method]:
     if name not in METHODS:
         *most, last = METHODS
-        raise ConfigError(f"{where}.method={name!r}: use {', '.join(most)} or {last}")
+        raise ConfigError(f"{where}.method={name!r}: use {', '.join(most)} or {last}. Fix: set {where}.method to one "
+                          f"of them (or register a method of this name in d3d.decoding.methods).")
     return METHODS[name]
 
 

@@ -30,8 +30,8 @@ from d3d.models.target import load_model, load_tokenizer, resolve_model_path, to
 from d3d.specs import DrafterSpec, ModelSpec
 
 
-class TokenizerMismatchError(ValueError):
-    """The drafter and the target do not share a tokenizer."""
+class TokenizerMismatchError(ConfigError):
+    """The drafter and the target do not share a tokenizer (a ConfigError: the CLI says it in one line)."""
 
 
 def tokenizer_fingerprint(tokenizer, ignore: tuple[str, ...] = ()) -> str:
