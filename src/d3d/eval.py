@@ -216,9 +216,9 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
             # keys only one side has are not compared); max_new_tokens is above
             "methods": {name: read_settings(dc) for name, dc in methods.items()},
             # more drafters' rows (<method>@<label>): their weights too (absent when none, so older folders resume)
-            **({"also_drafters": {label: {"drafter": str(drafter_folder(path)),
-                                          "drafter_weights": weights_fingerprint(drafter_folder(path))}
-                                  for label, path in ev.also_drafters.items()}} if ev.also_drafters else {})}
+            **({"also_drafters": {label: {"drafter": str(folder), "drafter_weights": weights_fingerprint(folder)}
+                                  for label, folder in ((k, drafter_folder(p)) for k, p in ev.also_drafters.items())}}
+               if ev.also_drafters else {})}
 
 
 def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
@@ -232,16 +232,21 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
                      "pass a new eval.out_dir, or delete that folder to start over.")
 
 
+def load_trained_drafter(cfg: EvalConfig, path: str, target, tok, where: str):
+    """A saved drafter on the target's device and dtype, with its fit to the target said (`where` names its key)."""
+    drafter, drafter_tok = load_drafter(resolve_path(path), device=str(target.device), dtype=cfg.target.dtype,
+                                        attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+    for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
+        log.warning("%s: %s", where, warning)
+    return drafter
+
+
 def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     _, tok, target = load_target(cfg.target, cache, process_device(state, cfg.target.device))
     drafter = None
     if any(method_class(dc.method).needs_drafter for dc in methods.values()):
         if cfg.drafter.checkpoint:
-            drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
-                                                dtype=cfg.target.dtype,
-                                                attn_implementation=drafter_attention(cfg.drafter, cfg.target))
-            for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
-                log.warning(warning)
+            drafter = load_trained_drafter(cfg, cfg.drafter.checkpoint, target, tok, "drafter.checkpoint")
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
             drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=str(target.device), dtype=cfg.target.dtype)
@@ -259,10 +264,7 @@ def also_drafter_generators(cfg: EvalConfig, methods: dict[str, DecodeConfig], t
     items, as rows `<method>@<label>` (a pruned drafter beside the one it was pruned from)."""
     gens = {}
     for label, path in cfg.eval.also_drafters.items():
-        drafter, drafter_tok = load_drafter(resolve_path(path), device=str(target.device), dtype=cfg.target.dtype,
-                                            attn_implementation=drafter_attention(cfg.drafter, cfg.target))
-        for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
-            log.warning("eval.also_drafters.%s: %s", label, warning)
+        drafter = load_trained_drafter(cfg, path, target, tok, f"eval.also_drafters.{label}")
         for name, dc in methods.items():
             if method_class(dc.method).needs_drafter:
                 gens[f"{name}@{label}"] = SpecGenerator(target, tok, drafter, dc, eos, seed=cfg.seed)
