@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
-from d3d.settings import bind_config
+from d3d.settings import bind_config, shipped_benchmark
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
-from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.kv import BACKENDS
 from d3d.models import load_target
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = bind_config(compose("eval", args.overrides), "eval")
     cache = resolve_path(cfg.paths.cache_dir)
     _, tok, target = load_target(cfg.target, cache)
-    spec = benchmark_spec(args.benchmark)
+    spec = shipped_benchmark(args.benchmark)
     prompt = chat_prompt_ids(tok, first_turn_messages(spec, load_benchmark(spec, cache, n=1)[0]))
     ids = torch.tensor([prompt], device=target.device)
 

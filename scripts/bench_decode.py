@@ -30,10 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from d3d.config import compose, resolve_path
-from d3d.settings import bind_config, check_decode_cost
+from d3d.settings import bind_config, check_decode_cost, shipped_benchmark
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
-from d3d.data.prompts import benchmark_spec
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.kv import BACKENDS
 from d3d.decoding.methods import method_row
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"error: --also-drafters {item!r}: write LABEL=FOLDER, e.g. unpruned=checkpoints/x/final")
         also[label] = load_drafter(folder, device=str(target.device), dtype=cfg.target.dtype)[0]
     eos = eos_ids(tok, target)
-    spec = benchmark_spec(args.benchmark)
+    spec = shipped_benchmark(args.benchmark)
     records = load_benchmark(spec, cache, n=args.n_prompts + 1)
     prompts = [chat_prompt_ids(tok, first_turn_messages(spec, r)) for r in records]
     warm, prompts = prompts[0], prompts[1:]
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         # sync and trees first, the async methods last (see above); a tree runs on the eager backend only
         for name, dc in sorted(ours.items(), key=lambda kv: kv[1].method.startswith("async")):
             if backend in method_row(dc.method).backends:
-                packed = f"({dc.budget}tok)" if dc.budget else ""
+                packed = f"({method_row(dc.method).budget(dc)}tok)" if method_row(dc.method).budget(dc) else ""
                 methods[f"{name}{packed}{tag}"] = our_call(SpecGenerator(target, tok, drafter, replace(dc, backend=backend), eos))
                 for label, other in also.items():  # the same method with another drafter (sync and trees)
                     if dc.method in ("sync", "tree"):

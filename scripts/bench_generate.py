@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
-from d3d.settings import bind_config
+from d3d.settings import bind_config, shipped_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.models.generation import generate_batch
@@ -42,7 +42,7 @@ def main() -> None:
     cache = resolve_path(cfg.paths.cache_dir)
     path = resolve_model_path(cfg.target, cache)
     tok = load_tokenizer(path)
-    prompts = load_prompt_set(cfg.data, cache)[: max(args.batch_sizes)]
+    prompts = load_prompt_set(cfg.data, cache, shipped_benchmark)[: max(args.batch_sizes)]
     batch_all = [(p, chat_prompt_ids(tok, p.messages)) for p in prompts]
     rows = []
     for dtype in args.dtypes:

@@ -22,7 +22,8 @@ import torch
 
 from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
-from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.drafter import build_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import D3DTrainingStep, load_examples
 from d3d.utils.io import write_json

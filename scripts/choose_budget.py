@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 
 from d3d.config import compose, resolve_path
-from d3d.settings import bind_config
+from d3d.settings import bind_config, shipped_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.decoding import DecodeConfig
 from d3d.decoding.budget import calibrate, greedy_pairs
 from d3d.decoding.methods import method_row
 from d3d.models import load_target
-from d3d.models.drafter import DrafterSettings, load_drafter
+from d3d.models.drafter import load_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 
@@ -39,7 +40,7 @@ def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
 
         examples = load_examples(resolve_path(args.responses), int(args.max_len))[-args.n:]
         return [(ex.ids, ex.prompt_len) for ex in examples]
-    prompts = load_prompt_set(cfg.data, resolve_path(cfg.paths.cache_dir))[-args.n:]
+    prompts = load_prompt_set(cfg.data, resolve_path(cfg.paths.cache_dir), shipped_benchmark)[-args.n:]
     return greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages) for p in prompts], args.max_new_tokens,
                         eos_ids(tok, target))
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import DrafterSettings, load_drafter
+from d3d.models.drafter import load_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.training import cut_responses, load_examples, split_examples
 
 

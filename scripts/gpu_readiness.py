@@ -109,7 +109,9 @@ def projection_row(method: str, backend: str, budget_tokens: int | None, tau: fl
                    t_round: float, t_hit: float | None, overlap: float | None, mask_cost_ms: float | None) -> dict:
     """One projection row: the speedup over an AR round t_ar, and over one that pays the AR mask cost."""
     speed = project(tau, hit, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
-    fair = None if mask_cost_ms is None else project(tau, hit, t_ar + mask_cost_ms, t_sync=t_round,
+    # a mask costs nothing or more: a negative difference of two timed passes is timer noise (toy
+    # sizes on a busy CPU), and credited to AR it could make the round's time negative
+    fair = None if mask_cost_ms is None else project(tau, hit, t_ar + max(mask_cost_ms, 0.0), t_sync=t_round,
                                                         t_miss=t_round, t_hit=t_hit)
     return {"method": method, "backend": backend, "budget_tokens": budget_tokens, "hit_rate": hit,
             "round_ms": t_round, "hit_round_ms": t_hit, "overlap": None if overlap is None else

@@ -20,7 +20,8 @@ import torch
 
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers, spearman
-from d3d.models.drafter import DrafterSettings, decoder_layers, load_drafter, skipping_layers
+from d3d.models.drafter import decoder_layers, load_drafter, skipping_layers
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import torch_dtype
 from d3d.training import cut_responses, load_examples, split_examples
 from d3d.utils.hardware import cpu_info

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from d3d.config import compose, resolve_path
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import DrafterSettings, as_deployed, keep_layers, load_drafter
+from d3d.models.drafter import as_deployed, keep_layers, load_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
 from d3d.training import cut_responses, freeze_embeddings_except_mask, load_examples, recover, split_examples
 from d3d.utils.hardware import cpu_info
@@ -34,7 +35,8 @@ def measure(model, calib, holdout, s, suffix: str = "") -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True)
-    p.add_argument("--remove", type=int, nargs="+", required=True, help="layer indices to remove")
+    p.add_argument("--remove", type=int, nargs="*", default=[],
+                   help="layer indices to remove; none: the control (the whole drafter trained the same steps)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--losses", nargs="+", default=["objective", "distill"])
     p.add_argument("--out", default="docs/results/prune_recovery_qwen_zen4.json")

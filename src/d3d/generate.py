@@ -21,7 +21,7 @@ from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import rank_file, read_responses
 from d3d.models.engines import check_backend, engine_version, open_backend
-from d3d.settings import bind_config
+from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, process_device,
                                process_state, resolve_model_path, torch_dtype)
@@ -32,7 +32,7 @@ log = logging.getLogger("d3d.generate")
 
 # What a row depends on, hence the folder's resume key (meta.json "settings"; every row carries them).
 # The backend is one: an engine's greedy rows can differ from transformers' by bf16 near-ties, and
-# one folder holds one backend's rows (docs/results.md, "Generation backends").
+# one folder holds one backend's rows (docs/results/study_2026-12-01_generation_backends.md).
 SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "enable_thinking", "system_prompt",
                 "backend")
 # A folder written before a key existed was made with its value here (so it still resumes).
@@ -87,10 +87,17 @@ def dtype_name(dtype: str | None, device: str) -> str:
     return str(torch_dtype(dtype, pick_device(device))).removeprefix("torch.")
 
 
-def run_generate(cfg: DictConfig) -> Path:
+def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
     """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
-    time per folder: a second writer would answer every prompt again."""
+    time per folder: a second writer would answer every prompt again. `check_only`: bind the settings,
+    check the backend and the thinking switch, and return None (d3d.pipeline checks every stage first)."""
     typed = bind_config(cfg, "generate")  # the typed boundary: unknown keys fail here
+    if check_only:
+        check_backend(typed.generate.backend)
+        if typed.generate.enable_thinking:
+            cache_dir = resolve_path(typed.paths.cache_dir)
+            require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
+        return None
     with lock_folder(resolve_path(typed.generate.out_dir), "d3d.generate", process_state().process_index):
         return _generate(typed)
 
@@ -103,7 +110,7 @@ def _generate(cfg: GenerateConfig) -> Path:
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
-    prompts = load_prompt_set(cfg.data, cache_dir)
+    prompts = load_prompt_set(cfg.data, cache_dir, shipped_benchmark)
     if gen.limit:
         prompts = prompts[: gen.limit]
     settings = {k: getattr(gen, k) for k in SETTING_KEYS}

@@ -9,7 +9,8 @@ Each stage is the ordinary job (d3d.generate, d3d.train, d3d.prune, d3d.eval) co
 overrides; an override whose top-level key a stage does not have (e.g. `prune.num_layers=2` for the
 generate stage) is passed only to the stages that have it. The pipeline wires the stages together:
 the trained drafter (`<train.out_dir>/final`) is what prune starts from, and the pruned drafter
-(`<prune.out_dir>/final`) is what eval measures. Because every stage resumes (finished rows, steps
+(`<prune.out_dir>/final`) is what eval measures, beside the unpruned one (rows `<method>@unpruned`,
+eval.also_drafters). Because every stage resumes (finished rows, steps
 and checkpoints are skipped), rerunning the command after a kill continues where it stopped.
 Stage wall times go to `<outputs>/pipeline/<run_name>/pipeline.json`.
 """
@@ -67,13 +68,15 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     prune_cfg = bind_config(stage_config("prune", overrides, {"drafter.checkpoint": str(trained)}), "prune")
     pruned = resolve_path(prune_cfg.prune.out_dir) / "final"
     drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
+    # a pruned drafter is measured beside the one it was pruned from: rows <method>@unpruned
+    beside = {"++eval.also_drafters.unpruned": str(trained)} if drafter_for_eval == pruned else {}
     wiring = {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},
-              "eval": {"drafter.checkpoint": str(drafter_for_eval)}}
+              "eval": {"drafter.checkpoint": str(drafter_for_eval), **beside}}
     # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).
-    if "generate" in stages:
-        bind_config(stage_config("generate", overrides, wiring["generate"]), "generate")
+    if "generate" in stages:  # the backend and the thinking switch too
+        run_generate(stage_config("generate", overrides, wiring["generate"]), check_only=True)
     if "eval" in stages:
         run_eval(stage_config("eval", overrides, wiring["eval"]), check_only=True)
     record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name

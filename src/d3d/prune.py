@@ -33,9 +33,10 @@ from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers
 from d3d.models.drafter import (
-    DrafterSettings, as_deployed, build_drafter, decoder_layers, drafter_attention, keep_layers, load_drafter,
+    as_deployed, build_drafter, decoder_layers, drafter_attention, drafter_folder, keep_layers, load_drafter,
     save_drafter, weights_fingerprint,
 )
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
@@ -44,7 +45,7 @@ from d3d.training import (
     split_examples,
 )
 from d3d.utils.checkpoints import (
-    MARKER, check_record_reaches, drafter_folder, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
+    MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import CorruptFile, JsonlWriter, lock_folder, read_jsonl, unique, write_json
@@ -105,6 +106,7 @@ def _last_layer(model, calib, s, pc, record):
 # criterion is one function and one line here (docs/design.md, "Changes a researcher makes").
 SCORERS = {"acceptance": score_by_acceptance, "similarity": _by_similarity, "last": _last_layer}
 UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
+TAU_SCORES = {"acceptance"}  # scores that are τ: whether a removal alone is safe can be read from them
 
 
 def scorer(method: str):
@@ -118,15 +120,18 @@ def scorer(method: str):
 
 def choose_layers(model, calib, s: DrafterSettings, pc: PruneSettings, tau_now: float,
                   record: Path | None = None) -> tuple[list[int], list[float] | None]:
-    """The layers (current indices) this step removes: the best-scored one, and up to
-    prune.layers_per_step of the next best whose removal alone keeps >= step_safe_retention of the
-    current τ (scores of a rule, `last`, say nothing of τ: one layer a step)."""
+    """The layers (current indices) this step removes. By τ (acceptance): the best-scored one, and
+    up to prune.layers_per_step of the next best whose removal alone keeps >= step_safe_retention of
+    the current τ. A rule or a proxy (last, similarity) says nothing of τ: its layers_per_step best
+    go together, so a baseline removes as many layers a step, with as much recovery, as the
+    acceptance-guided step may (the comparison at equal layer counts)."""
     scores = scorer(pc.method)(model, calib, s, pc, record)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    chosen = order[:1]
-    if pc.method not in UNRECORDED:
+    if pc.method in TAU_SCORES:
         safe = [i for i in order[1:] if scores[i] >= pc.step_safe_retention * tau_now]
-        chosen += safe[: pc.layers_per_step - 1]
+        chosen = order[:1] + safe[: pc.layers_per_step - 1]
+    else:
+        chosen = order[: pc.layers_per_step]
     return sorted(chosen), None if pc.method in UNRECORDED else scores
 
 

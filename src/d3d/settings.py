@@ -7,12 +7,15 @@ say which keys exist and their types (tests/unit/test_configs.py binds every roo
 
 from __future__ import annotations
 
-from dataclasses import fields
+import math
+import sys
+from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import UnionType
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from d3d.config import ConfigError, config_dir
 from d3d.specs import (
@@ -40,17 +43,66 @@ EVERY_SECTION = frozenset(f.name for schema in ROOT_CONFIGS.values() for f in fi
 
 def bind(schema: type[T], node: Any, where: str) -> T:
     """`node` (a section of the composed config, or plain data) as a `schema` object: unknown keys,
-    missing ones and values of the wrong type fail here, named by their dotted key (`where.key`)."""
+    missing ones, values of the wrong type and numbers that are not finite (NaN, inf) fail here,
+    named by their dotted key (`where.key`) with the fix."""
     try:
         if OmegaConf.is_config(node):  # interpolations reach outside the section: resolve them first
             node = OmegaConf.to_container(node, resolve=True)
         typed = OmegaConf.merge(OmegaConf.structured(schema), node)
-        return OmegaConf.to_object(typed)  # type: ignore[return-value]
+        obj = OmegaConf.to_object(typed)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or ""
-        msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+        msg = str(getattr(err, "msg", None) or err).splitlines()[0].rstrip(".")
         dotted = ".".join(k for k in (where, key) if k)
-        raise ConfigError(f"{dotted}: {msg}" if dotted else msg) from None
+        fix = _binding_fix(err, schema, key, dotted, null="'None'" in msg)
+        raise ConfigError(f"{dotted}: {msg}. Fix: {fix}." if dotted else f"{msg}. Fix: {fix}.") from None
+    _refuse_non_finite(obj, where)
+    return obj  # type: ignore[return-value]
+
+
+def _binding_fix(err: OmegaConfBaseException, schema: type, key: str, dotted: str, null: bool) -> str:
+    """The fix of a binding error: the keys a section has, or what kind of value a key takes."""
+    section = getattr(err, "object_type", None)
+    if isinstance(err, ConfigKeyError) and section is not None and is_dataclass(section):
+        return f"check its spelling; {section.__name__} has {', '.join(f.name for f in fields(section))}"
+    kind, optional = _field_kind(schema, key.split(".") if key else [])
+    if kind is None:
+        return "see the key's type and the shipped value in d3d.specs and conf/"
+    return f"set {dotted} to {kind}" + (" or null" if optional else " (it cannot be null)" if null else "")
+
+
+def _field_kind(schema: Any, path: list[str]) -> tuple[str | None, bool]:
+    """In words, what the field at `path` under `schema` takes ("an integer", "a list (e.g. [1, 2])",
+    ...), and whether it may be null."""
+    optional = False
+    for name in path:
+        if not is_dataclass(schema):
+            return None, False
+        hint = get_type_hints(schema, vars(sys.modules[schema.__module__])).get(name)
+        if hint is None:
+            return None, False
+        optional = type(None) in get_args(hint)
+        args = [a for a in get_args(hint) if a is not type(None)]
+        schema = args[0] if get_origin(hint) in (Union, UnionType) and len(args) == 1 else hint
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    origin = get_origin(schema)
+    kind = words.get(schema) or ("a list (e.g. [1, 2])" if origin is list else "a mapping ({key: value})"
+                                 if origin is dict else "a section of its keys" if is_dataclass(schema) else None)
+    return kind, optional
+
+
+def _refuse_non_finite(obj: Any, where: str) -> None:
+    """A float field that is NaN or inf passes every range check written `value < low` (NaN compares
+    false) and runs: refused here, for every section, with its dotted key."""
+    for f in fields(obj) if is_dataclass(obj) else ():
+        value, dotted = getattr(obj, f.name), ".".join(k for k in (where, f.name) if k)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{dotted}={value}: not a finite number. Fix: set {dotted} to a finite number.")
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            _refuse_non_finite(item, f"{dotted}[{i}]" if isinstance(value, list) else dotted)
+        if isinstance(value, dict):
+            for k, item in value.items():
+                _refuse_non_finite(item, f"{dotted}.{k}")
 
 
 def bind_config(cfg: DictConfig, name: str):
@@ -105,13 +157,25 @@ def bind_decode(node: Any, where: str) -> DecodeConfig:
     plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     plain.pop("name", None)
     if "method" not in plain:  # which keys the file may hold is the method's to say
-        raise ConfigError(f"{where}.method: missing; a decode file names its method (conf/decode/<name>.yaml)")
+        raise ConfigError(f"{where}.method: missing; a decode file names its method (conf/decode/<name>.yaml). Fix: "
+                          f"add method: <one of the methods> to it.")
     method = plain["method"]
     reads = decode_keys(method, where)
     unread = [k for k in plain if k not in reads]
     if unread:
-        raise ConfigError(f"{where}.{unread[0]}: method {method} does not read it (it reads {', '.join(reads)})")
-    return bind(DecodeConfig, plain, where)
+        raise ConfigError(f"{where}.{unread[0]}: method {method} does not read it (it reads {', '.join(reads)}). Fix: "
+                          f"drop the key, or check its spelling.")
+    from d3d.decoding.methods import checked
+
+    try:
+        cfg = bind(DecodeConfig, plain, where)
+        checked(cfg, where)  # what depends on the method, by its row's parts
+        return cfg
+    except ConfigError as err:  # DecodeConfig's own checks say `decode.<key>`: name the section it came from
+        text = str(err)
+        if where == "decode" or not text.startswith("decode."):
+            raise
+        raise ConfigError(text.replace("decode.", f"{where}.")) from None
 
 
 def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, drafter: DrafterSpec | None,
@@ -131,9 +195,43 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, draft
     shapes = {"target": _shape(target_path, width, target.attn_implementation)}
     if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
         shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
+        _check_logits_width(drafter, target, shapes["target"].vocab)
     memory = memory_bytes(device)
     for name, dc in methods.items():
         check_fits(dc, method_row(dc.method), name, shapes, batch, memory, device)
+    # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
+    # request of that method would be skipped after the models loaded
+    context = _context(target_path)
+    block, name, dc = max(((method_row(dc.method).block_size(dc), name, dc) for name, dc in methods.items()),
+                          default=(0, None, None))
+    if context and dc is not None and 1 + dc.max_new_tokens + block > context:
+        raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
+                          f"(method {name}) that passes the target's context of {context} tokens, so every request "
+                          f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
+
+
+def _check_logits_width(drafter: DrafterSpec, target: ModelSpec, vocab: int) -> None:
+    """A drafter checkpoint built for another vocabulary, said from the two config.json files before
+    any weight loads (d3d.models.drafter.check_fits_target says it again, with the tokenizers, after)."""
+    import json
+
+    from d3d.config import resolve_path
+
+    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
+    try:
+        built_for = json.loads((folder / "config.json").read_text(encoding="utf-8"))["d3d"]["vocab_size"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return  # no checkpoint, or not a drafter's config: said where it loads (check_is_drafter)
+    if built_for != vocab:
+        raise ConfigError(f"drafter.checkpoint={drafter.checkpoint}: the drafter was built for a target with {built_for} "
+                          f"logits; target {target.name} has {vocab}. Fix: use a drafter built (d3d.train) for this "
+                          f"target, or one with the same vocabulary and head.")
+
+
+def _context(path: str) -> int | None:
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
 
 
 def _shape(path: str, width: int, attn: str | None):

@@ -55,6 +55,10 @@ class TinySpec:
     tie_word_embeddings: bool
     seed: int
 
+    def __post_init__(self) -> None:  # a negative size failed in torch after the run had started
+        at_least("target.tiny", self, hidden_size=1, intermediate_size=1, num_hidden_layers=1, num_attention_heads=1,
+                 num_key_value_heads=1, max_position_embeddings=2)
+
 
 @dataclass
 class ModelSpec:
@@ -84,6 +88,9 @@ class DrafterSpec:
     checkpoint: Optional[str]  # a trained drafter folder: overrides init
     seed: int  # init=random: the weights' seed
 
+    def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
+        at_least("drafter", self, block_size=2)
+
 
 # ---------------------------------------------------------------------------- data
 
@@ -111,6 +118,9 @@ class PromptSetSpec:
     seed: int
     local_file: Optional[str]
     hub: Optional[HubPrompts]
+
+    def __post_init__(self) -> None:  # limit=-1 was random.sample(..., -1): a ValueError traceback
+        at_least("data", self, limit=1)
 
 
 @dataclass
@@ -145,6 +155,9 @@ class BenchmarkSpec:
     local_file: Optional[str]
     offline: Optional[OfflineSource]
     hub: Optional[HubSource]
+
+    def __post_init__(self) -> None:  # n=-1 was random.sample(..., -1): a traceback; n=0 an empty subset
+        at_least(f"benchmark.specs.{self.name}", self, n=1)
 
 
 @dataclass
@@ -242,6 +255,7 @@ class EvalSettings:
     progress: bool
     enable_thinking: bool
     out_dir: Optional[str]
+    also_drafters: dict[str, str]  # label -> checkpoint: rows <method>@<label>
 
 
 @dataclass
@@ -279,7 +293,14 @@ class StepSettings(ObjectiveKnobs):
     def __post_init__(self) -> None:
         at_least("train", self, anchors_per_seq=1, val_size=0, val_max_new_tokens=1, max_len=2, batch_size=1,
                  loss_chunk_rows=1)
+        # a negative λ or decay turned the loss or the decay around, silently; clip 0 (or null) is off
+        at_least("train", self, partial_mask=0.0, ar_weight=0.0, weight_decay=0.0, clip=0.0)
         positive("train", self, "lr", "gamma")
+        if self.partial_mask >= 1:
+            raise ConfigError(f"train.partial_mask={self.partial_mask}: must be below 1 (at 1 every slot shows its clean "
+                              f"token and nothing is learnt). Fix: set train.partial_mask in [0, 1).")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):  # AdamW refused it after the drafter loaded
+            raise ConfigError(f"train.betas={self.betas}: two numbers in [0, 1). Fix: set train.betas=[0.9,0.95].")
 
 
 @dataclass

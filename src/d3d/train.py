@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import DrafterSettings, build_drafter, save_drafter
+from d3d.models.drafter import build_drafter, save_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
     D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, cut_responses, drafter_state_dict,

@@ -8,7 +8,7 @@ import pytest
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.budget import hit_rates, round_outcomes
 from d3d.decoding.methods import method_row
-from d3d.models.drafter import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings
 from tests.integration.conftest import PROMPTS
 
 

@@ -10,14 +10,15 @@ import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.drafts import Chain, Draft
-from d3d.decoding.methods import Method
+from d3d.decoding.methods import Method, method_row
 from d3d.decoding.schedules import Async, Schedule, Sync
 from d3d.decoding.tree import Tree
 from d3d.decoding.tree_drafts import TreeDrafts
 from d3d.decoding.verify import Sampling, probs
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.drafter import build_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.masks import tree_ancestors
 from d3d.settings import bind_config
 from tests.conftest import compose
@@ -219,7 +220,7 @@ def test_contract1_on_the_real_smollm2_target(cache_dir):
 
 @pytest.mark.parametrize("C,F", [(4, 2), (9, 1)])
 def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
-    """run.json and the budget sweep report DecodeConfig.budget as the packed tokens: it must be the
+    """run.json and the budget sweep report the method's budget (Method.budget) as the packed tokens: it must be the
     size of the pass the loop really runs (glue + trays), also when C exceeds the draft slots."""
     target, drafter, tok = models
     sizes, real = [], Async._tray_pass
@@ -235,7 +236,7 @@ def test_budget_is_the_packed_pass_size(models, monkeypatch, C, F):
     monkeypatch.setattr(Async, "_tray_pass", tray_pass)
     cfg = DecodeConfig(method="async", block_size=6, C=C, F=F, max_new_tokens=20)
     SpecGenerator(target, tok, drafter, cfg).generate([tok(PROMPTS[0])["input_ids"]])
-    assert sizes and set(sizes) == {cfg.budget}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60
+    assert sizes and set(sizes) == {method_row("async").budget(cfg)}  # (C, F) = (9, 1) at B = 6: 42 tokens, not 60
 
 
 TRAP_CASES = [(m, t, batch) for m in ("ar", "sync", "async", "tree", "async_tree") for t in (0.0, 1.0) for batch in (1, 3)]
@@ -303,13 +304,16 @@ def test_batched_async_serves_each_row_that_hit(models):
     ("overlap", "threads", "overlap='threads': use auto, stream, thread or none"),
     ("backend", "jit", "backend='jit': use eager, static, compiled or frozen"),
 ])
-def test_bad_decode_settings_are_refused_at_construction(key, value, message):
-    """Before: these failed deep in torch after the models loaded, ran silently greedy, or did nothing."""
+def test_bad_decode_settings_are_refused_before_any_model_loads(key, value, message):
+    """Before: these failed deep in torch after the models loaded, ran silently greedy, or did nothing.
+    A DecodeConfig refuses its values' ranges; the method's row refuses what depends on the method
+    (d3d.decoding.methods.checked, which bind_decode and SpecGenerator call)."""
     from d3d.config import ConfigError
+    from d3d.decoding.methods import checked
 
-    with pytest.raises(ConfigError, match=message):
-        DecodeConfig(**{key: value})
-    assert "\n" not in str(pytest.raises(ConfigError, DecodeConfig, **{key: value}).value)  # one line
+    with pytest.raises(ConfigError, match=message) as err:
+        checked(DecodeConfig(**{key: value}))
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)  # one line, with the fix
 
 
 @pytest.mark.parametrize("method", ["sync", "async"])
@@ -480,8 +484,10 @@ def test_sampled_tree_decoding_runs_and_is_seeded(models):
 def test_tree_on_a_static_backend_is_refused_before_any_model():
     from d3d.config import ConfigError
 
+    from d3d.settings import bind_decode
+
     with pytest.raises(ConfigError, match=r"decode.backend='static': method=tree runs on eager only"):
-        DecodeConfig(method="tree", backend="static")
+        bind_decode({"method": "tree", "backend": "static"}, "decode")
 
 
 # ---------------------------------------------------------------- async trees (decode.method=async_tree)
@@ -586,3 +592,42 @@ def test_sampled_async_tree_decoding_runs_and_is_seeded(models):
     a, b = gen.generate(prompts, seed=3), gen.generate(prompts, seed=3)
     assert a.token_ids == b.token_ids and sum(a.taus()) == a.new_tokens
     assert all(len(t) == 25 or r == "stop" for t, r in zip(a.token_ids, a.finish_reasons))
+
+
+# ---------------------------------------------------------------- hostile settings (issue 38)
+
+@pytest.mark.parametrize("method", ["tree", "async_tree"])
+def test_a_tree_sampled_at_top_k_1_is_the_greedy_output(models, method):
+    """T = 1 with top-k 1 leaves one token per step: a tree (its other nodes at q = 0) must then
+    return the target's greedy tokens, ragged rows and block 2 (one draft slot) included."""
+    target, drafter, tok = models
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    for block in (2, 6):
+        cfg = DecodeConfig(method=method, block_size=block, tree_nodes=4, tree_trays=3, temperature=1.0, top_k=1,
+                           max_new_tokens=20)
+        res = SpecGenerator(target, tok, drafter, cfg).generate(prompts, seed=1)
+        for row, p in enumerate(prompts):
+            assert res.token_ids[row] == reference(target, tok, p, 20, tok.eos_token_id), (block, row)
+    # top-p: runs on ragged rows, seeded, every token accounted for by a round
+    gen = SpecGenerator(target, tok, drafter, replace(cfg, top_k=0, top_p=0.5))
+    a, b = gen.generate(prompts, seed=2), gen.generate(prompts, seed=2)
+    assert a.token_ids == b.token_ids and sum(a.taus()) == a.new_tokens
+
+
+def test_the_python_api_refuses_a_pass_the_device_cannot_hold(models):
+    """The memory bound was the CLI's only (d3d.settings.check_decode_cost): SpecGenerator built the
+    131072-token tray pass of `block_size=256 C=256` (a 17 GB mask at toy size) and trees beyond
+    the block's distinct nodes; scripts/tree_vs_chain.py and any caller reach it. Now the engine
+    applies the same bound at construction (batch 1) and per call (the call's batch)."""
+    from d3d.config import ConfigError
+
+    target, drafter, tok = models
+    with pytest.raises(ConfigError, match=r"^decode.block_size=256 decode.C=256 decode.F=2 \(method async, batch 1\)"):
+        SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=256, C=256))
+    vocab = target.config.vocab_size
+    with pytest.raises(ConfigError, match=rf"^decode.tree_nodes={vocab + 1} \(method tree\): .* at most {vocab} "):
+        SpecGenerator(target, tok, drafter, DecodeConfig(method="tree", block_size=2, tree_nodes=vocab + 1))
+    # fits one request, not 64 at once: refused when the call's batch is known, before any pass
+    gen = SpecGenerator(target, tok, drafter, DecodeConfig(method="async", block_size=16, C=16, F=100))
+    with pytest.raises(ConfigError, match=r"\(method async, batch 64\).*or fewer requests at once"):
+        gen.generate([[1, 2, 3]] * 64, max_new_tokens=4)

@@ -7,8 +7,9 @@ import torch
 
 from d3d.estimator import match_lengths
 from d3d.models.drafter import (
-    DrafterSettings, TokenizerMismatchError, build_drafter, keep_layers, load_drafter, save_drafter, skipping_layers,
+    TokenizerMismatchError, build_drafter, keep_layers, load_drafter, save_drafter, skipping_layers,
 )
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example, ObjectiveConfig, pack

@@ -89,7 +89,7 @@ def test_vllm_rows_match_hf_greedy_and_train_reads_them(tmp_path):
         assert (row["finish_reason"] == "stop") == (row["response_ids"][-1] in eos) and not eos & set(row["response_ids"][:-1])
     assert any(r["finish_reason"] == "stop" for r in engine.values()), "no row reached EOS: the test shows nothing"
     # Two fp32 implementations sum in different orders: a near-tie may flip an argmax, so the
-    # contract is a measured rate, not bit equality (docs/results.md, Generation backends).
+    # contract is a measured rate, not bit equality (docs/results/study_2026-12-01_generation_backends.md).
     print(f"vllm == hf greedy on {len(same)}/{N} responses")
     assert len(same) >= N - 2, f"only {len(same)}/{N} greedy responses equal the hf backend's"
 

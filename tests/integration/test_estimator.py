@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from d3d.estimator import estimate_acceptance, greedy_rounds
-from d3d.models.drafter import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.objective import Example

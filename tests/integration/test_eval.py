@@ -117,6 +117,42 @@ def test_load_test_and_budget_study(tmp_path, monkeypatch):
     assert "Load test" in (out / "summary.md").read_text()
 
 
+def test_also_drafters_run_every_speculative_method_again_beside_the_first(tmp_path, monkeypatch):
+    """eval.also_drafters.other=<folder>: sync and async run with that drafter too, as rows sync@other and
+    async@other on the same items, lossless, and async@other is compared with sync@other (its own
+    drafter's loop: τ per round equal in fp32), not with the first drafter's sync. Changing that
+    drafter's weights refuses a resume; a missing folder is one line before any model loads."""
+    import torch
+
+    from d3d.config import ConfigError
+    from d3d.models.drafter import build_drafter, load_drafter, save_drafter
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = bind_config(compose("eval", SMOKE, tmp_path), "eval")
+    first = save_drafter(*build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32"), tmp_path / "d1")
+    model, tok = load_drafter(first, dtype="float32")
+    with torch.no_grad():  # a drafter that always drafts token 0 (all logits tie): τ 1 where the first's is not
+        model.get_output_embeddings().weight.zero_()
+    other = save_drafter(model, tok, tmp_path / "d2")
+    args = [f"drafter.checkpoint={first}", f"+eval.also_drafters.other={other}", "eval.methods=[ar,sync,async]",
+            "eval.async_budgets=[2x1]"]
+    rows = read_rows(evaluate(tmp_path, *args))
+    by = {m: [r for r in rows if r["method"] == m] for m in {r["method"] for r in rows}}
+    assert set(by) == {"ar", "sync", "async_c2_f1", "sync@other", "async_c2_f1@other"}
+    assert all(r["equal_to_ar"] for r in rows)
+    assert [r["taus"] for r in by["sync@other"]] != [r["taus"] for r in by["sync"]]  # another drafter drafted
+    assert [r.get("equal_to_sync") for r in by["async_c2_f1@other"]] == [True, True]
+    run = json.loads((tmp_path / "ev" / "run.json").read_text())
+    assert run["methods"]["sync@other"]["drafter"] == str(other)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    save_drafter(model, tok, other)
+    with pytest.raises(ConfigError, match=r"also_drafters\.other\.drafter_weights"):
+        evaluate(tmp_path, *args)
+    with pytest.raises(ConfigError, match="nowhere"):
+        evaluate(tmp_path, "+eval.also_drafters.x=" + str(tmp_path / "nowhere"))
+
+
 @pytest.mark.parametrize("nodes", [5, 3])
 def test_async_tree_rows_are_compared_with_the_tree_rows(tmp_path, monkeypatch, nodes):
     """eval.methods=[ar,tree,async_tree]: the async tree is its tree plus trays, so its greedy fp32
@@ -525,3 +561,35 @@ def test_thinking_on_a_template_without_the_switch_is_refused_before_loading(tmp
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a, **k: pytest.fail("the models loaded first"))
     with pytest.raises(ConfigError, match=r"^eval.enable_thinking=true but the chat template of .* has no enable_thinking switch"):
         evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]", "eval.enable_thinking=true")
+
+
+def test_a_run_that_would_skip_every_request_or_a_drafter_of_another_vocabulary_is_refused_before_loading(
+        tmp_path, monkeypatch):
+    """eval.max_new_tokens past the target's context skipped every request after the models loaded, then
+    failed with "holds no rows"; a drafter checkpoint built for another vocabulary was a ValueError
+    traceback (TokenizerMismatchError) after both loaded (issue 38). Now one line each, before any weight."""
+    import d3d.eval
+    from d3d.config import ConfigError, resolve_path
+    from d3d.models.target import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(d3d.eval, "load_target", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    with pytest.raises(ConfigError, match=r"^eval.max_new_tokens=5000: .* the target's context of 2048 tokens, so every "
+                                          r"request would be skipped. Fix: set eval.max_new_tokens=2043 or less"):
+        evaluate(tmp_path, "eval.max_new_tokens=5000")
+    typed = bind_config(compose("eval", SMOKE, tmp_path), "eval")
+    config = json.loads((resolve_path(resolve_model_path(typed.target, typed.paths.cache_dir)) / "config.json").read_text())
+    other = tmp_path / "other_vocab"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "d3d": {"block_size": 4, "vocab_size": 999}}))
+    with pytest.raises(ConfigError, match=rf"^drafter.checkpoint={other}: the drafter was built for a target with 999 "
+                                          r"logits; target tiny_random has 260\. Fix: "):
+        evaluate(tmp_path, f"drafter.checkpoint={other}")
+
+
+def test_a_tokenizer_mismatch_is_a_config_error():
+    """TokenizerMismatchError was a bare ValueError: the CLI showed a traceback, not its one line (issue 38)."""
+    from d3d.config import USER_ERRORS
+    from d3d.models.drafter import TokenizerMismatchError
+
+    assert issubclass(TokenizerMismatchError, USER_ERRORS)

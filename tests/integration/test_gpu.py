@@ -343,7 +343,7 @@ def test_engine_every_method_runs_ragged_at_both_temperatures():
 def test_engine_flex_block_mask_equals_dense_sdpa():
     """The training step under flex_attention (a BlockMask) gives the hidden states and the loss of
     SDPA with the dense bool mask."""
-    from d3d.models.drafter import DrafterSettings
+    from d3d.models.drafter_settings import DrafterSettings
     from d3d.objective import Example, ObjectiveConfig, pack
     from d3d.training import D3DTrainingStep
 

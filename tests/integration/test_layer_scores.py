@@ -7,7 +7,8 @@ import torch
 
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import anchors_of, score_layers, spearman
-from d3d.models.drafter import DrafterSettings, decoder_layers, skipping_layers
+from d3d.models.drafter import decoder_layers, skipping_layers
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import Example
 from tests.integration.conftest import block_drafts, tiny_drafter
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from d3d.pipeline import main
@@ -25,7 +26,10 @@ def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch,
     assert [s["layers"] for s in steps] == [2, 1]  # started from the trained 2-layer drafter
     used = OmegaConf.load(eval_out / "config.yaml")
     assert Path(used.drafter.checkpoint) == prune_out / "final"  # eval measures the pruned drafter
-    assert "| gsm8k | sync |" in capsys.readouterr().out
+    assert Path(used.eval.also_drafters.unpruned) == train_out / "final"  # beside the one it was pruned from
+    assert {r["method"] for r in read_jsonl(eval_out / "rows.jsonl")} == {"ar", "sync", "sync@unpruned"}
+    out = capsys.readouterr().out
+    assert "| gsm8k | sync |" in out and "| gsm8k | sync@unpruned |" in out
     # a rerun resumes every stage: nothing is trained, pruned or decoded again
     rows_before = (eval_out / "rows.jsonl").read_text()
     metrics_before = (train_out / "metrics.jsonl").read_text()
@@ -41,7 +45,7 @@ def test_a_bad_setting_of_a_late_stage_fails_before_the_first_stage_runs(tmp_pat
 
     import d3d.generate
 
-    monkeypatch.setattr(d3d.generate, "run_generate", lambda cfg: pytest.fail("generate ran"))
+    monkeypatch.setattr(d3d.generate, "run_generate", lambda cfg, check_only=False: None if check_only else pytest.fail("generate ran"))
     with pytest.raises(SystemExit) as exit_:
         main(["+experiment=smoke", "decode.block_size=0", f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}"])
     assert exit_.value.code == 2
@@ -56,7 +60,7 @@ def test_a_packed_pass_too_wide_for_the_device_fails_before_the_first_stage_runs
 
     import d3d.generate
 
-    monkeypatch.setattr(d3d.generate, "run_generate", lambda cfg: pytest.fail("generate ran"))
+    monkeypatch.setattr(d3d.generate, "run_generate", lambda cfg, check_only=False: None if check_only else pytest.fail("generate ran"))
     with pytest.raises(SystemExit) as exit_:
         main(["+experiment=smoke", "decode.block_size=256", "decode.C=256", "decode.F=8", f"paths.root_dir={tmp_path}",
               f"paths.cache_dir={CACHE_DIR}"])
@@ -64,3 +68,27 @@ def test_a_packed_pass_too_wide_for_the_device_fails_before_the_first_stage_runs
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: decode.block_size=256 decode.C=256 decode.F=8 (method async"), err
     assert not (tmp_path / "data" / "responses").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.enable_thinking=true", "error: eval.enable_thinking=true but the chat template of "),
+    ("generate.enable_thinking=true", "error: generate.enable_thinking=true but the chat template of "),
+    ("generate.backend=sglang", "error: generate.backend=sglang needs sglang, which is not installed"),
+    ("generate.backend=tgi", "error: generate.backend='tgi' is not a backend. Fix: use one of hf, vllm, sglang."),
+])
+def test_a_thinking_switch_or_an_engine_the_stage_cannot_use_fails_before_the_first_stage(tmp_path, monkeypatch, capsys,
+                                                                                            override, message):
+    """The up-front check bound generate's settings and eval's decode files only: eval.enable_thinking=true
+    on a template without the switch failed when the eval stage started, after generate, train and prune
+    had run; a missing or unknown engine when generate started (issue 38)."""
+    import d3d.generate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real = d3d.generate.run_generate
+    monkeypatch.setattr(d3d.generate, "run_generate",
+                        lambda cfg, check_only=False: real(cfg, True) if check_only else pytest.fail("generate ran"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["+experiment=smoke", override, f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith(message) and "Fix:" in err[0], err

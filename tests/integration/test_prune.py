@@ -9,7 +9,7 @@ from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.estimator import greedy_rounds, match_lengths
 from d3d.generate import run_generate
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.models.drafter import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.config import ConfigError, resolve_path
 from d3d.prune import run_prune
 from d3d.train import load_examples, split_examples
@@ -222,7 +222,8 @@ def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
     a CPU with native bf16), not in the fp32 it is pruned and recovered in; the model is untouched."""
     import torch
 
-    from d3d.models.drafter import DrafterSettings, build_drafter
+    from d3d.models.drafter import build_drafter
+    from d3d.models.drafter_settings import DrafterSettings
     from d3d.prune import draft_latency_ms
 
     cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")

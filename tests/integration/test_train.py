@@ -104,7 +104,8 @@ def test_train_cli_saves_a_loadable_drafter(root):
                            f"paths.root_dir={root}", f"paths.cache_dir={CACHE_DIR}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from d3d.models.drafter import DrafterSettings, load_drafter
+    from d3d.models.drafter import load_drafter
+    from d3d.models.drafter_settings import DrafterSettings
 
     model, tok = load_drafter(root / "checkpoints" / "tiny_random-copy-lam1.0" / "final", dtype="float32")
     assert DrafterSettings.of(model).target == "tiny_random"

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from d3d.models.drafter import DrafterSettings, build_drafter
+from d3d.models.drafter import build_drafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, loss_from_hidden, metrics_to_floats, pack
 from d3d.training import D3DTrainingStep, enable_activation_checkpointing, make_accelerator
 from d3d.settings import bind_config

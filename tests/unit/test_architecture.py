@@ -1,5 +1,6 @@
-"""The house rule (docs/design.md#recipes-and-components): recipes stand side by side on one floor and
-import only components; what two recipes share is a component below them.
+"""The house rules (docs/design.md#recipes-and-components, #floors): recipes stand side by side on one
+floor and import only components; what two recipes share is a component below them. Every unit
+stands on a floor and imports from no floor above its own, and no imports go round a circle.
 
 Parsed with `ast`, lazy imports inside functions included, so a rule broken in a function body
 fails here too."""
@@ -91,27 +92,137 @@ def test_the_rule_sees_a_recipe_import_a_recipe(tmp_path):
     assert any("private d3d.report._save" in f for f in found)
 
 
-def decoding_imports(src: Path = SRC) -> dict[str, set[str]]:
-    """d3d.decoding's modules -> the d3d.decoding modules each imports (lazy imports included)."""
-    modules = {module_name(p, src): p for p in sorted((src / "decoding").glob("*.py"))}
-    return {me: {m for m, _, _ in imports(p) if m in modules and m != me} for me, p in modules.items()}
+# The floors of d3d, top down (docs/design.md#floors). A module imports from its own floor and those
+# below it, never from one above: such an import is an upward arrow. A unit (a subpackage, or a
+# top-level module) stands on one floor; the entry points (the recipes, and a package's `__main__`,
+# a program nothing imports) stand on the top one whatever their package.
+FLOORS = (
+    RECIPES,
+    {"d3d.settings"},  # the boundary: OmegaConf -> d3d.specs, once
+    {"d3d.report", "d3d.grading", "d3d.layer_scores", "d3d.estimator", "d3d.training", "d3d.objective",
+     "d3d.decoding"},
+    {"d3d.models"},
+    {"d3d.data"},
+    {"d3d", "d3d.fetch", "d3d.utils", "d3d.config", "d3d.configdir", "d3d.specs", "d3d.errors"},
+)
 
 
-def test_the_decoding_seam_has_no_import_circle_and_the_driver_names_no_method():
-    """The methods and their passes do not import the driver (d3d.decoding.engine): before, the engine
-    imported the methods lazily and the methods the engine, a circle that only worked by import order.
-    And no method's name is a string in the driver: what it needs, it asks the method's class."""
+def floor(module: str) -> int:
+    """0 for the top floor; a unit on no floor fails, naming itself."""
+    if module in RECIPES or module.endswith(".__main__"):
+        return 0
+    found = [i for i, units in enumerate(FLOORS) if unit(module) in units]
+    assert found, f"{unit(module)} stands on no floor: put it on one in FLOORS (tests/unit/test_architecture.py)"
+    return found[0]
+
+
+Graph = dict[str, dict[str, str]]  # module -> {module it imports: "file:line" of the first such import}
+
+
+def module_graph(src: Path = SRC) -> Graph:
+    """Every d3d module -> the d3d modules it imports, lazy imports included. `from d3d.x import y` is an
+    arrow to d3d.x.y where that is a module, else to d3d.x (whose __init__ runs)."""
+    paths = {module_name(p, src): p for p in sorted(src.rglob("*.py"))}
+    graph: Graph = {}
+    for me, path in paths.items():
+        arrows = graph.setdefault(me, {})
+        for module, names, line in imports(path):
+            for target in [f"{module}.{n}" for n in names if f"{module}.{n}" in paths] or [module]:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != me:
+                    arrows.setdefault(target, f"{path.relative_to(src.parents[1])}:{line}")
+    return graph
+
+
+def unit_graph(graph: Graph) -> Graph:
+    """The same arrows between units (subpackages and top-level modules), entry points left out."""
+    out: Graph = {}
+    for me, arrows in graph.items():
+        if floor(me) == 0:
+            continue
+        for target, where in arrows.items():
+            if unit(target) != unit(me):
+                out.setdefault(unit(me), {}).setdefault(unit(target), where)
+    return out
+
+
+def circles(graph: Graph) -> list[str]:
+    """The shortest circle through each module not on one found before, as `a -> b -> ... -> a (the
+    imports at file:line, ...)`; [] when the graph has none."""
+    found, seen = [], set()
+    for start in sorted(graph):
+        if start in seen:
+            continue
+        ways, frontier, ring = {start: [start]}, [start], None
+        while frontier and ring is None:  # breadth first: the shortest way back to start
+            step = []
+            for n in frontier:
+                for t in sorted(graph.get(n, {})):
+                    if t == start:
+                        ring = ring or ways[n] + [start]
+                    elif t not in ways:
+                        ways[t] = ways[n] + [t]
+                        step.append(t)
+            frontier = step
+        if ring:
+            seen.update(ring)
+            found.append(" -> ".join(ring) + " (the imports at "
+                         + ", ".join(graph[x][y] for x, y in zip(ring, ring[1:])) + ")")
+    return found
+
+
+def upward_arrows(graph: Graph) -> list[str]:
+    """Every import of a module on a higher floor than the importer's, as `file:line a (floor) imports b (floor)`."""
+    return [f"{where} {me} (floor {floor(me)}) imports {target} (floor {floor(target)})"
+            for me, arrows in sorted(graph.items()) for target, where in sorted(arrows.items())
+            if floor(target) < floor(me)]
+
+
+def test_no_import_circle_anywhere_in_d3d():
+    """No circle between d3d's modules, lazy imports included, nor between its units. A circle
+    works only by import order (or by an import hidden in a function body): before, d3d.decoding's
+    engine and methods imported each other; d3d.models' drafter, target and random_models did."""
+    graph = module_graph()
+    for found in (circles(graph), circles(unit_graph(graph))):
+        assert found == [], "\n".join(found)
+
+
+def test_no_arrow_runs_up_a_floor():
+    found = upward_arrows(module_graph())
+    assert found == [], "\n".join(found)
+
+
+def test_the_graph_sees_a_lazy_circle_and_an_upward_arrow(tmp_path):
+    # the checks must fail on what they forbid: the old circle of d3d.models (two of its imports lazy),
+    # and utils reaching up into models, which with models importing utils is a circle between units
+    fake = tmp_path / "src" / "d3d"
+    (fake / "models").mkdir(parents=True)
+    (fake / "utils").mkdir()
+    (fake / "models" / "drafter.py").write_text("from d3d.models import target\n")
+    (fake / "models" / "target.py").write_text("def f():\n    from d3d.models.random_models import g\n")
+    (fake / "models" / "random_models.py").write_text("def g():\n    import d3d.models.drafter\n")
+    (fake / "utils" / "checkpoints.py").write_text("def h():\n    from d3d.models.drafter import x\n")
+    (fake / "models" / "generation.py").write_text("from d3d.utils.checkpoints import h\n")
+    graph = module_graph(fake)
+    assert circles(graph) == ["d3d.models.drafter -> d3d.models.target -> d3d.models.random_models -> "
+                              "d3d.models.drafter (the imports at src/d3d/models/drafter.py:1, "
+                              "src/d3d/models/target.py:2, src/d3d/models/random_models.py:2)"]
+    assert circles(unit_graph(graph)) == ["d3d.models -> d3d.utils -> d3d.models (the imports at "
+                                          "src/d3d/models/generation.py:1, src/d3d/utils/checkpoints.py:2)"]
+    assert upward_arrows(graph) == ["src/d3d/utils/checkpoints.py:2 d3d.utils.checkpoints (floor 5) imports "
+                                    "d3d.models.drafter (floor 3)"]
+
+
+def test_the_decoding_seam_imports_in_either_order_and_the_driver_names_no_method():
+    """Either of the driver (d3d.decoding.engine) and the methods imports first (the whole-package
+    test above keeps them out of a circle). And no method's name is a string in the driver: what it
+    needs, it asks the method's class."""
     import subprocess
     import sys
 
     from d3d.decoding.methods import METHODS
 
-    graph = decoding_imports()
-
-    def reaches(start: str, goal: str, seen=()) -> bool:
-        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
-
-    assert not [m for m in graph if reaches(m, m)], graph
     for order in ("engine, methods", "methods, engine"):  # either module first, in a fresh interpreter
         code = "; ".join(f"import d3d.decoding.{m}" for m in order.split(", "))
         subprocess.run([sys.executable, "-c", code], check=True)

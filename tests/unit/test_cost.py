@@ -60,7 +60,8 @@ def test_methods_declare_their_widest_pass():
     assert method_row("ar").widest(DecodeConfig(method="ar")) == {"target": 1}
     assert method_row("sync").widest(DecodeConfig(method="sync", block_size=8)) == {"target": 8, "drafter": 16}
     cfg = DecodeConfig(method="async", block_size=16, C=12, F=2)
-    assert method_row("async").widest(cfg) == {"target": 16, "drafter": cfg.budget} and cfg.budget == 384
+    budget = method_row("async").budget(cfg)
+    assert method_row("async").widest(cfg) == {"target": 16, "drafter": budget} and budget == 384
     # a tree verifies the pending token and every node, whatever the block
     assert method_row("tree").widest(DecodeConfig(method="tree", block_size=4, tree_nodes=31)) == \
         {"target": 32, "drafter": 8}
@@ -74,3 +75,32 @@ def test_weights_count_against_the_memory():
     check(80, shapes={"target": big, "drafter": big}, block_size=16, C=12, F=2)
     with pytest.raises(ConfigError, match="with the weights"):
         check(16, shapes={"target": big, "drafter": big}, block_size=16, C=12, F=2)
+
+
+@pytest.mark.parametrize("block, nodes, ok", [(2, 260, True), (2, 261, False), (3, 520, True), (16, 10_000, True)])
+def test_a_tree_has_at_most_the_blocks_distinct_nodes(block, nodes, ok):
+    """Block 2 has one draft slot, so at most 260 distinct nodes on the smoke vocabulary: more were
+    built as copies of a node at score -inf, verified for nothing (issue 38)."""
+    for method in ("tree", "async_tree"):
+        kw = dict(method=method, block_size=block, tree_nodes=nodes, tree_trays=1)
+        if ok:
+            check(10_000, **kw)
+        else:
+            with pytest.raises(ConfigError, match=rf"^decode.tree_nodes={nodes} \(method {method}\): .* at most 260 "
+                                                  rf"distinct nodes. Fix: set decode.tree_nodes=260 or fewer"):
+                check(10_000, **kw)
+
+
+def test_the_shipped_methods_fit_qwen3_8b_on_an_h200_at_concurrency_16():
+    """Sane settings are never refused: Qwen3-8B with the Qwen3-1.7B drafter in bf16, the pipeline's
+    max_new_tokens (2048), every shipped decode file at 16 requests at once, on an H200's 139 GiB."""
+    from transformers import Qwen3Config
+
+    from d3d.models.random_models import SHAPES
+
+    shapes = {model: ModelShape.of_config(Qwen3Config(**SHAPES[name]), 2, "sdpa")
+              for model, name in (("target", "qwen3_8b"), ("drafter", "qwen3_1p7b"))}
+    for kw in ({"method": "ar"}, {"method": "sync"}, {"method": "async", "C": 12, "F": 2},
+               {"method": "tree", "tree_nodes": 15}, {"method": "async_tree", "tree_nodes": 15, "tree_trays": 23}):
+        cfg = DecodeConfig(**{"block_size": 16, "max_new_tokens": 2048, **kw})
+        check_fits(cfg, method_row(cfg.method), cfg.method, shapes, 16, 139 * GIB, "cuda")

@@ -104,3 +104,11 @@ def test_every_backend_option_group_is_in_the_config():
     gen = compose("generate").generate
     assert gen.backend == "hf"
     assert set(engines.ENGINES) <= set(gen)
+
+
+def test_a_target_without_a_chat_template_is_one_line():
+    """A base model's tokenizer has no chat template: a ValueError, so the CLI showed a traceback (issue 38)."""
+    from d3d.data.chat import chat_prompt_ids
+
+    with pytest.raises(ConfigError, match=r"^tokenizer 'base' has no chat template\. Fix: use an instruct/chat model"):
+        chat_prompt_ids(SimpleNamespace(chat_template=None, name_or_path="base"), [{"role": "user", "content": "hi"}])

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from d3d.data.benchmarks import Record, load_benchmark
-from d3d.data.prompts import benchmark_spec
+from d3d.settings import shipped_benchmark
 from d3d.grading import GRADERS, extract_answer, extract_code, grade, normalise_answer
 
 
@@ -31,7 +31,7 @@ def test_normalised_answers_match(a, b):
 
 def test_different_answers_do_not_match():
     assert normalise_answer("12") != normalise_answer("1.2")
-    spec = benchmark_spec("gsm8k")
+    spec = shipped_benchmark("gsm8k")
     rec = Record("gsm8k/0", ["q"], "18")
     assert grade(spec, rec, "... so \\boxed{18}")["correct"] is True
     assert grade(spec, rec, "... so \\boxed{19}")["correct"] is False
@@ -47,11 +47,11 @@ def test_extract_code_fenced_unfenced_and_cut_off():
 
 @pytest.fixture(scope="module")
 def humaneval(cache_dir):
-    return load_benchmark(benchmark_spec("humaneval"), cache_dir)
+    return load_benchmark(shipped_benchmark("humaneval"), cache_dir)
 
 
 def test_humaneval_canonical_passes_and_wrong_fails(humaneval):
-    spec = benchmark_spec("humaneval")
+    spec = shipped_benchmark("humaneval")
     rec = humaneval[0]
     body = rec.metadata["canonical_solution"]
     assert grade(spec, rec, f"```python\n{rec.reference['prompt']}{body}```")["correct"] is True
@@ -61,13 +61,13 @@ def test_humaneval_canonical_passes_and_wrong_fails(humaneval):
 
 
 def test_code_that_hangs_times_out(humaneval):
-    spec = benchmark_spec("humaneval")
+    spec = shipped_benchmark("humaneval")
     out = grade(spec, humaneval[0], "    while True:\n        pass\n", timeout_s=2)
     assert out == {"answer": None, "correct": False, "error": ["timeout"]}
 
 
 def test_mbpp_tests_run():
-    spec = benchmark_spec("mbpp")
+    spec = shipped_benchmark("mbpp")
     rec = Record("mbpp/1", ["Write add."], {"tests": ["assert add(1, 2) == 3"], "setup": ""})
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a + b\n```")["correct"] is True
     assert grade(spec, rec, "```python\ndef add(a, b):\n    return a - b\n```")["correct"] is False
@@ -230,14 +230,14 @@ def test_the_grader_is_chosen_by_the_specs_kind():
     from d3d.config import ConfigError
 
     rec = Record("gsm8k/0", ["q"], "18")
-    assert grade(replace(benchmark_spec("gsm8k"), kind="math"), rec, "\\boxed{18}")["correct"] is True
-    assert grade(replace(benchmark_spec("gsm8k"), kind="chat"), rec, "\\boxed{18}")["correct"] is None
+    assert grade(replace(shipped_benchmark("gsm8k"), kind="math"), rec, "\\boxed{18}")["correct"] is True
+    assert grade(replace(shipped_benchmark("gsm8k"), kind="chat"), rec, "\\boxed{18}")["correct"] is None
     with pytest.raises(ConfigError, match=r"benchmark.specs.gsm8k.kind='poetry'"):
-        grade(replace(benchmark_spec("gsm8k"), kind="poetry"), rec, "\\boxed{18}")
+        grade(replace(shipped_benchmark("gsm8k"), kind="poetry"), rec, "\\boxed{18}")
     # a new benchmark of a known kind needs no code: every shipped spec's kind has a grader
     from d3d.config import config_dir
 
-    kinds = {benchmark_spec(p.stem).kind for p in (config_dir() / "benchmark").glob("*.yaml")
+    kinds = {shipped_benchmark(p.stem).kind for p in (config_dir() / "benchmark").glob("*.yaml")
              if p.stem not in ("all", "all_plus")}
     assert kinds <= set(GRADERS), kinds
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from d3d.config import compose, config_dir
 from d3d.data.benchmarks import BenchmarkUnavailable, iter_specs, load_records, seeded_subset
-from d3d.data.prompts import benchmark_spec
-from d3d.settings import bind_config
+from d3d.settings import bind_config, shipped_benchmark
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     suite = [spec.name for spec in iter_specs(bind_config(compose("eval", ["benchmark=all"]), "eval").benchmark)]
     print(f"{'benchmark':<15}{'in suite':<10}{'source':<10}{'items':>7}{'subset n':>10}  note")
     for name in names:
-        spec = benchmark_spec(name)
+        spec = shipped_benchmark(name)
         try:
             records, source = load_records(spec, Path(args.cache_dir))
             n = len(seeded_subset(records, spec.n, spec.seed))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from d3d.errors import ConfigError
-from d3d.fetch import PackageUnavailableError, package_file
+from d3d.fetch import PackageUnavailableError, hub_reachable, package_file
 from d3d.specs import BenchmarkSpec, BenchmarkSuite
 
 
@@ -152,8 +152,12 @@ def read_located(path: str | Path) -> Located:
     items would give results on the wrong data without a word."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:  # a ValueError no caller expected: a traceback naming neither file nor place
+        raise MalformedFile(f"{path}: byte {err.start} is not UTF-8 ({err.reason}). Fix: save the file as UTF-8 "
+                            f"(e.g. iconv -f latin1 -t utf-8).") from None
     stem = path.name[:-3] if path.suffix == ".gz" else path.name
     fix = "Fix: repair or delete that line (each line of a .jsonl file is one JSON object)."
     if stem.endswith(".jsonl"):
@@ -201,8 +205,6 @@ def _load_offline(spec: BenchmarkSpec, cache_dir: Path) -> Located:
 
 
 def _load_hub(spec: BenchmarkSpec) -> Located:
-    from d3d.models.target import hub_reachable
-
     hub = spec.hub
     if not hub_reachable():
         raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
@@ -217,7 +219,11 @@ def local_file(spec: BenchmarkSpec) -> Path | None:
     through to the shipped data (whose results would then be reported as the file's)."""
     if not spec.local_file:
         return None
-    path = Path(os.path.expanduser(str(spec.local_file))).resolve()
+    path = Path(os.path.expanduser(str(spec.local_file)))
+    try:
+        path = path.resolve()
+    except RuntimeError:  # a symlink loop (Python 3.11; later ones resolve it and is_file() says no)
+        pass
     if not path.is_file():
         raise ConfigError(f"benchmark.specs.{spec.name}.local_file={spec.local_file}: {path} is not a file. "
                           f"Fix: correct the path, or drop the key to use the shipped data.")
@@ -241,7 +247,16 @@ def parse_rows(spec: BenchmarkSpec, rows: Located) -> list[Record]:
             raise MalformedFile(f"{at}: as a {loader} item this row {problem}; its fields are {sorted(row)}. Fix: "
                                 f"rename the field in that file, or set benchmark.specs.{spec.name}.loader to the "
                                 f"parser of its schema ({', '.join(LOADERS)}).")
-    return parse([row for _, row in rows])
+    out, first = parse([row for _, row in rows]), {}
+    for (at, _), record in zip(rows, out):
+        if record.id not in first:
+            first[record.id] = (at, record)
+        elif (record.turns, record.reference) != (first[record.id][1].turns, first[record.id][1].reference):
+            # rows are keyed by id: the second item would never run, or be reported as the first
+            raise MalformedFile(f"{at}: id {record.id!r} again, for another item (first at {first[record.id][0]}); rows "
+                                f"are keyed by id, so one of the two would never run. Fix: give each item its own id "
+                                f"in that file.")
+    return out  # an item repeated whole is kept as it was (its rows share one key)
 
 
 def load_records(spec: BenchmarkSpec, cache_dir: str | Path) -> tuple[list[Record], str]:

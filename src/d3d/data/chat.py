@@ -20,8 +20,10 @@ def require_thinking_switch(tokenizer, key: str) -> None:
 def chat_prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool = False,
                     system_prompt: str | None = None) -> list[int]:
     """Token ids of `messages` + the assistant header, as the target's template renders them."""
-    if tokenizer.chat_template is None:
-        raise ValueError(
+    if tokenizer.chat_template is None:  # a ConfigError: one line from the CLI (a ValueError was a traceback)
+        from d3d.errors import ConfigError
+
+        raise ConfigError(
             f"tokenizer {tokenizer.name_or_path!r} has no chat template. Fix: use an instruct/chat "
             "model as the target, or set tokenizer.chat_template."
         )

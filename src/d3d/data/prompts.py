@@ -12,11 +12,14 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
 from d3d.data.benchmarks import (
     BenchmarkUnavailable, Located, MalformedFile, first_turn_messages, load_benchmark, load_records, normalise_text,
     read_located,
 )
 from d3d.errors import ConfigError
+from d3d.fetch import hub_reachable
 from d3d.specs import BenchmarkSpec, PromptSetSpec
 
 
@@ -35,19 +38,17 @@ class EmptyPromptSetError(ConfigError):
     """A prompt set with no prompt left: said in one line by the jobs, before any model loads."""
 
 
-def benchmark_spec(name: str) -> BenchmarkSpec:
-    """The shipped spec of one benchmark (conf/benchmark/<name>.yaml), bound where configs are."""
-    from d3d.settings import shipped_benchmark  # the binder needs OmegaConf; this module does not
-
-    return shipped_benchmark(name)
+# A benchmark's name -> its spec: d3d.settings.shipped_benchmark, passed in by the caller (binding a
+# conf/benchmark/ file needs OmegaConf, which is the boundary's, above this package).
+SpecOf = Callable[[str], BenchmarkSpec]
 
 
-def eval_exclusions(names: list[str], cache_dir: Path) -> tuple[set[str], set[str]]:
+def eval_exclusions(names: list[str], cache_dir: Path, spec_of: SpecOf) -> tuple[set[str], set[str]]:
     """Ids and normalised texts of every evaluation subset that can be loaded here."""
     ids, texts = set(), set()
     for name in names:
         try:
-            subset = load_benchmark(benchmark_spec(name), cache_dir)
+            subset = load_benchmark(spec_of(name), cache_dir)
         except BenchmarkUnavailable:
             continue  # not loadable here, so it cannot be a source of training prompts either
         for rec in subset:
@@ -56,10 +57,10 @@ def eval_exclusions(names: list[str], cache_dir: Path) -> tuple[set[str], set[st
     return ids, texts
 
 
-def _from_benchmarks(cfg: PromptSetSpec, cache_dir: Path) -> list[Prompt]:
+def _from_benchmarks(cfg: PromptSetSpec, cache_dir: Path, spec_of: SpecOf) -> list[Prompt]:
     out = []
     for name in cfg.benchmarks:
-        spec = benchmark_spec(name)
+        spec = spec_of(name)
         records, _ = load_records(spec, cache_dir)
         out += [Prompt(f"train/{rec.id}", first_turn_messages(spec, rec), rec.turns[0]) for rec in records]
     return out
@@ -68,7 +69,7 @@ def _from_benchmarks(cfg: PromptSetSpec, cache_dir: Path) -> list[Prompt]:
 def _rows_to_prompts(rows: Located, prefix: str, messages_field="messages", prompt_field="prompt") -> list[Prompt]:
     """One prompt per row (its first user turn). A row that has neither field, or no user turn with
     text, fails naming its file and line: a KeyError after the set was half read used to say neither."""
-    out = []
+    out, first = [], {}
     for i, (at, row) in enumerate(rows):
         try:
             if row.get(messages_field):
@@ -82,14 +83,24 @@ def _rows_to_prompts(rows: Located, prefix: str, messages_field="messages", prom
             raise MalformedFile(f"{at}: a prompt row needs {prompt_field!r}: \"<text>\" or {messages_field!r}: [{{\"role\": "
                                 f"\"user\", \"content\": \"<text>\"}}]; its fields are {sorted(row)}. Fix: rename the "
                                 f"field in that file.")
-        messages = [{"role": "user", "content": content}]
-        out.append(Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), messages))
-    return out
+        prompt = Prompt(str(row.get("id", row.get("prompt_id", f"{prefix}/{i}"))), [{"role": "user", "content": content}])
+        out.append(prompt)
+        if prompt.id not in first:
+            first[prompt.id] = (at, prompt)
+        elif prompt.messages != first[prompt.id][1].messages:  # responses are keyed by id: one would get the other's
+            raise MalformedFile(f"{at}: id {prompt.id!r} again, for another prompt (first at {first[prompt.id][0]}); "
+                                f"responses are keyed by id, so one prompt would get the other's response. Fix: give "
+                                f"each prompt its own id in that file (or drop the ids).")
+    return out  # a prompt repeated whole is kept as it was (the same text, the same response)
 
 
 def _from_local(cfg: PromptSetSpec) -> list[Prompt]:
     """data.local_file, checked: a missing or empty file is said with the key, before any model loads."""
-    path = Path(os.path.expanduser(str(cfg.local_file or ""))).resolve()
+    path = Path(os.path.expanduser(str(cfg.local_file or "")))
+    try:
+        path = path.resolve()
+    except RuntimeError:  # a symlink loop (Python 3.11; later ones resolve it and is_file() says no)
+        pass
     if not cfg.local_file or not path.is_file():
         raise ConfigError(f"data.local_file={cfg.local_file}: {path} is not a file. Fix: pass a jsonl of "
                           f"prompts, one {{\"prompt\": \"...\"}} (or {{\"messages\": [...]}}) a line.")
@@ -111,15 +122,14 @@ def _from_hub(cfg: PromptSetSpec) -> list[Prompt]:
                             hub.messages_field, hub.prompt_field)
 
 
-def load_prompt_set(cfg: PromptSetSpec, cache_dir: str | Path) -> list[Prompt]:
-    """The prompts of a prompt-set config, minus every evaluation item, seeded, capped at `limit`."""
+def load_prompt_set(cfg: PromptSetSpec, cache_dir: str | Path, spec_of: SpecOf) -> list[Prompt]:
+    """The prompts of a prompt-set config, minus every evaluation item, seeded, capped at `limit`.
+    `spec_of` gives the spec of each benchmark it names (d3d.settings.shipped_benchmark)."""
     cache_dir = Path(cache_dir)
     source = cfg.source
     if source == "benchmarks":
-        prompts = _from_benchmarks(cfg, cache_dir)
+        prompts = _from_benchmarks(cfg, cache_dir, spec_of)
     elif source == "hub":
-        from d3d.models.target import hub_reachable
-
         if cfg.hub is None:
             raise ConfigError(f"prompt set {cfg.name!r}: source hub needs data.hub. Fix: set data.hub.path and split")
         if not hub_reachable():
@@ -133,7 +143,7 @@ def load_prompt_set(cfg: PromptSetSpec, cache_dir: str | Path) -> list[Prompt]:
     else:
         raise ValueError(f"data.source={source!r}: use benchmarks, hub or local")
 
-    ids, texts = eval_exclusions(cfg.exclude_eval, cache_dir)
+    ids, texts = eval_exclusions(cfg.exclude_eval, cache_dir, spec_of)
     kept = [p for p in prompts if p.id.removeprefix("train/") not in ids and normalise_text(p.text) not in texts]
     if cfg.limit and len(kept) > cfg.limit:
         keep = set(random.Random(cfg.seed).sample(range(len(kept)), cfg.limit))

@@ -165,8 +165,9 @@ def label(setting: dict) -> str:
 def packed_blocks(block_size: int, C: int, F: int) -> int:
     """Blocks in async's packed pass at budget (C, F): the method's own budget, in blocks."""
     from d3d.decoding import DecodeConfig
+    from d3d.decoding.methods import METHODS
 
-    return DecodeConfig(method="async", block_size=block_size, C=C, F=F).budget // block_size
+    return METHODS["async"].budget(DecodeConfig(method="async", block_size=block_size, C=C, F=F)) // block_size
 
 
 @dataclass

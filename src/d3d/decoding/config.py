@@ -32,20 +32,22 @@ class DecodeConfig:
     stop_strings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        """Every value's range checked here, and what depends on the method by its row's parts
-        (Method.check), before any model loads: a bad value used to fail deep in torch
-        (block_size=0), run silently greedy (temperature=-1) or do nothing (top_p=2)."""
-        from d3d.decoding.methods import method_row  # the table, which reads this config
+        """Every value's range, checked here: a bad value used to fail deep in torch, run silently
+        greedy (temperature=-1) or do nothing (top_p=2). What depends on the method (its name, its
+        block's bounds, its backends, its schedule's knobs) its row's parts check:
+        d3d.decoding.methods.checked(cfg), which d3d.settings.bind_decode and SpecGenerator call
+        before any pass runs."""
+        def bad(key, allowed, fix=None):
+            fix = fix or f"set decode.{key} to {allowed.rsplit(' (', 1)[0]}"
+            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}. Fix: {fix}.")
 
-        def bad(key, allowed):
-            raise ConfigError(f"decode.{key}={getattr(self, key)!r}: {allowed}")
-
-        method = method_row(self.method)  # a registered name, or the names there are
+        if not isinstance(self.method, str):
+            bad("method", "a method's name", "set decode.method to a name in d3d.decoding.methods.METHODS")
         choices = {"coverage": ("first", "confident"), "overlap": ("auto", "stream", "thread", "none"),
                    "backend": BACKENDS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
-                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
+                bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}", f"set decode.{key} to one of them")
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("tree_trays", 1), ("top_k", 0), ("max_new_tokens", 1)):
             if not whole(getattr(self, key)) or getattr(self, key) < least:
@@ -54,15 +56,7 @@ class DecodeConfig:
             bad("temperature", "a number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1] (1 = off)")
-        method.check(self)
 
     @property
     def sampling(self) -> Sampling:
         return Sampling(float(self.temperature), float(self.top_p), int(self.top_k))
-
-    @property
-    def budget(self) -> int:
-        """Tokens of drafter work beside each verification (async: the packed pass)."""
-        from d3d.decoding.methods import method_row
-
-        return method_row(self.method).budget(self)

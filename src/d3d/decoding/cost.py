@@ -105,8 +105,20 @@ def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int
     if "F" in method.keys and cfg.F > v - 1:
         raise ConfigError(f"{where}.F={cfg.F} (method {name}): a tray per alternative token, so at most {v - 1} (the {v}-token "
                           f"vocabulary less the drafted token). Fix: set {where}.F={min(2, v - 1)} or at most {v - 1}.")
+    if "tree_nodes" in method.keys:
+        slots, most = method.block_size(cfg) - 1, 0  # distinct nodes: v per slot along every path, v + v^2 + ...
+        for depth in range(1, slots + 1):
+            most += v ** depth
+            if most >= cfg.tree_nodes:
+                break
+        if cfg.tree_nodes > most:  # build_tree would fill the rest with copies of a node, verified for nothing
+            raise ConfigError(f"{where}.tree_nodes={cfg.tree_nodes} (method {name}): a block of {slots + 1} has {slots} "
+                              f"draft slot(s) of a {v}-token vocabulary, so a tree has at most {most} distinct nodes. "
+                              f"Fix: set {where}.tree_nodes={most} or fewer, or a larger {where}.block_size.")
     need, widest = 0, None
     for model, q in method.widest(cfg).items():
+        if model not in shapes:  # a model the run does not load
+            continue
         kv = q + cfg.max_new_tokens  # the prompt left out: a lower bound
         terms = shapes[model].pass_bytes(batch, q, kv)
         need += shapes[model].weight_bytes() + sum(terms.values())
@@ -122,3 +134,16 @@ def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int
         f"{setting} (method {name}, batch {batch}): the {model}'s widest pass runs {q} tokens over {kv} keys "
         f"and needs about {need / GIB:.1f} GiB with the weights ({parts} GiB), more than the {memory / GIB:.1f} GiB "
         f"of this device ({device}). Fix: {method.narrower(cfg, where)}{fewer}.")
+
+
+def check_loaded(cfg, method, target, drafter, batch: int) -> None:
+    """check_fits for models already loaded (SpecGenerator: the Python API and the scripts that build one
+    without d3d.settings.check_decode_cost refuse what the CLI refuses): the same estimate, from the
+    models' configs and their loaded dtype and attention, for a batch of `batch` requests."""
+    device = next(target.parameters()).device
+    shapes = {}
+    for model_name, model in (("target", target), ("drafter", drafter)):
+        if model is not None:
+            shapes[model_name] = ModelShape.of_config(model.config, next(model.parameters()).dtype.itemsize,
+                                                      getattr(model.config, "_attn_implementation", None))
+    check_fits(cfg, method, cfg.method, shapes, batch, memory_bytes(str(device)), str(device))

@@ -98,10 +98,12 @@ class Drafts:
         block = cfg.block_size
         if "block_size" in cls.keys and not (isinstance(block, int) and not isinstance(block, bool) and low <= block <= MAX_BLOCK):
             raise ConfigError(f"decode.block_size={cfg.block_size!r}: an integer in [{low}, {MAX_BLOCK}] for "
-                              f"method={cfg.method} (the drafter's training block size is the right one)")
+                              f"method={cfg.method} (the drafter's training block size is the right one). Fix: set "
+                              f"decode.block_size to an integer in [{low}, {MAX_BLOCK}].")
         if cfg.backend not in cls.backends:
             raise ConfigError(f"decode.backend={cfg.backend!r}: method={cfg.method} runs on {', '.join(cls.backends)} "
-                              "only (its cache keeps non-contiguous slots, which only the eager cache does)")
+                              "only (its cache keeps non-contiguous slots, which only the eager cache does). Fix: set "
+                              f"decode.backend={cls.backends[0]}.")
 
     def make(self, pending: torch.Tensor, logits: torch.Tensor) -> Draft:
         raise NotImplementedError

@@ -47,12 +47,13 @@ long the main thread waited for the tray pass after verifying.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from d3d.decoding.config import DecodeConfig
-from d3d.decoding.methods import method_row
+from d3d.decoding.cost import check_loaded
+from d3d.decoding.methods import checked
 from d3d.decoding.passes import Passes, Round, RoundStats, _Clock, _sync
 
 
@@ -106,7 +107,7 @@ class SpecGenerator:
     def __init__(self, target, tokenizer, drafter=None, config: DecodeConfig | None = None,
                  eos_token_ids: list[int] | None = None, seed: int = 0):
         self.cfg = config or DecodeConfig()
-        self.method = method_row(self.cfg.method)
+        self.method = checked(self.cfg)
         if self.method.needs_drafter and drafter is None:
             raise ValueError(f"decode.method={self.cfg.method} needs a drafter; use method=ar for the baseline")
         self.target, self.drafter, self.tok = target, drafter, tokenizer
@@ -115,6 +116,7 @@ class SpecGenerator:
             raise ValueError(f"the drafter is on {next(drafter.parameters()).device} and the target on {self.device}: "
                              "put both on one device (the loop keeps its state there)")
         self.B = self.method.block_size(self.cfg)
+        check_loaded(self.cfg, self.method, target, drafter, 1)  # the CLI's memory bound (d3d.decoding.cost)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
         self.seed = seed
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -148,6 +150,7 @@ class SpecGenerator:
         if problem:
             raise ValueError(f"{problem}. Fix: shorten the prompt or lower max_new_tokens.")
         b = len(prompts)
+        check_loaded(replace(cfg, max_new_tokens=max_new), self.method, self.target, self.drafter, b)
         clock = _Clock(dev)
         step = self.method.step(cfg, passes)
         drafts = step.drafts

@@ -115,5 +115,14 @@ METHODS: dict[str, Method] = {
 def method_row(name: str, where: str = "decode") -> Method:
     if name not in METHODS:
         *most, last = METHODS
-        raise ConfigError(f"{where}.method={name!r}: use {', '.join(most)} or {last}")
+        raise ConfigError(f"{where}.method={name!r}: use {', '.join(most)} or {last}. Fix: set {where}.method to one "
+                          f"of them (or add a row of this name to d3d.decoding.methods.METHODS).")
     return METHODS[name]
+
+
+def checked(cfg, where: str = "decode") -> Method:
+    """The row of cfg.method, after its parts have checked what of `cfg` depends on the method (a
+    DecodeConfig checks its values' ranges itself): the entry points' one call."""
+    row = method_row(cfg.method, where)
+    row.check(cfg)
+    return row

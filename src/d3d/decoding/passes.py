@@ -18,7 +18,7 @@ import torch
 
 from d3d.decoding.drafts import Draft
 from d3d.decoding.kv import KVState, StaticKVState, batch_bucket
-from d3d.models.drafter import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
 

@@ -17,7 +17,7 @@ import contextlib
 import copy
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -25,33 +25,13 @@ import torch
 from torch import nn
 
 from d3d.errors import ConfigError
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
 
 
-class TokenizerMismatchError(ValueError):
-    """The drafter and the target do not share a tokenizer."""
-
-
-@dataclass
-class DrafterSettings:
-    block_size: int = 16
-    mask_token_id: int = -1
-    vocab_size: int = 0  # the target's vocabulary: drafts never leave it
-    kept_layers: list[int] = field(default_factory=list)  # original layer indices still present
-    init: str = "target"
-    target: str = ""
-    tokenizer_fingerprint: str = ""
-
-    @classmethod
-    def of(cls, model) -> "DrafterSettings":
-        raw = getattr(model.config, "d3d", None)
-        if raw is None:
-            raise ValueError("this model has no d3d settings in its config: it is not a d3d drafter checkpoint")
-        return cls(**raw)
-
-    def attach(self, model) -> None:
-        model.config.d3d = asdict(self)
+class TokenizerMismatchError(ConfigError):
+    """The drafter and the target do not share a tokenizer (a ConfigError: the CLI says it in one line)."""
 
 
 def tokenizer_fingerprint(tokenizer, ignore: tuple[str, ...] = ()) -> str:
@@ -256,6 +236,24 @@ def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
         raise ConfigError(f"{key}={path} is a plain model (its config.json has no d3d settings), not a d3d drafter. "
                           f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or leave {key} unset to "
                           f"build an untrained drafter from drafter.init.")
+
+
+def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
+    """A drafter checkpoint the user named, checked before anything loads: a training run folder
+    (whose drafter is its final/) or a missing path gets a one-line error with the fix."""
+    path = Path(os.path.expanduser(str(value))).resolve()  # d3d.config.resolve_path, without OmegaConf
+    if not path.exists():
+        raise ConfigError(f"{key}={value}: {path} does not exist. Fix: pass a folder written by d3d.train "
+                          f"(<train.out_dir>/final) or d3d.prune (<prune.out_dir>/final).")
+    if (path / "config.json").is_file():
+        check_is_drafter(path, key)  # not the target's own folder (a plain model)
+        return path
+    for inner in ("final", "last/drafter"):
+        if (path / inner / "config.json").is_file():
+            raise ConfigError(f"{key}={value} is a run folder, not a drafter. Fix: {key}={path / 'final'}"
+                              + ("" if inner == "final" else " (once the run finishes; or its last/drafter)"))
+    raise ConfigError(f"{key}={value}: {path} holds no config.json, so it is not a saved drafter. Fix: pass "
+                      f"the final/ folder of a d3d.train or d3d.prune run.")
 
 
 def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.specs import TinySpec
 from d3d.utils.io import published
 
@@ -89,8 +90,6 @@ def with_shape(name: str, **fields) -> dict:
 
 def as_drafter(model, block_size: int):
     """Give a random model d3d drafter settings (mask token = the last id)."""
-    from d3d.models.drafter import DrafterSettings
-
     vocab = model.config.vocab_size
     DrafterSettings(block_size=block_size, mask_token_id=vocab - 1, vocab_size=vocab,
                     kept_layers=list(range(model.config.num_hidden_layers)), init="random",

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import socket
 from pathlib import Path
 from dataclasses import asdict
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import torch
 
 from d3d.errors import UserError
-from d3d.fetch import PackageSpec, package_file
+from d3d.fetch import PackageSpec, hub_reachable, package_file
 from d3d.specs import GgufSpec, ModelSpec
 from d3d.utils.io import published
 
@@ -44,19 +42,6 @@ def _spec_key(spec: Any) -> str:
     fields = {k: v for k, v in asdict(spec).items() if v is not None}
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha1(blob).hexdigest()[:10]
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        socket.setdefaulttimeout(timeout)
-        socket.getaddrinfo("huggingface.co", 443)
-        return True
-    except OSError:
-        return False
-    finally:
-        socket.setdefaulttimeout(None)
 
 
 def _check_hub_id(hub_id: str) -> None:

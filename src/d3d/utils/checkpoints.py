@@ -20,7 +20,6 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from d3d.config import ConfigError, resolve_path
 from d3d.utils.io import CorruptFile, published, read_jsonl
 
 MARKER = "COMPLETE"
@@ -165,24 +164,3 @@ def trim_rows(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
         with published(path) as tmp:
             tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
     return kept
-
-
-def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
-    """A drafter checkpoint the user named, checked before anything loads: a training run folder
-    (whose drafter is its final/) or a missing path gets a one-line error with the fix."""
-    path = resolve_path(value)
-    if not path.exists():
-        raise ConfigError(f"{key}={value}: {path} does not exist. Fix: pass a folder written by d3d.train "
-                          f"(<train.out_dir>/final) or d3d.prune (<prune.out_dir>/final).")
-    if (path / "config.json").is_file():
-        from d3d.models.drafter import check_is_drafter
-
-        check_is_drafter(path, key)  # not the target's own folder (a plain model)
-        return path
-    for inner in ("final", "last/drafter"):
-        if (path / inner / "config.json").is_file():
-            raise ConfigError(f"{key}={value} is a run folder, not a drafter. Fix: {key}={path / 'final'}"
-                              + ("" if inner == "final" else " (once the run finishes; or its last/drafter)"))
-    raise ConfigError(f"{key}={value}: {path} holds no config.json, so it is not a saved drafter. Fix: pass "
-                      f"the final/ folder of a d3d.train or d3d.prune run.")
-

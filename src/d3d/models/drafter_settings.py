@@ -1,0 +1,29 @@
+"""A drafter's d3d settings: what rides along in its `config.d3d` (block size, mask token id, the
+target's logits width, the original layers it keeps, its init, its target, its tokenizer's
+fingerprint). A leaf, so anything that gives a model these settings (d3d.models.random_models) or
+reads them (decoding, training, pruning) imports this and not the drafter builder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DrafterSettings:
+    block_size: int = 16
+    mask_token_id: int = -1
+    vocab_size: int = 0  # the target's vocabulary: drafts never leave it
+    kept_layers: list[int] = field(default_factory=list)  # original layer indices still present
+    init: str = "target"
+    target: str = ""
+    tokenizer_fingerprint: str = ""
+
+    @classmethod
+    def of(cls, model) -> "DrafterSettings":
+        raw = getattr(model.config, "d3d", None)
+        if raw is None:
+            raise ValueError("this model has no d3d settings in its config: it is not a d3d drafter checkpoint")
+        return cls(**raw)
+
+    def attach(self, model) -> None:
+        model.config.d3d = asdict(self)
