@@ -118,7 +118,8 @@ def test_gpu_check_end_to_end_on_cpu(tmp_path):
     stages = saved["stages"]
     assert list(stages) == list(load_script("gpu_check").STAGES)  # every stage of the default run, in order
     greedy = stages["greedy"]["steps"]
-    assert len(greedy) == 10 and all(t["outcome"] == "passed" and t["result"]["real"] == 0 for t in greedy.values())
+    # ar, sync and async at two block sizes each, tree and async_tree: 7 cases at batch 1 and 3
+    assert len(greedy) == 14 and all(t["outcome"] == "passed" and t["result"]["real"] == 0 for t in greedy.values())
     compiled = stages["compiled_equal"]["steps"]
     assert compiled and all(t["result"]["equal"] == t["result"]["cases"] > 0 for t in compiled.values())
     assert {"ar_eager", "ar_compiled"} <= set(stages["compiled_timing"]["steps"])
