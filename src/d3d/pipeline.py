@@ -12,7 +12,11 @@ the trained drafter (`<train.out_dir>/final`) is what prune starts from, and the
 (`<prune.out_dir>/final`) is what eval measures, beside the unpruned one (rows `<method>@unpruned`,
 eval.also_drafters). Because every stage resumes (finished rows, steps
 and checkpoints are skipped), rerunning the command after a kill continues where it stopped.
-Stage wall times go to `<outputs>/pipeline/<run_name>/pipeline.json`.
+Stage wall times go to `<outputs>/pipeline/<run_name>/pipeline.json`, which a later invocation on
+the same run extends rather than replaces: `stages` holds each stage's latest record (with the
+invocation it came from) and `invocations` one entry per command, so a demo run stage by stage
+(`--stages prune`, then `--stages eval`) keeps every stage's time. A stage killed and resumed
+counts its resumed invocation only.
 """
 
 from __future__ import annotations
@@ -81,7 +85,10 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
         run_eval(stage_config("eval", overrides, wiring["eval"]), check_only=True)
     record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
     record_dir.mkdir(parents=True, exist_ok=True)
-    record: dict = {"overrides": overrides, **({"demo": demo} if demo else {}), "stages": {}}
+    record = earlier_record(record_dir / "pipeline.json")
+    this = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "overrides": overrides,
+            **({"demo": demo} if demo else {}), "stages": list(stages)}
+    record["invocations"].append(this)
     total = time.perf_counter()
     for stage in stages:
         print(f"\n[d3d.pipeline] ===== {stage} =====", flush=True)
@@ -91,17 +98,38 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
         # the process's peak resident memory so far (a stage's peak is where it first rises)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         record["stages"][stage] = {"wall_s": round(time.perf_counter() - start, 1), "output": str(out),
-                                   "peak_rss_gb_so_far": round(peak, 2)}
+                                   "peak_rss_gb_so_far": round(peak, 2), "invocation": len(record["invocations"])}
         write_json(record_dir / "pipeline.json", record)
-    record["wall_s"] = round(time.perf_counter() - total, 1)
+    this["wall_s"] = round(time.perf_counter() - total, 1)
+    record["stages"] = {s: record["stages"][s] for s in STAGES if s in record["stages"]}  # pipeline order
+    record["stages_wall_s"] = round(sum(v["wall_s"] for v in record["stages"].values()), 1)
     write_json(record_dir / "pipeline.json", record)
     print("\n[d3d.pipeline] stage wall times: " + ", ".join(
-        f"{s} {v['wall_s'] / 60:.1f} min" for s, v in record["stages"].items()) + f"; total {record['wall_s'] / 60:.1f} min")
-    if "eval" in record["stages"]:
+        f"{s} {record['stages'][s]['wall_s'] / 60:.1f} min" for s in stages) + f"; total {this['wall_s'] / 60:.1f} min")
+    if len(record["stages"]) > len(stages):  # earlier invocations' stages too
+        print("[d3d.pipeline] with the earlier invocations' stages (pipeline.json): " + ", ".join(
+            f"{s} {v['wall_s'] / 60:.1f} min" for s, v in record["stages"].items())
+            + f"; {record['stages_wall_s'] / 60:.1f} min of stages in all")
+    if "eval" in stages:
         summary = Path(record["stages"]["eval"]["output"]) / "summary.md"
         print(f"\n{summary}:\n{summary.read_text()}")
     print(f"[d3d.pipeline] record: {record_dir / 'pipeline.json'}")
     return record
+
+
+def earlier_record(path: Path) -> dict:
+    """pipeline.json as earlier invocations on this run left it (a record of an older layout, with
+    one invocation's `overrides` at the top, becomes that invocation); a fresh one if none."""
+    import json
+
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"stages": {}, "invocations": []}
+    if "invocations" not in old:  # the layout before invocations were kept
+        first = {k: old[k] for k in ("overrides", "demo", "wall_s") if k in old} | {"stages": list(old.get("stages", {}))}
+        old = {"stages": {s: {**v, "invocation": 1} for s, v in old.get("stages", {}).items()}, "invocations": [first]}
+    return old
 
 
 def main(argv: list[str] | None = None) -> None:

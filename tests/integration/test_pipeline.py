@@ -36,6 +36,15 @@ def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch,
     main(args)
     assert (eval_out / "rows.jsonl").read_text() == rows_before
     assert (train_out / "metrics.jsonl").read_text() == metrics_before
+    # one stage again on the same run: pipeline.json keeps the other stages' records (it used to hold
+    # only the last invocation's, so a demo run stage by stage lost the earlier stages' times)
+    first = json.loads(next((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json")).read_text())
+    main([*args, "--stages", "eval"])
+    record = json.loads(next((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json")).read_text())
+    assert [len(i["stages"]) for i in record["invocations"]] == [4, 4, 1]
+    assert list(record["stages"]) == ["generate", "train", "prune", "eval"]
+    assert record["stages"]["train"] == first["stages"]["train"] and record["stages"]["eval"]["invocation"] == 3
+    assert record["stages_wall_s"] == round(sum(v["wall_s"] for v in record["stages"].values()), 1)
 
 
 def test_a_bad_setting_of_a_late_stage_fails_before_the_first_stage_runs(tmp_path, monkeypatch, capsys):
