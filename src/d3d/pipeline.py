@@ -122,9 +122,16 @@ def earlier_record(path: Path) -> dict:
     one invocation's `overrides` at the top, becomes that invocation); a fresh one if none."""
     import json
 
+    if not path.is_file():
+        return {"stages": {}, "invocations": []}
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:  # written atomically, so only a hand edit gets here: keep it beside
+        path.replace(path.with_suffix(".unreadable.json"))
+        print(f"[d3d.pipeline] {path} could not be read ({err}); moved to {path.with_suffix('.unreadable.json')}, "
+              f"starting a new record", file=sys.stderr)
         return {"stages": {}, "invocations": []}
     if "invocations" not in old:  # the layout before invocations were kept
         first = {k: old[k] for k in ("overrides", "demo", "wall_s") if k in old} | {"stages": list(old.get("stages", {}))}

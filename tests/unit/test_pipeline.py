@@ -3,7 +3,9 @@ tests/integration/test_pipeline.py)."""
 
 from __future__ import annotations
 
-from d3d.pipeline import stage_overrides
+import json
+
+from d3d.pipeline import earlier_record, stage_overrides
 
 
 def test_overrides_go_only_to_stages_that_have_the_key():
@@ -14,3 +16,19 @@ def test_overrides_go_only_to_stages_that_have_the_key():
     # prune composes only the training step's train.* keys (conf/training/): d3d.train's own stay with train
     ov = ["train.lr=1e-4", "train.warmup_steps=2"]
     assert stage_overrides("train", ov) == ov and stage_overrides("prune", ov) == ["train.lr=1e-4"]
+
+
+def test_an_older_pipeline_record_becomes_its_first_invocation(tmp_path, capsys):
+    """pipeline.json from before invocations were kept: its stages stay, as invocation 1; an
+    unreadable one is moved aside, said in one line, never silently overwritten."""
+    path = tmp_path / "pipeline.json"
+    assert earlier_record(path) == {"stages": {}, "invocations": []}
+    path.write_text(json.dumps({"overrides": ["+experiment=smoke"], "stages": {"train": {"wall_s": 5.0, "output": "t"}},
+                                "wall_s": 6.0}))
+    record = earlier_record(path)
+    assert record["stages"] == {"train": {"wall_s": 5.0, "output": "t", "invocation": 1}}
+    assert record["invocations"] == [{"overrides": ["+experiment=smoke"], "wall_s": 6.0, "stages": ["train"]}]
+    path.write_text("{ cut")
+    assert earlier_record(path) == {"stages": {}, "invocations": []}
+    assert (tmp_path / "pipeline.unreadable.json").read_text() == "{ cut" and not path.exists()
+    assert "could not be read" in capsys.readouterr().err
