@@ -150,7 +150,7 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Ev
             # packed pass beside verification (a side stream) or after it: as the loop will run it
             overlap = row.overlap_mode(dc, target.device) == "stream"
             drafts = row.drafts(replace(dc, temperature=0.0), row.block_size(dc), None)
-            pick, basis = calibrate(target, drafter, pairs, drafts, overlap=overlap)
+            pick, basis = calibrate(target, drafter, pairs, drafts, overlap=overlap, progress=ev.progress)
             earlier[name] = {**pick.as_dict(), **basis}
             log.info("eval.async_budgets=auto, %s: %s", name, pick.why)
     for name in names:
