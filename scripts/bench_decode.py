@@ -160,12 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
         tag = "" if backend == "eager" else f"[{backend}]"
         methods[f"d3d_ar{tag}"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar", backend=backend), eos))
         # sync and trees first, the async methods last (see above); a tree runs on the eager backend only
-        for name, dc in sorted(ours.items(), key=lambda kv: kv[1].method.startswith("async")):
+        for name, dc in sorted(ours.items(), key=lambda kv: method_row(kv[1].method).trays):
             if backend in method_row(dc.method).backends:
                 packed = f"({method_row(dc.method).budget(dc)}tok)" if method_row(dc.method).budget(dc) else ""
                 methods[f"{name}{packed}{tag}"] = our_call(SpecGenerator(target, tok, drafter, replace(dc, backend=backend), eos))
-                for label, other in also.items():  # the same method with another drafter (sync and trees)
-                    if dc.method in ("sync", "tree"):
+                for label, other in also.items():  # the same method with another drafter (those without trays)
+                    if not method_row(dc.method).trays:
                         methods[f"{name}{packed}{tag}@{label}"] = our_call(
                             SpecGenerator(target, tok, other, replace(dc, backend=backend), eos))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
+from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import load_drafter
 from d3d.models.drafter_settings import DrafterSettings
@@ -36,7 +37,7 @@ def main() -> None:
     model, _ = load_drafter(args.drafter, dtype="float32")
     s = DrafterSettings.of(model)
     stats = estimate_acceptance(model, val, s.block_size, s.mask_token_id, s.vocab_size,
-                                tree_nodes=args.tree_nodes).as_dict(s.block_size)
+                                drafts=scored_drafts(s.block_size, args.tree_nodes)).as_dict(s.block_size)
     stats["max_new_tokens"], stats["tree_nodes"] = args.max_new_tokens, args.tree_nodes
     print(json.dumps({k: v for k, v in stats.items()}, indent=None))
     name = "tau.json" if args.tree_nodes is None else f"tau_tree{args.tree_nodes}.json"

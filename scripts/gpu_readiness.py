@@ -72,8 +72,9 @@ def loop_rounds(target, drafter, cfg, prefix: int, new_tokens: int, device) -> d
     """Run one of the real loops on a random prompt: medians per round of the host wall time and
     of each pass's device time (CUDA events; wall time on CPU), and their difference."""
     from d3d.decoding import SpecGenerator
+    from d3d.decoding.methods import method_row
 
-    gen = SpecGenerator(target, NoText(), None if cfg.method == "ar" else drafter, cfg, eos_token_ids=[])
+    gen = SpecGenerator(target, NoText(), drafter if method_row(cfg.method).needs_drafter else None, cfg, eos_token_ids=[])
     prompt = torch.randint(0, target.config.vocab_size - 2, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     # warm-up; a static backend's warm-up decodes as many tokens, so its buffers (and compiled
     # shapes) are the timed call's
@@ -129,11 +130,17 @@ def overlap_from_rounds(t_sync: float, t_miss: float, t_tray: float) -> float | 
     return 1.0 - (t_miss - t_sync) / t_tray
 
 
+def packed_blocks(block_size: int, C: int, F: int) -> int:
+    """Blocks in the async chain's tray pass at budget (C, F): its row's budget, in blocks."""
+    from d3d.decoding import DecodeConfig
+    from d3d.decoding.methods import METHODS
+
+    return METHODS["async"].budget(DecodeConfig(method="async", block_size=block_size, C=C, F=F)) // block_size
+
+
 def projections(loops: dict, suffix: str, tau: float, budgets, hit_rates, block_size: int,
                 mask_cost_ms: float | None) -> list[dict]:
     """The projection rows of one backend (its loops' keys end in `suffix`), from its rounds."""
-    from d3d.decoding.budget import packed_blocks
-
     ar, sync = loops[f"ar{suffix}"], loops[f"sync{suffix}"]
     t_ar, t_sync = ar["round_wall_ms"], sync["round_wall_ms"]
     backend = ar["backend"]
@@ -245,7 +252,6 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     if len(args.hit_rate) != len(budgets):  # a budget's hit rate is its own: never one for all
         p.error(f"--hit-rate takes one value per --budgets entry ({len(budgets)} budgets, {len(args.hit_rate)} rates)")
     from d3d.decoding import DecodeConfig
-    from d3d.decoding.budget import packed_blocks
 
     res = Results(Path(args.out or f"outputs/bench/gpu_readiness_{args.target}.json"), on_stage,
                   target=args.target, drafter=args.drafter, device=str(device),

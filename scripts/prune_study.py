@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers, spearman
 from d3d.models.drafter import decoder_layers, load_drafter, skipping_layers
@@ -55,7 +56,7 @@ def main() -> None:
     rows = {}
     for frac in args.fractions:
         start = time.perf_counter()
-        sc = score_layers(model, calib, s.block_size, s.mask_token_id, s.vocab_size, tree_nodes=args.tree_nodes,
+        sc = score_layers(model, calib, s.block_size, s.mask_token_id, s.vocab_size, drafts=scored_drafts(s.block_size, args.tree_nodes),
                           anchor_fraction=frac, seed=args.seed)
         rows[frac] = {"fraction": frac, "seconds": time.perf_counter() - start, "taus": sc.taus}
         print(f"fraction {frac}: {rows[frac]['seconds']:.1f} s, whole drafter {sc.taus[-1]:.3f}, best drop "
@@ -69,7 +70,7 @@ def main() -> None:
         start = time.perf_counter()
         with skipping_layers(model, [layer]):
             tau = estimate_acceptance(model, calib, s.block_size, s.mask_token_id, s.vocab_size,
-                                      tree_nodes=args.tree_nodes).tau
+                                      drafts=scored_drafts(s.block_size, args.tree_nodes)).tau
         old.append({"layer": layer, "seconds": time.perf_counter() - start, "tau": tau,
                     "one_sweep_tau": exact[layer]})
         print(f"per-layer estimator, layer {layer}: {old[-1]['seconds']:.1f} s, τ {tau:.3f} (one sweep {exact[layer]:.3f})",

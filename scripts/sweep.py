@@ -131,7 +131,7 @@ def budget(sw: Sweep) -> dict:
         per = [b[name] for b in s["benchmarks"].values() if name in b]
         # run.json records the keys a method reads: sync has no trays (C = 1 covered slot, F = 0 alternatives)
         rows.append({"method": name, "C": info.get("C", 1), "F": info.get("F", 0),
-                     "packed_tokens": info["budget"] if info["method"] == "async" else 0,
+                     "packed_tokens": info["budget"],
                      "hit_rate": per[0]["hit_rate"], "tau": per[0]["tau_token_weighted"],
                      "speedup": per[0]["speedup_token_weighted"]})
     # one line per F (F = 0 is the sync loop: no packed pass) over the packed tokens C sets

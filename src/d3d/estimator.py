@@ -8,10 +8,10 @@ Then walk the rounds as the decoding loop would: start at the last prompt token,
 τ = min(m(a), B-1) + 1 tokens (the accepted drafts + the correction/bonus token), capped at the
 tokens left, and the next round anchors at a + τ.
 
-Trees (decode.method=tree, `tree_nodes`): the same walk, with m(a) = the depth of the deepest
-node of the tree built from the block at a (d3d.decoding.tree, as the loop builds it at T = 0)
-whose path equals the response: greedy tree acceptance takes the longest path matching the
-target's argmax, which on the target's own greedy response is the response itself.
+The chain is the default; `drafts` (a Drafts kind, d3d.decoding.methods.drafts_of) estimates the
+τ of another shape by the same walk, with m(a) its `match_depth` at the block at a: for a tree,
+the depth of the deepest node whose path equals the response (greedy tree acceptance takes the
+longest path matching the target's argmax, which on its own greedy response is the response).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.decoding.config import DecodeConfig
-from d3d.decoding.drafts import Drafts
-from d3d.decoding.methods import method_row
+from d3d.decoding.drafts import Chain, Drafts
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 
@@ -56,14 +55,14 @@ class AcceptanceStats:
 
 @torch.no_grad()
 def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_id: int,
-                  vocab_size: int | None = None, chunk: int = 64, tree_nodes: int | None = None) -> torch.Tensor:
+                  vocab_size: int | None = None, chunk: int = 64, drafts: Drafts | None = None) -> torch.Tensor:
     """m(a) for every anchor a = prompt_len-1 .. len-2: leading drafts that equal the response
-    (with `tree_nodes`: the depth of the deepest node of the block's tree on the response's path)."""
+    (with `drafts`: its match_depth, e.g. a tree's deepest node on the response's path)."""
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
     B, L = block_size, len(ids)
-    drafts = drafts_of(B, tree_nodes)
+    drafts = shape_of(drafts, B)
     seq = torch.tensor(ids, dtype=torch.long, device=dev)
     cache = DynamicCache(config=model.config)
     # The committed text, causal, in the drafter's cache (an anchor a only sees positions < a).
@@ -84,10 +83,13 @@ def match_lengths(model, ids: list[int], prompt_len: int, block_size: int, mask_
     return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
 
 
-def drafts_of(block_size: int, tree_nodes: int | None) -> Drafts:
-    """The shape of drafts whose greedy τ is estimated: the chain, or a tree of `tree_nodes` drafts."""
-    cfg = DecodeConfig(method="sync" if tree_nodes is None else "tree", block_size=block_size, tree_nodes=tree_nodes or 1)
-    return method_row(cfg.method).drafts(cfg, block_size, None)
+def shape_of(drafts: Drafts | None, block_size: int) -> Drafts:
+    """The drafts whose greedy τ is estimated: the chain of `block_size` when None."""
+    if drafts is None:
+        return Chain(DecodeConfig(block_size=block_size), block_size, None)
+    if drafts.B != block_size:
+        raise ValueError(f"drafts of block {drafts.B} scored at block_size {block_size}: build them with the drafter's block size")
+    return drafts
 
 
 def greedy_rounds(m: torch.Tensor, prompt_len: int, length: int, block_size: int) -> list[int]:
@@ -103,16 +105,16 @@ def greedy_rounds(m: torch.Tensor, prompt_len: int, length: int, block_size: int
 
 @torch.no_grad()
 def estimate_acceptance(model, examples, block_size: int, mask_id: int, vocab_size: int | None = None,
-                        chunk: int = 64, tree_nodes: int | None = None) -> AcceptanceStats:
+                        chunk: int = 64, drafts: Drafts | None = None) -> AcceptanceStats:
     """Exact greedy τ of `model` on target greedy responses (`examples`: d3d.objective.Example), for
-    the chain or (`tree_nodes`) for a tree of that many drafts."""
+    the chain or for `drafts` (d3d.decoding.methods.drafts_of: a tree, say)."""
     was_training = model.training
     model.eval()
     stats = AcceptanceStats(slot_hits=[0] * (block_size - 1))
     for ex in examples:
         if len(ex.ids) - ex.prompt_len < 1:
             continue
-        m = match_lengths(model, ex.ids, ex.prompt_len, block_size, mask_id, vocab_size, chunk, tree_nodes)
+        m = match_lengths(model, ex.ids, ex.prompt_len, block_size, mask_id, vocab_size, chunk, drafts)
         taus = greedy_rounds(m, ex.prompt_len, len(ex.ids), block_size)
         stats.taus += taus
         stats.per_sequence.append(sum(taus) / len(taus))

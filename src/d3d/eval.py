@@ -84,8 +84,9 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     lends the shared keys to the others: `decode.temperature=1` samples every method (AR too),
     `decode.backend=compiled` compiles every method, and `decode.block_size=4` drafts 4-token blocks
     in sync and async alike.
-    `eval.async_budgets: [4x1, 8x2]` turns the async method into one method per C x F budget, and
-    `auto` every method with trays into one whose budget is chosen on this device."""
+    `eval.async_budgets: [4x1, 8x2, 16]` turns each method with trays into one method per entry that
+    sets its Drafts' tray knobs (C x F: the chain's, 4x1 and 8x2; tree_trays: the tree's, 16), and
+    `auto` into one whose budget is chosen on this device."""
     check_eval_settings(ev)
     composed = bind_decode(cfg.decode, "decode")
     out = {}
@@ -100,17 +101,19 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
             keys = [k for k in LENT_KEYS if k in decode_keys(own.method) and k in decode_keys(composed.method)]
             dc = replace(own, **{k: getattr(composed, k) for k in keys})
         dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
-        # the budget study: a method with trays gets one per budget it reads (C x F: async's), and
-        # `auto` one whose budget is chosen once the models are loaded (resolve_auto_budget)
+        # the budget study: a method with trays gets one per entry that sets its tray knobs (as many
+        # values as it has knobs), and `auto` one whose budget is chosen once the models are loaded
+        # (resolve_auto_budget)
         row = method_row(dc.method)
-        budgets = [b for b in ev.async_budgets or [] if str(b).lower() == AUTO or {"C", "F"} <= set(row.keys)]
-        if row.budget(dc) and budgets:
+        knobs = tuple(row.drafts.tray_grid[0]) if row.trays else ()
+        budgets = [b for b in ev.async_budgets or [] if knobs and (str(b).lower() == AUTO or len(parse_budget(b)) == len(knobs))]
+        if budgets:
             for b in budgets:
                 if str(b).lower() == AUTO:
                     out[f"{name}_{AUTO}"] = dc
                     continue
-                C, F = parse_budget(b)
-                out[f"{name}_c{C}_f{F}"] = replace(dc, C=C, F=F)
+                setting = dict(zip(knobs, parse_budget(b)))  # e.g. async_c4_f1, async_tree_tree_trays16
+                out[f"{name}_" + "_".join(f"{k.lower()}{v}" for k, v in setting.items())] = replace(dc, **setting)
         else:
             out[name] = dc
     if BASELINE not in out or method_row(out[BASELINE].method).needs_drafter:
@@ -186,12 +189,15 @@ def check_eval_settings(ev: EvalSettings) -> None:
                               f"name such as `unpruned` (no '@' or '/').")
 
 
-def parse_budget(text) -> tuple[int, int]:
-    try:
-        C, F = (int(x) for x in str(text).lower().split("x"))
-    except ValueError:
-        raise ConfigError(f"eval.async_budgets entry {text!r}: write CxF, e.g. 8x2 (C covered slots + 1, F alternatives)") from None
-    return C, F
+def parse_budget(text) -> tuple[int, ...]:
+    """An eval.async_budgets entry: the values of a Drafts kind's tray knobs joined by x."""
+    if str(text).lower() != AUTO:
+        try:
+            return tuple(int(x) for x in str(text).lower().split("x"))
+        except ValueError:
+            pass
+    raise ConfigError(f"eval.async_budgets entry {text!r}: write CxF for a chain's trays (e.g. 8x2: C covered slots + 1, "
+                      f"F alternatives), T for a tree's (e.g. 16 trays), or auto. Fix: e.g. eval.async_budgets=[4x1,8x2,16].")
 
 
 def output_dir(cfg: EvalConfig, ev: EvalSettings) -> Path:

@@ -11,9 +11,9 @@ drafter (24 layers) on 2 CPU cores about 35 minutes a step. Three things make it
 - **One packed forward per response**: `[response | a block at every anchor]` under the d3d mask
   (the training layout: each block sees the clean tokens before its anchor and itself), which is
   what the estimator's cached prefix + chunks of blocks compute (contract 3), in one pass.
-- **LM-head rows only where they can matter** (chains): slot k's logits are needed only for the
-  anchors whose first k-1 drafts all matched; the head (152k rows on Qwen) otherwise costs a sixth
-  of a forward per candidate.
+- **LM-head rows only where they can matter** (chains: Chain.match_depth_from): slot k's logits are
+  needed only for the anchors whose first k-1 drafts all matched; the head (152k rows on Qwen)
+  otherwise costs a sixth of a forward per candidate.
 
 Then m(a), the leading drafts that equal the response, and the same walk as the estimator
 (`greedy_rounds`): the τ is exact up to the rounding of one packed pass against chunked ones (the
@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.estimator import drafts_of, greedy_rounds
+from d3d.decoding.drafts import Drafts
+from d3d.estimator import greedy_rounds, shape_of
 from d3d.models.drafter import decoder_layers, skipping_layers
 from d3d.models.forward import attention_mask_for, logits_at
 from d3d.models.masks import block_layout, build_mask, clean_layout, concat
@@ -96,33 +97,21 @@ def _upper(model, h: torch.Tensor, first: int, mask, pos: torch.Tensor) -> torch
     return out.last_hidden_state
 
 
-def _chain_match(model, hidden: torch.Tensor, truth: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """m(a) (n,) from the blocks' hidden states (n, B-1, d): slot k's head runs only on the anchors
-    whose k-1 first drafts matched (the rest cannot add to m)."""
-    n, slots = truth.shape
-    alive = torch.arange(n, device=hidden.device)
-    m = torch.zeros(n, dtype=torch.long, device=hidden.device)
-    for k in range(slots):
-        if len(alive) == 0:
-            break
-        hit = logits_at(model, hidden[alive, k], vocab_size).argmax(-1) == truth[alive, k]
-        alive = alive[hit]
-        m[alive] += 1
-    return m
-
-
 @torch.no_grad()
 def score_layers(model, examples, block_size: int, mask_id: int, vocab_size: int | None = None,
-                 tree_nodes: int | None = None, anchor_fraction: float = 1.0, seed: int = 0,
+                 drafts: Drafts | None = None, anchor_fraction: float = 1.0, seed: int = 0,
                  progress=None) -> LayerScores:
     """τ of the drafter without each layer (and, last, with all of them) on target greedy responses.
 
     `progress(i)` is called after each response (a progress bar). With anchor_fraction = 1 the τ are
-    the estimator's walk; below 1 the sampled estimator of the module docstring."""
+    the estimator's walk; below 1 the sampled estimator of the module docstring. `drafts`: the shape
+    whose τ scores (the chain when None; d3d.decoding.methods.drafts_of for another)."""
     was_training = model.training
     model.eval()
     dev = next(model.parameters()).device
     B, n_layers = block_size, len(decoder_layers(model))
+    drafts = shape_of(drafts, B)
+    head = lambda h: logits_at(model, h, vocab_size)  # noqa: E731
     total = LayerScores()
     for i, ex in enumerate(examples):
         L = len(ex.ids)
@@ -144,11 +133,7 @@ def score_layers(model, examples, block_size: int, mask_id: int, vocab_size: int
         ex_scores = LayerScores()
         for final in finals:
             h = final[0, L - 1 :].reshape(len(anc), B, -1)[:, : B - 1]
-            if tree_nodes is None:
-                m = _chain_match(model, h, truth, vocab_size)
-            else:
-                m = drafts_of(B, tree_nodes).match_depth(logits_at(model, h, vocab_size), truth)
-            m = m.cpu()
+            m = drafts.match_depth_from(h, head, truth).cpu()
             if anchor_fraction >= 1.0:
                 taus = greedy_rounds(m, ex.prompt_len, L, B)
                 ex_scores.tokens.append(float(sum(taus)))

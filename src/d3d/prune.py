@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
+from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers
 from d3d.models.drafter import (
@@ -58,7 +59,7 @@ def tau_of(model, calib, s: DrafterSettings, tree_nodes: int | None = None) -> f
     """Exact greedy τ (the chain's, or a tree of `tree_nodes` drafts') of the drafter as it decodes on
     this device: a bf16 copy on CUDA and native-bf16 CPUs, where it is also 2-3x faster than fp32."""
     return estimate_acceptance(as_deployed(model), calib, s.block_size, s.mask_token_id, s.vocab_size,
-                               tree_nodes=tree_nodes).tau
+                               drafts=scored_drafts(s.block_size, tree_nodes)).tau
 
 
 def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, record: Path | None = None) -> list[float]:
@@ -72,7 +73,7 @@ def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, rec
     bar = tqdm(total=len(calib), desc="scoring layers (responses)", unit="resp", disable=not pc.progress)
     start = time.perf_counter()
     scores = score_layers(as_deployed(model), calib, s.block_size, s.mask_token_id, s.vocab_size,
-                          tree_nodes=pc.tree_nodes, anchor_fraction=pc.anchor_fraction, seed=len(s.kept_layers),
+                          drafts=scored_drafts(s.block_size, pc.tree_nodes), anchor_fraction=pc.anchor_fraction, seed=len(s.kept_layers),
                           progress=lambda i: bar.update(1))
     bar.close()
     if record:

@@ -10,7 +10,7 @@ import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.drafts import Chain, Draft
-from d3d.decoding.methods import Method, method_row
+from d3d.decoding.methods import Method, drafts_of, method_row
 from d3d.decoding.schedules import Async, Schedule, Sync
 from d3d.decoding.tree import Tree
 from d3d.decoding.tree_drafts import TreeDrafts
@@ -148,7 +148,7 @@ def test_contract4_estimator_equals_loop_tau(models):
 
 @pytest.mark.parametrize("nodes", [3, 15])
 def test_contract4_estimator_equals_loop_tau_on_trees(models, nodes):
-    """The offline estimator with tree_nodes: the loop's τ round by round, on the greedy tree loop's
+    """The offline estimator with the tree's drafts: the loop's τ round by round, on the greedy tree loop's
     own output (= the target's greedy response)."""
     target, drafter, tok = models
     s = DrafterSettings.of(drafter)
@@ -157,7 +157,8 @@ def test_contract4_estimator_equals_loop_tau_on_trees(models, nodes):
         res = SpecGenerator(target, tok, drafter, DecodeConfig(method="tree", block_size=6, tree_nodes=nodes,
                                                                max_new_tokens=40)).generate([prompt])
         ids = prompt + res.token_ids[0]
-        m = match_lengths(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size, tree_nodes=nodes)
+        tree = drafts_of(DecodeConfig(method="tree", block_size=6, tree_nodes=nodes))
+        m = match_lengths(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size, drafts=tree)
         assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus(), text
 
 

@@ -190,6 +190,16 @@ def test_unknown_method_and_bad_budget_are_named(tmp_path):
         methods_of(compose("eval", SMOKE + ["eval.async_budgets=[8by2]"], tmp_path))
 
 
+def test_a_budget_entry_sets_the_tray_knobs_of_the_methods_it_fits(tmp_path):
+    """eval.async_budgets entries are the values of a Drafts kind's tray knobs joined by x: 2x1 sets
+    the chain's C and F, 8 the tree's tree_trays; neither touches the other's method, nor sync."""
+    methods = methods_of(compose("eval", SMOKE + ["eval.methods=[ar,sync,async,async_tree]",
+                                                   "eval.async_budgets=[2x1,8]"], tmp_path))
+    assert list(methods) == ["ar", "sync", "async_c2_f1", "async_tree_tree_trays8"]
+    assert (methods["async_c2_f1"].C, methods["async_c2_f1"].F) == (2, 1)
+    assert methods["async_tree_tree_trays8"].tree_trays == 8 and methods["async_tree_tree_trays8"].method == "async_tree"
+
+
 @pytest.mark.slow
 def test_accelerate_two_processes_split_and_merge(tmp_path):
     import os

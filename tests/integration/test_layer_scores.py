@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import anchors_of, score_layers, spearman
 from d3d.models.drafter import decoder_layers, skipping_layers
@@ -27,14 +28,14 @@ def lively_examples(model, s: DrafterSettings, seed: int, n: int = 3) -> list[Ex
     return out
 
 
-def per_layer(model, examples, s, tree_nodes=None) -> list[float]:
+def per_layer(model, examples, s, drafts=None) -> list[float]:
     taus = []
     for layer in range(len(decoder_layers(model))):
         with skipping_layers(model, [layer]):
             taus.append(estimate_acceptance(model, examples, s.block_size, s.mask_token_id, s.vocab_size,
-                                            tree_nodes=tree_nodes).tau)
+                                            drafts=drafts).tau)
     return taus + [estimate_acceptance(model, examples, s.block_size, s.mask_token_id, s.vocab_size,
-                                       tree_nodes=tree_nodes).tau]
+                                       drafts=drafts).tau]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -42,11 +43,12 @@ def per_layer(model, examples, s, tree_nodes=None) -> list[float]:
 def test_one_sweep_scores_equal_the_estimator_per_layer(tmp_path, arch, tree_nodes):
     model, _, _ = tiny_drafter(tmp_path, arch=arch, layers=4, block=4)
     s = DrafterSettings.of(model)
+    drafts = scored_drafts(s.block_size, tree_nodes)
     seen_multi = False
     for seed in range(4):  # fp32: the packed sweep and the chunked estimator agree bit for bit on τ
         examples = lively_examples(model, s, seed)
-        fast = score_layers(model, examples, s.block_size, s.mask_token_id, s.vocab_size, tree_nodes=tree_nodes)
-        expected = per_layer(model, examples, s, tree_nodes)
+        fast = score_layers(model, examples, s.block_size, s.mask_token_id, s.vocab_size, drafts=drafts)
+        expected = per_layer(model, examples, s, drafts)
         assert fast.taus == pytest.approx(expected, abs=1e-12), seed
         seen_multi |= len(set(expected)) > 1
     assert seen_multi  # the candidates differed somewhere: the comparison can tell layers apart

@@ -231,6 +231,29 @@ def test_the_decoding_seam_imports_in_either_order_and_the_driver_names_no_metho
     assert not named, f"d3d.decoding.engine names methods {sorted(named)}"
 
 
+# where a speculative method's name may be written: the table (and what prune.tree_nodes scores by,
+# the `tree` row's drafts), DecodeConfig's default method, and the prune records' labels (tree15)
+MAY_NAME_A_METHOD = {"decoding/methods.py", "decoding/config.py", "prune.py"}
+
+
+def test_no_module_branches_on_a_speculative_method_name():
+    """A new shape of drafts or schedule is one class and one row: no module outside the table asks
+    which speculative method it serves (the estimator used to map tree_nodes to `tree`, cost.py to
+    test a method's keys for F and tree_nodes, eval to take C x F budgets for rows reading C and F).
+    The AR baseline may be named (eval's and report's reference row, the budget's greedy text)."""
+    from d3d.decoding.methods import METHODS
+
+    speculative = {name for name, row in METHODS.items() if row.needs_drafter}
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if str(path.relative_to(SRC)) in MAY_NAME_A_METHOD:
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Constant) and n.value in speculative:
+                found.append(f"{path.relative_to(SRC)}:{n.lineno} {n.value!r}")
+    assert not found, f"modules name speculative methods: {found}"
+
+
 def test_typed_components_import_no_omegaconf():
     """Binding (OmegaConf -> d3d.specs) happens once, in d3d.settings; the modules below the recipes
     take typed specs and import no OmegaConf, so scripts/gpu_train_check.py runs them on a bare GPU

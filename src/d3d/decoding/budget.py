@@ -136,8 +136,8 @@ def clean_pass_ms(model, prefix: torch.Tensor, width: int, repeats: int = 5, log
 
 @torch.inference_mode()
 def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, logits: bool = True, timer=timed):
-    """One drafter pass of `blocks` mask blocks after the prefix: 1 block is a synchronous draft;
-    (C-1)*F + 2 blocks cost what one packed async pass does (the glue counted as a block)."""
+    """One drafter pass of `blocks` mask blocks after the prefix: 1 block is a synchronous draft; a
+    tray pass is its budget in whole blocks (a chain's (C-1)*F + 2: the glue counted as a block)."""
     B, mask_id = int(drafter.config.d3d["block_size"]), int(drafter.config.d3d["mask_token_id"])
     n, dev = prefix.shape[1], prefix.device
     x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
@@ -160,14 +160,6 @@ def pass_costs(target, drafter, prefix: list[int], drafts: Drafts, grid: list[di
 def label(setting: dict) -> str:
     """A setting's name in the tables: its values joined by x (C=4, F=1: 4x1)."""
     return "x".join(str(v) for v in setting.values())
-
-
-def packed_blocks(block_size: int, C: int, F: int) -> int:
-    """Blocks in async's packed pass at budget (C, F): the method's own budget, in blocks."""
-    from d3d.decoding import DecodeConfig
-    from d3d.decoding.methods import METHODS
-
-    return METHODS["async"].budget(DecodeConfig(method="async", block_size=block_size, C=C, F=F)) // block_size
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What one decoding pass costs in memory, estimated from the models' configs before any weight loads.
 
-A method's widest pass (Method.widest: the async tray pass is its budget, B·((C−1)·F + 2) tokens)
+A method's widest pass (Method.widest: a tray pass is its Drafts' budget, B·((C−1)·F + 2) tokens for a chain)
 runs q new tokens against kv keys, its cached prefix plus itself. Nothing in DecodeConfig bounds q
 by what the device holds: `decode.block_size=256 decode.C=256` on the tiny smoke target built a
 17 GB boolean mask, and F above the vocabulary failed in `topk` after the models had loaded. So the
@@ -99,22 +99,9 @@ def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int
                device: str, where: str = "decode") -> None:
     """Refuse `cfg` (the DecodeConfig of the run's method `name`, of row `method`; its keys named
     `where`.<key>, as DecodeConfig names them) when its widest passes cannot fit in `memory`. The weights of both models and each one's widest pass (method.widest) must fit
-    together (an overlapped tray pass runs while the target verifies). F above the vocabulary, which
-    no memory makes work, is said first."""
-    v = shapes["target"].vocab
-    if "F" in method.keys and cfg.F > v - 1:
-        raise ConfigError(f"{where}.F={cfg.F} (method {name}): a tray per alternative token, so at most {v - 1} (the {v}-token "
-                          f"vocabulary less the drafted token). Fix: set {where}.F={min(2, v - 1)} or at most {v - 1}.")
-    if "tree_nodes" in method.keys:
-        slots, most = method.block_size(cfg) - 1, 0  # distinct nodes: v per slot along every path, v + v^2 + ...
-        for depth in range(1, slots + 1):
-            most += v ** depth
-            if most >= cfg.tree_nodes:
-                break
-        if cfg.tree_nodes > most:  # build_tree would fill the rest with copies of a node, verified for nothing
-            raise ConfigError(f"{where}.tree_nodes={cfg.tree_nodes} (method {name}): a block of {slots + 1} has {slots} "
-                              f"draft slot(s) of a {v}-token vocabulary, so a tree has at most {most} distinct nodes. "
-                              f"Fix: set {where}.tree_nodes={most} or fewer, or a larger {where}.block_size.")
+    together (an overlapped tray pass runs while the target verifies). What no memory makes work with
+    this vocabulary (the row's check_vocab: a chain's F, a tree's node count) is said first."""
+    method.check_vocab(cfg, shapes["target"].vocab, name, where)
     need, widest = 0, None
     for model, q in method.widest(cfg).items():
         if model not in shapes:  # a model the run does not load
@@ -128,7 +115,7 @@ def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int
         return
     model, q, kv, terms = widest
     parts = ", ".join(f"{k} {b / GIB:.1f}" for k, b in terms.items())
-    setting = " ".join(f"{where}.{k}={getattr(cfg, k)}" for k in ("block_size", "C", "F") if k in method.keys)
+    setting = " ".join(f"{where}.{k}={getattr(cfg, k)}" for k in method.sized_by(cfg))
     fewer = " or fewer requests at once (eval.concurrency)" if batch > 1 else ""
     raise ConfigError(
         f"{setting} (method {name}, batch {batch}): the {model}'s widest pass runs {q} tokens over {kv} keys "

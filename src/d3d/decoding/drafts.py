@@ -7,8 +7,10 @@ schedule prepares trays of its outcomes). Per round it makes the draft record fr
 block logits (`make`), runs the target's verify pass over it (`verify`), accepts (`accept`: the
 accepted count, the token after them, the committed path, the verified slots the caches keep, the
 outcome a tray is keyed by) and lists the outcomes trays are prepared for (`outcomes`). For the
-offline estimator it gives the depth a greedy round accepts on a known response (`match_depth`),
-and for the memory bound its verify width and its tray pass (`width`, `budget`, `narrower`).
+offline estimator it gives the depth a greedy round accepts on a known response (`match_depth`;
+`match_depth_from` the pruning sweep's form, from hidden states), for the memory bound its verify
+width and its tray pass (`width`, `budget`, `narrower`), and the settings no vocabulary of the
+models' size can serve (`check_vocab`).
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ class Drafts:
                               "only (its cache keeps non-contiguous slots, which only the eager cache does). Fix: set "
                               f"decode.backend={cls.backends[0]}.")
 
+    @classmethod
+    def check_vocab(cls, cfg, vocab: int, where: str, name: str, trays: bool) -> None:
+        """Its settings that no memory makes work with a `vocab`-token vocabulary, refused in one line
+        once the vocabulary is known (d3d.decoding.cost; `name` is the run's method, `trays` whether
+        its schedule prepares trays): none for a kind without such settings."""
+
     def make(self, pending: torch.Tensor, logits: torch.Tensor) -> Draft:
         raise NotImplementedError
 
@@ -129,6 +137,11 @@ class Drafts:
         """(b,) drafts a greedy round accepts when the target's greedy response is `truth` (b, B-1;
         -1 past its end), from the drafter's draft-slot logits (b, B-1, V): the offline estimator's m(a)."""
         raise NotImplementedError
+
+    def match_depth_from(self, hidden: torch.Tensor, head, truth: torch.Tensor) -> torch.Tensor:
+        """match_depth from the draft slots' hidden states (b, B-1, d) and the LM head `head`
+        (hidden -> logits): the pruning sweep's form (d3d.layer_scores), which a kind may make cheaper."""
+        return self.match_depth(head(hidden), truth)
 
 
 class Chain(Drafts):
@@ -210,8 +223,28 @@ class Chain(Drafts):
         reject_here = survive * (1 - qd)
         return (reject_here.topk(c, dim=1).indices + 1).sort(dim=1).values
 
+    @classmethod
+    def check_vocab(cls, cfg, vocab, where, name, trays):
+        if trays and cfg.F > vocab - 1:
+            raise ConfigError(f"{where}.F={cfg.F} (method {name}): a tray per alternative token, so at most {vocab - 1} "
+                              f"(the {vocab}-token vocabulary less the drafted token). Fix: set {where}.F={min(2, vocab - 1)} "
+                              f"or at most {vocab - 1}.")
+
     def match_depth(self, logits, truth):
         return (logits.argmax(-1) == truth).int().cumprod(dim=1).sum(dim=1)
+
+    def match_depth_from(self, hidden, head, truth):
+        """Slot k's head rows only for the anchors whose first k-1 drafts matched (the rest cannot add
+        to the depth): on Qwen the 152k-row head would otherwise cost a sixth of a forward per candidate."""
+        n, slots = truth.shape
+        alive = torch.arange(n, device=hidden.device)
+        m = torch.zeros(n, dtype=torch.long, device=hidden.device)
+        for k in range(slots):
+            if len(alive) == 0:
+                break
+            alive = alive[head(hidden[alive, k]).argmax(-1) == truth[alive, k]]
+            m[alive] += 1
+        return m
 
 
 class NoDrafts(Chain):

@@ -120,7 +120,7 @@ class SpecGenerator:
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
         self.seed = seed
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
-        # what the steps may run; a side stream or worker thread only if the method's class overlaps
+        # what the schedule may run; a side stream or worker thread only if the method's class overlaps
         self.passes = Passes(target, drafter, self.B, self.cfg.backend, self.method.overlap_mode(self.cfg, self.device),
                              self.gen, self.cfg.cpu_threads_drafter)
 
@@ -152,14 +152,14 @@ class SpecGenerator:
         b = len(prompts)
         check_loaded(replace(cfg, max_new_tokens=max_new), self.method, self.target, self.drafter, b)
         clock = _Clock(dev)
-        step = self.method.step(cfg, passes)
-        drafts = step.drafts
+        schedule = self.method.start(cfg, passes)
+        drafts = schedule.drafts
         passes.room = max(len(p) for p in prompts) + max_new + B  # slots committed at most, before a pass
         _sync(dev)
         t0 = time.perf_counter()
         tgt = passes.new_state(self.target, b, B)
         passes.prefill(tgt, prompts)
-        step.begin(prompts)
+        schedule.begin(prompts)
         _sync(dev)
         prefill_s = time.perf_counter() - t0
 
@@ -173,21 +173,21 @@ class SpecGenerator:
         while rows:
             r_start = time.perf_counter()
             r = Round(pending, next_pos, RoundStats(list(rows)), clock)
-            step.propose(r)  # r.draft
+            schedule.propose(r)  # r.draft
             start = len(tgt)
             v0 = clock.mark()
             p_logits = drafts.verify(passes, tgt, r)
-            step.beside_verify(r)  # launched after verification: on CUDA the two overlap
+            schedule.beside_verify(r)  # launched after verification: on CUDA the two overlap
             drafts.accept(r, p_logits)  # r.accepted, r.token, r.path, r.kept, r.outcome
             clock.span(r.stats, "verify_s", v0)
-            step.settle(r)
+            schedule.settle(r)
             # ---- the one host transfer of the round: accept counts, next tokens, hits (-1: no tray
             # prepared, as for a method without trays), the drafts' path
             hits = r.hit_idx if r.hit_idx is not None else torch.full_like(r.accepted, -1)
             host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.path], dim=1).tolist()
             most = max(h[0] for h in host) + 1  # the longest commit of any row
             tgt.keep(start, r.kept, r.accepted + 1, most)  # the pending token and the accepted path
-            step.commit(r, host, most)
+            schedule.commit(r, host, most)
             # ---- commit: accepted drafts + the correction/bonus token; stop at EOS / max_new / stop string
             taus, finished = [], []
             for i, (a, tok, _, *drafted) in enumerate(host):
@@ -209,7 +209,7 @@ class SpecGenerator:
                 rows = [rows[i] for i in keep_list]
                 pending, next_pos = pending[keep], next_pos[keep]
                 tgt.select(keep)
-                step.retire(keep, keep_list)
+                schedule.retire(keep, keep_list)
         _sync(dev)
         decode_s = time.perf_counter() - t_dec
         clock.resolve()

@@ -16,10 +16,10 @@ A round, as the driver (d3d.decoding.engine.SpecGenerator) runs it:
 
 What the rest of the code asks of a method it asks its row, which composes its parts: `keys` (the
 DecodeConfig fields it reads beyond EVERY_METHOD_KEYS: its decode file holds exactly these, eval
-records and lends them), `needs_drafter`, `block_size(cfg)`, `budget(cfg)` (drafter tokens beside
+records and lends them), `needs_drafter`, `trays`, `block_size(cfg)`, `budget(cfg)` (drafter tokens beside
 verification), `widest(cfg)` (its widest pass per model, which d3d.decoding.cost bounds by the
 device's memory), `narrower`, `overlaps`, `reference` (the method whose loop it equals bit for bit
-in fp32: (D, Async)'s is (D, Sync)) and `check(cfg)`. So a new shape of drafts or a new schedule
+in fp32: (D, Async)'s is (D, Sync)), `check(cfg)` and `check_vocab(cfg, vocab, name)`. So a new shape of drafts or a new schedule
 is one class and one row here, plus one conf/decode/<name>.yaml and one defaults line in
 conf/eval.yaml; nothing in the driver, eval or report changes.
 """
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from d3d.decoding.config import DecodeConfig
 from d3d.decoding.drafts import Chain, Drafts, NoDrafts
 from d3d.decoding.passes import Passes
 from d3d.decoding.schedules import AR, Async, Schedule, Sync
@@ -60,6 +61,11 @@ class Method:
     @property
     def needs_drafter(self) -> bool:
         return self.schedule.needs_drafter
+
+    @property
+    def trays(self) -> bool:
+        """Whether its schedule prepares trays of its drafts' outcomes (a budget beside verification)."""
+        return self.schedule.trays
 
     @property
     def overlaps(self) -> bool:
@@ -97,7 +103,14 @@ class Method:
         self.drafts.check(cfg, self.needs_drafter)
         self.schedule.check(cfg)
 
-    def step(self, cfg, passes: Passes) -> Schedule:
+    def check_vocab(self, cfg, vocab: int, name: str, where: str = "decode") -> None:
+        self.drafts.check_vocab(cfg, vocab, where, name, self.schedule.trays)
+
+    def sized_by(self, cfg) -> tuple[str, ...]:
+        """The keys that size its passes (its drafts' and their tray knobs' counts): what a memory refusal names."""
+        return tuple(k for k in self.keys if k not in self.schedule.keys and isinstance(getattr(cfg, k), int))
+
+    def start(self, cfg, passes: Passes) -> Schedule:
         """The schedule of one generate() call, with its drafts."""
         return self.schedule(cfg, passes, self.drafts(cfg, passes.B, passes.gen))
 
@@ -118,6 +131,21 @@ def method_row(name: str, where: str = "decode") -> Method:
         raise ConfigError(f"{where}.method={name!r}: use {', '.join(most)} or {last}. Fix: set {where}.method to one "
                           f"of them (or add a row of this name to d3d.decoding.methods.METHODS).")
     return METHODS[name]
+
+
+def drafts_of(cfg) -> Drafts:
+    """The drafts of cfg's method outside a decoding loop (the offline estimator and the pruning
+    sweep score a drafter by what these drafts would accept; greedy, so no generator)."""
+    row = checked(cfg)
+    return row.drafts(cfg, row.block_size(cfg), None)
+
+
+def scored_drafts(block_size: int, tree_nodes: int | None) -> Drafts | None:
+    """What `prune.tree_nodes` (and the scripts' --tree-nodes) score a drafter by: null the chain (the
+    estimator's default), N the drafts of the `tree` row with N nodes."""
+    if tree_nodes is None:
+        return None
+    return drafts_of(DecodeConfig(method="tree", block_size=block_size, tree_nodes=tree_nodes))
 
 
 def checked(cfg, where: str = "decode") -> Method:

@@ -1,10 +1,10 @@
-"""What the driver hands a method's step: the passes it may run and what one round knows.
+"""What the driver hands a method's schedule: the passes it may run and what one round knows.
 
 `Passes` holds the models' passes over KV states (prefill, the target's verify pass, the drafter's
 draft pass), the sampling generator, and where work beside verification runs: a side CUDA stream
 (`stream`) or a worker thread (`pool`), present only when the schedule overlaps (Schedule.overlaps)
-and its overlap mode resolved to one. A step sees this object, never the driver, so what a method
-may touch is the list below. `Round` is one round's record, filled in by the driver and the step.
+and its overlap mode resolved to one. A schedule sees this object, never the driver, so what a method
+may touch is the list below. `Round` is one round's record, filled in by the driver and the schedule.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 from d3d.decoding.drafts import Draft, Drafts, Outcomes
 from d3d.decoding.tree import build_tree
 from d3d.decoding.verify import Sampling, probs, tree_greedy_verify, tree_path, tree_sample_verify
+from d3d.errors import ConfigError
 from d3d.models.forward import logits_at
 from d3d.models.masks import tree_ancestors, tree_layout
 
@@ -44,6 +45,18 @@ class TreeDrafts(Drafts):
             return f"lower {where}.tree_nodes (the verify pass is tree_nodes + 1 tokens) or {where}.block_size"
         return (f"lower {where}.tree_trays or {where}.tree_nodes (the tray pass is tree_nodes + 1 + "
                 f"B * tree_trays tokens), or set {where}.block_size to the drafter's training block size")
+
+    @classmethod
+    def check_vocab(cls, cfg, vocab, where, name, trays):
+        slots, most = cls.block_size(cfg) - 1, 0  # distinct nodes: v per slot along every path, v + v^2 + ...
+        for depth in range(1, slots + 1):
+            most += vocab ** depth
+            if most >= cfg.tree_nodes:
+                break
+        if cfg.tree_nodes > most:  # build_tree would fill the rest with copies of a node, verified for nothing
+            raise ConfigError(f"{where}.tree_nodes={cfg.tree_nodes} (method {name}): a block of {slots + 1} has {slots} "
+                              f"draft slot(s) of a {vocab}-token vocabulary, so a tree has at most {most} distinct nodes. "
+                              f"Fix: set {where}.tree_nodes={most} or fewer, or a larger {where}.block_size.")
 
     def make(self, pending, logits):
         s = self.cfg.sampling
