@@ -427,6 +427,11 @@ class Siblings(TreeDrafts):
                     torch.cat([torch.zeros(b, 1, device=dev), top.log()], dim=1))
         return Draft(tokens, logits, None, torch.cat([pending[:, None], tokens], dim=1), tree_ancestors(parents), law, tree)
 
+    def match_depth(self, logits, truth):
+        """1 where the response's next token is one of the two siblings (the offline estimator's m(a))."""
+        siblings = probs(logits[:, :1], Sampling(1.0))[:, 0].topk(2, dim=-1).indices
+        return (siblings == truth[:, :1]).any(dim=-1).long()
+
 
 @pytest.mark.parametrize("schedule", [Sync, Async])
 def test_a_drafts_kind_registered_in_a_test_decodes_losslessly(models, monkeypatch, schedule):
@@ -443,6 +448,24 @@ def test_a_drafts_kind_registered_in_a_test_decodes_losslessly(models, monkeypat
     for row, p in enumerate(prompts):
         assert res.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), row
     assert sum(res.taus()) == res.new_tokens and max(res.taus()) == 2  # a sibling was accepted, never more
+
+
+def test_the_estimator_scores_a_new_drafts_kind_with_no_edit(models, monkeypatch):
+    """The offline estimator asks the Drafts kind (match_depth), never the method's name: sibling
+    drafts, registered in the test, get the loop's τ round by round on its own greedy output."""
+    from d3d.decoding.methods import METHODS
+
+    monkeypatch.setitem(METHODS, "siblings", Method(Siblings, Sync))
+    target, drafter, tok = models
+    s = DrafterSettings.of(drafter)
+    cfg = DecodeConfig(method="siblings", block_size=6, max_new_tokens=40)
+    for text in PROMPTS:
+        prompt = tok(text)["input_ids"]
+        res = SpecGenerator(target, tok, drafter, cfg).generate([prompt])
+        ids = prompt + res.token_ids[0]
+        m = match_lengths(drafter, ids, len(prompt), 6, s.mask_token_id, s.vocab_size, drafts=drafts_of(cfg))
+        assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus(), text
+        assert 2 in res.taus()  # a sibling was accepted: the walk had something to match
 
 
 # ---------------------------------------------------------------- trees (decode.method=tree)
