@@ -16,12 +16,13 @@ A round, as the driver (d3d.decoding.engine.SpecGenerator) runs it:
 
 What the rest of the code asks of a method it asks its row, which composes its parts: `keys` (the
 DecodeConfig fields it reads beyond EVERY_METHOD_KEYS: its decode file holds exactly these, eval
-records and lends them), `needs_drafter`, `trays`, `block_size(cfg)`, `budget(cfg)` (drafter tokens beside
-verification), `widest(cfg)` (its widest pass per model, which d3d.decoding.cost bounds by the
-device's memory), `narrower`, `overlaps`, `reference` (the method whose loop it equals bit for bit
-in fp32: (D, Async)'s is (D, Sync)), `check(cfg)` and `check_vocab(cfg, vocab, name)`. So a new shape of drafts or a new schedule
-is one class and one row here, plus one conf/decode/<name>.yaml and one defaults line in
-conf/eval.yaml; nothing in the driver, eval or report changes.
+records and lends them), `needs_drafter`, `trays`, `block_size(cfg)`, `budget(cfg)` (drafter tokens
+beside verification), `widest(cfg)` (its widest pass per model, which d3d.decoding.cost bounds by
+the device's memory), `narrower`, `overlaps`, `reference` (the method whose loop it equals bit for
+bit in fp32: (D, Async)'s is (D, Sync)), `check(cfg)` and `check_vocab(cfg, vocab, name)`. The
+offline estimator and the pruning scores take its Drafts (`drafts_of(cfg)`). So a new shape of
+drafts or a new schedule is one class and one row here, plus one conf/decode/<name>.yaml and one
+defaults line in conf/eval.yaml; nothing in the driver, eval, report or the estimator changes.
 """
 
 from __future__ import annotations
