@@ -106,13 +106,14 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         # (resolve_auto_budget)
         row = method_row(dc.method)
         knobs = tuple(row.drafts.tray_grid[0]) if row.trays else ()
-        budgets = [b for b in ev.async_budgets or [] if knobs and (str(b).lower() == AUTO or len(parse_budget(b)) == len(knobs))]
+        entries = [AUTO if str(b).lower() == AUTO else parse_budget(b) for b in ev.async_budgets or []] if knobs else []
+        budgets = [e for e in entries if e == AUTO or len(e) == len(knobs)]
         if budgets:
-            for b in budgets:
-                if str(b).lower() == AUTO:
+            for values in budgets:
+                if values == AUTO:
                     out[f"{name}_{AUTO}"] = dc
                     continue
-                setting = dict(zip(knobs, parse_budget(b)))  # e.g. async_c4_f1, async_tree_tree_trays16
+                setting = dict(zip(knobs, values))  # e.g. async_c4_f1, async_tree_tree_trays16
                 out[f"{name}_" + "_".join(f"{k.lower()}{v}" for k, v in setting.items())] = replace(dc, **setting)
         else:
             out[name] = dc
@@ -168,6 +169,11 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: Ev
 def read_settings(dc: DecodeConfig) -> dict:
     """The settings of `dc` its method reads (d3d.settings.decode_keys): sync's record holds no tray budget."""
     return {k: getattr(dc, k) for k in decode_keys(dc.method)}
+
+
+def method_record(dc: DecodeConfig) -> dict:
+    """A method's entry in run.json: the settings it reads, its token cap and its tray budget."""
+    return {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": method_row(dc.method).budget(dc)}
 
 
 def check_eval_settings(ev: EvalSettings) -> None:
@@ -498,12 +504,11 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
-            "methods": {name: {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": method_row(dc.method).budget(dc)}
-                        for name, dc in methods.items()}
+            "methods": {name: method_record(dc) for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {})
-            | {name: {**read_settings(gen.cfg), "max_new_tokens": gen.cfg.max_new_tokens, "budget": gen.method.budget(gen.cfg),
-                      "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))} for name, gen in also.items()},
+            | {name: {**method_record(gen.cfg), "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))}
+               for name, gen in also.items()},
             "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}

@@ -108,7 +108,7 @@ class Drafts:
                               f"decode.backend={cls.backends[0]}.")
 
     @classmethod
-    def check_vocab(cls, cfg, vocab: int, where: str, name: str, trays: bool) -> None:
+    def check_vocab(cls, cfg, vocab: int, name: str, where: str, trays: bool) -> None:
         """Its settings that no memory makes work with a `vocab`-token vocabulary, refused in one line
         once the vocabulary is known (d3d.decoding.cost; `name` is the run's method, `trays` whether
         its schedule prepares trays): none for a kind without such settings."""
@@ -224,7 +224,7 @@ class Chain(Drafts):
         return (reject_here.topk(c, dim=1).indices + 1).sort(dim=1).values
 
     @classmethod
-    def check_vocab(cls, cfg, vocab, where, name, trays):
+    def check_vocab(cls, cfg, vocab, name, where, trays):
         if trays and cfg.F > vocab - 1:
             raise ConfigError(f"{where}.F={cfg.F} (method {name}): a tray per alternative token, so at most {vocab - 1} "
                               f"(the {vocab}-token vocabulary less the drafted token). Fix: set {where}.F={min(2, vocab - 1)} "

@@ -105,7 +105,7 @@ class Method:
         self.schedule.check(cfg)
 
     def check_vocab(self, cfg, vocab: int, name: str, where: str = "decode") -> None:
-        self.drafts.check_vocab(cfg, vocab, where, name, self.schedule.trays)
+        self.drafts.check_vocab(cfg, vocab, name, where, self.schedule.trays)
 
     def sized_by(self, cfg) -> tuple[str, ...]:
         """The keys that size its passes (its drafts' and their tray knobs' counts): what a memory refusal names."""

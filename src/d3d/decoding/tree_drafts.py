@@ -47,7 +47,7 @@ class TreeDrafts(Drafts):
                 f"B * tree_trays tokens), or set {where}.block_size to the drafter's training block size")
 
     @classmethod
-    def check_vocab(cls, cfg, vocab, where, name, trays):
+    def check_vocab(cls, cfg, vocab, name, where, trays):
         slots, most = cls.block_size(cfg) - 1, 0  # distinct nodes: v per slot along every path, v + v^2 + ...
         for depth in range(1, slots + 1):
             most += vocab ** depth
