@@ -159,13 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
     for backend in args.backends:  # eager first: d3d_ar (eager) is the reference for the others
         tag = "" if backend == "eager" else f"[{backend}]"
         methods[f"d3d_ar{tag}"] = our_call(SpecGenerator(target, tok, None, DecodeConfig(method="ar", backend=backend), eos))
-        # sync and trees first, the async methods last (see above); a tree runs on the eager backend only
+        # methods without trays first, those with trays last (see above); a tree runs on the eager backend only
         for name, dc in sorted(ours.items(), key=lambda kv: method_row(kv[1].method).trays):
-            if backend in method_row(dc.method).backends:
-                packed = f"({method_row(dc.method).budget(dc)}tok)" if method_row(dc.method).budget(dc) else ""
+            row = method_row(dc.method)
+            if backend in row.backends:
+                packed = f"({row.budget(dc)}tok)" if row.budget(dc) else ""
                 methods[f"{name}{packed}{tag}"] = our_call(SpecGenerator(target, tok, drafter, replace(dc, backend=backend), eos))
                 for label, other in also.items():  # the same method with another drafter (those without trays)
-                    if not method_row(dc.method).trays:
+                    if not row.trays:
                         methods[f"{name}{packed}{tag}@{label}"] = our_call(
                             SpecGenerator(target, tok, other, replace(dc, backend=backend), eos))
 
