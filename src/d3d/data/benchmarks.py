@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from d3d.errors import ConfigError
+from d3d.errors import ConfigError, UserError
 from d3d.fetch import PackageUnavailableError, hub_reachable, package_file
 from d3d.specs import BenchmarkSpec, BenchmarkSuite
 
 
-class BenchmarkUnavailable(RuntimeError):
-    """No source of this benchmark works on this machine (said in one line, then skipped)."""
+class BenchmarkUnavailable(UserError, RuntimeError):
+    """No source of this benchmark works on this machine (said in one line, then skipped; where a job
+    cannot go on without it, a UserError: one `error:` line, exit 2)."""
 
 
 class MalformedFile(ConfigError):

@@ -25,8 +25,9 @@ from d3d.specs import GgufSpec, ModelSpec
 from d3d.utils.io import published
 
 
-class ModelUnavailableError(RuntimeError):
-    """The model cannot be loaded here; the message names the problem and the fix."""
+class ModelUnavailableError(UserError, RuntimeError):
+    """The model cannot be loaded here; the message names the problem and the fix (a UserError: the
+    jobs print it as one `error:` line, exit 2)."""
 
 
 CPU_DEFAULT_HINT = (

@@ -1,0 +1,104 @@
+"""The README's GPU section is a list of commands a researcher runs in order on a GPU node. Each one
+must exist: its Hydra overrides compose and bind to the typed config (tests/unit), and run on a CPU
+it stops where it needs a GPU or the Hub with one `error:` line, no traceback (tests/integration,
+heavy). A command whose key was renamed, or an overlay that does not compose, fails here first."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, compose
+
+JOBS = ("generate", "train", "prune", "eval")  # the Hydra recipes; pipeline/report take their own flags
+
+
+def gpu_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## On a GPU node")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def commands() -> list[str]:
+    """Every shell line of the section's ```bash blocks, comments and continuations removed."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", gpu_section(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s)#.*$", "", line).strip()
+            if line:
+                lines.append(line)
+    return lines
+
+
+def split_multirun(value: str) -> str:
+    """`a=0,1` in a multirun sweeps 0 and 1: bind the first arm (commas inside brackets are a list)."""
+    depth, out = 0, ""
+    for ch in value:
+        depth += ch in "[({"
+        depth -= ch in "])}"
+        if ch == "," and depth == 0:
+            break
+        out += ch
+    return out
+
+
+def hydra_call(line: str) -> tuple[str, list[str]] | None:
+    """(job, overrides) of a line that runs a d3d recipe through python, accelerate or torchrun."""
+    argv = shlex.split(line)
+    if "-m" not in argv:
+        return None
+    i = argv.index("-m")
+    module = argv[i + 1] if i + 1 < len(argv) else ""
+    job = module.removeprefix("d3d.")
+    if not module.startswith("d3d.") or job not in JOBS:
+        return None
+    args = argv[i + 2:]
+    multirun = "-m" in args or "--multirun" in args
+    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    for a in overrides:
+        assert not a.startswith("-"), f"README: {line!r}: {a} is not a Hydra override"
+    if multirun:
+        overrides = [split_multirun(a) for a in overrides]
+    return job, overrides
+
+
+def test_the_section_has_the_order_a_researcher_follows():
+    lines = commands()
+    jobs = [c[0] for c in map(hydra_call, lines) if c]
+    assert any("gpu_check.py" in line for line in lines[:3]), "the GPU check comes first"
+    seen = [j for k, j in enumerate(jobs) if j not in jobs[:k]]
+    assert seen == ["generate", "train", "prune", "eval"], seen
+    assert any(" -m " in f" {line} " and "sweep" in line or "hydra/launcher" in line for line in lines), "sweeps last"
+
+
+@pytest.mark.parametrize("line", [line for line in commands() if hydra_call(line)])
+def test_every_recipe_line_composes_and_binds(line, tmp_path):
+    from d3d.settings import bind_config
+
+    job, overrides = hydra_call(line)
+    cfg = compose(job, [o for o in overrides if not o.startswith("hydra/")], tmp_path)
+    bind_config(cfg, job)
+
+
+@pytest.mark.parametrize("line", commands())
+def test_every_file_a_line_names_exists(line):
+    for word in shlex.split(line):
+        if re.fullmatch(r"(scripts|conf)/[\w./-]+\.(py|yaml)", word):
+            assert (ROOT / word).is_file(), f"README: {line!r} names {word}, which is not in the repository"
+        if word.startswith("--config_file="):
+            assert (ROOT / word.split("=", 1)[1]).is_file()
+
+
+def test_parser_reads_what_the_readme_writes():
+    """The helpers above on lines of each shape (seen failing when a shape is misread)."""
+    assert hydra_call("accelerate launch --config_file conf/accelerate/fsdp.yaml -m d3d.train +experiment=qwen3_8b") == (
+        "train", ["+experiment=qwen3_8b"])
+    assert hydra_call("python -m d3d.train -m +experiment=qwen3_8b train.ar_weight=0,1") == (
+        "train", ["+experiment=qwen3_8b", "train.ar_weight=0"])
+    assert split_multirun("eval.concurrency=[1,2,4],x") == "eval.concurrency=[1,2,4]"
+    assert hydra_call("python scripts/memory_plan.py") is None
+    assert Path(ROOT / "README.md").is_file()
