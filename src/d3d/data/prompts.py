@@ -44,13 +44,17 @@ SpecOf = Callable[[str], BenchmarkSpec]
 
 
 def eval_exclusions(names: list[str], cache_dir: Path, spec_of: SpecOf) -> tuple[set[str], set[str]]:
-    """Ids and normalised texts of every evaluation subset that can be loaded here."""
+    """Ids and normalised texts of every evaluation subset that can be loaded here. One that cannot
+    (any failure of its sources: no network, a loading script `datasets` refuses) is said in one
+    line and skipped: generation goes on, and the line says which items were not removed."""
     ids, texts = set(), set()
     for name in names:
         try:
             subset = load_benchmark(spec_of(name), cache_dir)
-        except BenchmarkUnavailable:
-            continue  # not loadable here, so it cannot be a source of training prompts either
+        except BenchmarkUnavailable as err:
+            print(f"[d3d.data] exclude_eval: skipped {name}, its items are not removed from the prompts: {err}",
+                  flush=True)
+            continue
         for rec in subset:
             ids.add(rec.id)
             texts.update(normalise_text(t) for t in rec.turns)
