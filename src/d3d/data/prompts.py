@@ -19,7 +19,7 @@ from d3d.data.benchmarks import (
     read_located,
 )
 from d3d.errors import ConfigError
-from d3d.fetch import hub_reachable
+from d3d.fetch import hub_offline, hub_reachable
 from d3d.specs import BenchmarkSpec, PromptSetSpec
 
 
@@ -136,10 +136,11 @@ def load_prompt_set(cfg: PromptSetSpec, cache_dir: str | Path, spec_of: SpecOf) 
     elif source == "hub":
         if cfg.hub is None:
             raise ConfigError(f"prompt set {cfg.name!r}: source hub needs data.hub. Fix: set data.hub.path and split")
-        if not hub_reachable():
+        if not hub_offline() and not hub_reachable():  # offline, datasets reads its cache (or says it cannot)
             raise BenchmarkUnavailable(
                 f"prompt set {cfg.name!r} comes from the Hugging Face Hub ({cfg.hub.path}), which this "
-                "machine cannot reach. Fix: data=cpu_math (offline) or data=local data.local_file=prompts.jsonl"
+                "machine cannot reach. Fix: data=cpu_math (offline), data=local data.local_file=prompts.jsonl, "
+                "or HF_HUB_OFFLINE=1 with the set in the datasets cache"
             )
         prompts = _from_hub(cfg)
     elif source == "local":
