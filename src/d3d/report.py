@@ -189,6 +189,7 @@ def summary_markdown(summary: dict) -> str:
     notes += [f"{bench}/{method}: {m['cut_graded']} of {m['rows']} graded answers stopped at eval.max_new_tokens "
               f"before finishing, so its accuracy is not the model's (raise eval.max_new_tokens to measure it)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("cut_graded")]
+    notes += [source["fallback"] for source in summary.get("benchmark_sources", {}).values() if source.get("fallback")]
     notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
               if choice.get("why")]  # older run.json files hold the choice without a reason
     if notes:
@@ -289,6 +290,14 @@ def methods_info(folder: Path) -> dict:
     return json.loads(run.read_text()).get("methods", {}) if run.is_file() else {}
 
 
+def benchmark_sources(folder: Path) -> dict:
+    """Where each benchmark's items came from (run.json), for summary.json; a source that is not the
+    spec's first choice (`fallback`: MATH-500's 311-item offline file for its 500 on the hub) is a
+    note in summary.md, since its numbers are on another item set."""
+    run = folder / "run.json"
+    return json.loads(run.read_text()).get("benchmark_sources", {}) if run.is_file() else {}
+
+
 def auto_budget_info(folder: Path) -> dict | None:
     """What `eval.async_budgets=[auto]` chose for each method and why (run.json), for the summary's
     notes: the chosen knobs and the projection, without the table and the costs it rests on."""
@@ -324,6 +333,8 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
     summary["methods"] = methods_info(folder)
     if auto_budget_info(folder):
         summary["auto_budget"] = auto_budget_info(folder)
+    if benchmark_sources(folder):
+        summary["benchmark_sources"] = benchmark_sources(folder)
     summary.update(extra or {})
     summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
     write_json(folder / "summary.json", summary)

@@ -134,8 +134,15 @@ class OfflineSource:
 
 @dataclass
 class HubSource:
+    """A dataset repo on the Hugging Face Hub, read one of two ways: `split` through
+    `datasets.load_dataset` (a repo of data files or its parquet conversion), or `files`, data files
+    of the repo downloaded as files (huggingface_hub) and read as jsonl / json: the way for a repo
+    whose `datasets` entry is a loading script, which `datasets` 4+ no longer runs."""
+
     path: str
-    split: str
+    split: Optional[str] = None  # the datasets split; or
+    files: Optional[list[str]] = None  # data files in the repo, read in order
+    revision: Optional[str] = None  # a commit (pinned: the same items on every machine), tag or branch; None = main
     name: Optional[str] = None  # the datasets config name
     kwargs: Optional[dict[str, Any]] = None  # more load_dataset arguments
     where: Optional[dict[str, Any]] = None
@@ -158,6 +165,14 @@ class BenchmarkSpec:
 
     def __post_init__(self) -> None:  # n=-1 was random.sample(..., -1): a traceback; n=0 an empty subset
         at_least(f"benchmark.specs.{self.name}", self, n=1)
+        hub = self.hub
+        if hub is not None and (hub.split is None) == (hub.files is None):
+            raise ConfigError(f"benchmark.specs.{self.name}.hub: set split (read by datasets.load_dataset) or files "
+                              f"(data files of the repo, read as files), one of the two. Fix: e.g. "
+                              f"benchmark.specs.{self.name}.hub.split=test.")
+        if hub is not None and hub.files is not None and (hub.name or hub.kwargs):
+            raise ConfigError(f"benchmark.specs.{self.name}.hub: name and kwargs are load_dataset's, and hub.files "
+                              f"bypasses load_dataset. Fix: drop them, or read the repo by hub.split instead.")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from tests.unit.conftest import with_local
 ])
 def test_loader_on_fixture(name, fixture, count, cache_dir):
     records, source = load_records(with_local(name, fixture), cache_dir)
-    assert source == "local" and len(records) == count
+    assert source.kind == "local" and source.items == len(records) == count
     assert all(r.id.startswith(name) and r.turns and all(r.turns) for r in records)
 
 
@@ -59,7 +59,9 @@ def test_real_shipped_data_counts(name, total, subset, cache_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the PyPI copy, not the hub
     spec = shipped_benchmark(name)
     records, source = load_records(spec, cache_dir)
-    assert source == "offline" and len(records) == total
+    assert source.kind == "offline" and source.items == len(records) == total
+    # MATH-500 lists the hub first: its offline items are a fallback, said as such
+    assert bool(source.instead_of) == ("hub" in spec.sources[: spec.sources.index("offline")])
     assert len(load_benchmark(spec, cache_dir)) == subset
     assert len({r.id for r in records}) == total
 

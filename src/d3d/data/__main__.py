@@ -1,11 +1,11 @@
-"""`python -m d3d.data`: list every benchmark, where it loads from here, and its item counts."""
+"""`python -m d3d.data`: list every benchmark, where it loads from here (and why not from a source
+listed before it), and its item counts."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-
 
 from d3d.config import compose, config_dir
 from d3d.data.benchmarks import BenchmarkUnavailable, iter_specs, load_records, seeded_subset
@@ -18,13 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = sorted(p.stem for p in (config_dir() / "benchmark").glob("*.yaml") if p.stem not in ("all", "all_plus"))
     suite = [spec.name for spec in iter_specs(bind_config(compose("eval", ["benchmark=all"]), "eval").benchmark)]
-    print(f"{'benchmark':<15}{'in suite':<10}{'source':<10}{'items':>7}{'subset n':>10}  note")
+    print(f"{'benchmark':<15}{'in suite':<10}{'source':<10}{'items':>7}{'subset n':>10}  from")
     for name in names:
         spec = shipped_benchmark(name)
         try:
             records, source = load_records(spec, Path(args.cache_dir))
             n = len(seeded_subset(records, spec.n, spec.seed))
-            print(f"{name:<15}{'yes' if name in suite else '':<10}{source:<10}{len(records):>7}{n:>10}")
+            origin = source.origin + (f"@{source.revision}" if source.revision else "")
+            note = f"  (instead of {'; '.join(source.instead_of)})" if source.instead_of else ""
+            print(f"{name:<15}{'yes' if name in suite else '':<10}{source.kind:<10}{len(records):>7}{n:>10}  {origin}{note}")
         except BenchmarkUnavailable as err:
             print(f"{name:<15}{'yes' if name in suite else '':<10}{'-':<10}{'-':>7}{'-':>10}  skipped: {err}")
     return 0

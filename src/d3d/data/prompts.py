@@ -19,7 +19,7 @@ from d3d.data.benchmarks import (
     read_located,
 )
 from d3d.errors import ConfigError
-from d3d.fetch import hub_reachable
+from d3d.fetch import hub_offline, hub_reachable
 from d3d.specs import BenchmarkSpec, PromptSetSpec
 
 
@@ -44,13 +44,17 @@ SpecOf = Callable[[str], BenchmarkSpec]
 
 
 def eval_exclusions(names: list[str], cache_dir: Path, spec_of: SpecOf) -> tuple[set[str], set[str]]:
-    """Ids and normalised texts of every evaluation subset that can be loaded here."""
+    """Ids and normalised texts of every evaluation subset that can be loaded here. One that cannot
+    (any failure of its sources: no network, a loading script `datasets` refuses) is said in one
+    line and skipped: generation goes on, and the line says which items were not removed."""
     ids, texts = set(), set()
     for name in names:
         try:
             subset = load_benchmark(spec_of(name), cache_dir)
-        except BenchmarkUnavailable:
-            continue  # not loadable here, so it cannot be a source of training prompts either
+        except BenchmarkUnavailable as err:
+            print(f"[d3d.data] exclude_eval: skipped {name}, its items are not removed from the prompts: {err}",
+                  flush=True)
+            continue
         for rec in subset:
             ids.add(rec.id)
             texts.update(normalise_text(t) for t in rec.turns)
@@ -132,10 +136,11 @@ def load_prompt_set(cfg: PromptSetSpec, cache_dir: str | Path, spec_of: SpecOf) 
     elif source == "hub":
         if cfg.hub is None:
             raise ConfigError(f"prompt set {cfg.name!r}: source hub needs data.hub. Fix: set data.hub.path and split")
-        if not hub_reachable():
+        if not hub_offline() and not hub_reachable():  # offline, datasets reads its cache (or says it cannot)
             raise BenchmarkUnavailable(
                 f"prompt set {cfg.name!r} comes from the Hugging Face Hub ({cfg.hub.path}), which this "
-                "machine cannot reach. Fix: data=cpu_math (offline) or data=local data.local_file=prompts.jsonl"
+                "machine cannot reach. Fix: data=cpu_math (offline), data=local data.local_file=prompts.jsonl, "
+                "or HF_HUB_OFFLINE=1 with the set in the datasets cache"
             )
         prompts = _from_hub(cfg)
     elif source == "local":
