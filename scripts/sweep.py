@@ -8,51 +8,100 @@
     python scripts/sweep.py block_size     # B in {4, 8, 16} -> τ and speedup
     python scripts/sweep.py recipe +experiment=pipeline_cpu   # one train.* change per arm, equal wall
                                            # time -> held-out τ per CPU-minute (--arms to choose them)
-    options: --preset quick|cpu (default cpu: the sizes docs/results.md reports; quick: minutes,
-             rough), --drafter <checkpoint> (default: the CPU default's), --dry-run (print the
-             commands), --skip-eval (training sweeps: held-out τ only), --out docs/results, and
-             trailing Hydra overrides for every command (e.g. +experiment=smoke
+    python scripts/sweep.py ar_loss --preset gpu             # the paper's sizes, each arm over this node's GPUs
+    python scripts/sweep.py ar_loss --preset gpu --hydra-launcher slurm hydra.launcher.partition=gpu
+                                           # each arm a SLURM job (conf/hydra/launcher/slurm.yaml), arms at once
+    options: --preset quick|cpu|gpu (default cpu: the sizes docs/results.md reports; quick: minutes,
+             rough; gpu: the paper's, under `accelerate launch`), --drafter <checkpoint> (default: the
+             CPU default's), --dry-run (print the commands), --skip-eval (training sweeps: held-out τ
+             only), --out <folder>, --publish (also copy the table, plot and data into docs/results/),
+             and trailing Hydra overrides for every command (e.g. +experiment=smoke
              paths.root_dir=/tmp/x for a seconds-long test).
 
-Training sweeps are Hydra multiruns (`-m`, one output folder per value); evaluations are d3d.eval runs
-with their own folders under outputs/sweeps/<claim>/. Every stage resumes, so rerunning a killed
-sweep continues it. The table (<claim>.md), plot (<claim>.png) and data (<claim>.json) go to --out.
+Each arm (one value of the swept key) is one command: training arms write checkpoints/sweeps/<claim>/<arm>,
+evaluations outputs/sweeps/<claim>/eval/<arm>, Hydra's logs of each go to outputs/sweeps/<claim>/hydra/.
+Every stage resumes, so rerunning a killed sweep continues it. The table (<claim>.md), plot (<claim>.png)
+and data (<claim>.json) go to a new outputs/sweeps/<claim>/<date_time>/ (or --out); docs/results/ is the
+curated record and changes only with --publish.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
+import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from d3d.config import stage_overrides
+from d3d.config import config_dir, stage_overrides
 from d3d.report import read_rows, summarise
 from d3d.utils.plotting import pyplot, save_figure
 from d3d.utils.io import read_jsonl
 
-# Sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes.
-# Training sweeps run a fixed number of steps so every value sees the same batches whatever else the
+# Sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes, gpu = the
+# paper's. Training sweeps run a fixed number of steps so every value sees the same batches whatever else the
 # machine is doing; train_minutes is only a safety cap (a capped run shows fewer steps in the table).
+# None leaves a key to the experiment overlay: the gpu preset composes +experiment=qwen3_8b (unless the
+# command line names another), whose train.max_steps (20k) and eval.max_new_tokens (2048) are the paper's,
+# and eval.n unset runs each benchmark's seeded subset of conf/benchmark/ (docs/design.md, Evaluation).
 PRESETS = {
-    "cpu": {"train_steps": 80, "train_minutes": 60, "n": 6, "max_new": 96, "suite": "all", "suite_n": 2, "prune_layers": 2,
-            "concurrency": "[1,2,4,8]", "load_n": 8,
+    "cpu": {"experiment": None, "train_steps": 80, "train_minutes": 60, "n": 6, "max_new": 96, "suite": "all", "suite_n": 2,
+            "prune_layers": 2, "concurrency": "[1,2,4,8]", "load_n": 8, "load_suite": "gsm8k",
             # the paper's grid, C in {4, 8, 12, 16} x F in {1, 2, 5}: 12 async methods, so fewer, shorter items
             "budgets": [f"{C}x{F}" for C in (4, 8, 12, 16) for F in (1, 2, 5)], "budget_n": 2, "budget_max_new": 64,
+            "budget_suite": "gsm8k",
             # the recipe study: equal wall time per arm (the axis is τ per CPU-minute, so run it alone on the
             # machine), steps uncapped; "base" is the recipe the trailing overrides compose, unchanged.
             # trainable_from_layer=15 is the upper half of SmolLM2's 30 layers (pass --arms for another model).
             "recipe_minutes": 10, "recipe_steps": 100_000, "recipe_val_tokens": 160,
             "arms": ["base", "train.lr=1e-4", "train.anchors_per_seq=32", "train.gamma=3", "train.trainable_from_layer=15"]},
-    "quick": {"train_steps": 10, "train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2, "prune_layers": 1,
-              "concurrency": "[1,2,4]", "load_n": 4, "budgets": ["4x1", "8x2"], "budget_n": 2, "budget_max_new": 48,
+    "quick": {"experiment": None, "train_steps": 10, "train_minutes": 3, "n": 2, "max_new": 48, "suite": "gsm8k", "suite_n": 2,
+              "prune_layers": 1, "concurrency": "[1,2,4]", "load_n": 4, "load_suite": "gsm8k",
+              "budgets": ["4x1", "8x2"], "budget_n": 2, "budget_max_new": 48, "budget_suite": "gsm8k",
               # a step cap: the quick preset's arms are compared at equal steps (deterministic, for tests)
               "recipe_minutes": 3, "recipe_steps": 3, "recipe_val_tokens": 16,
               "arms": ["base", "train.lr=1e-4", "train.anchors_per_seq=8", "train.trainable_from_layer=1"]},
+    # the paper's setting: the budget study on AIME25 and the load test on MATH-500 (its figures), pruning
+    # 5 layers (5 of 36 kept > 99 % of τ), concurrency up to 16 requests, every item of each subset
+    "gpu": {"experiment": "qwen3_8b", "train_steps": None, "train_minutes": None, "n": None, "max_new": None,
+            "suite": "all", "suite_n": None, "prune_layers": 5, "concurrency": "[1,2,4,8,16]", "load_n": None,
+            "load_suite": "math500", "budgets": [f"{C}x{F}" for C in (4, 8, 12, 16) for F in (1, 2, 5)],
+            "budget_n": None, "budget_max_new": None, "budget_suite": "aime25",
+            # equal GPU wall time per arm; trainable_from_layer=14 is the upper half of Qwen3-1.7B's 28 layers
+            "recipe_minutes": 120, "recipe_steps": 20_000, "recipe_val_tokens": None,
+            "arms": ["base", "train.lr=1e-4", "train.anchors_per_seq=64", "train.gamma=3", "train.trainable_from_layer=14"]},
 }
 DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """Where one arm's command runs. gpus = 0: one process here (the CPU presets); gpus > 0: `accelerate
+    launch` over this node's GPUs, training and pruning under conf/accelerate/<accelerate>.yaml, evaluation
+    under ddp.yaml (its ranks shard the items, docs/design.md); hydra_launcher: a one-job Hydra multirun
+    through conf/hydra/launcher/<name>.yaml (a scheduler job that takes its GPUs from that file)."""
+    gpus: int = 0
+    accelerate: str = "ddp"
+    hydra_launcher: str | None = None
+
+    def argv(self, job: str, logs: Path, args: list[str]) -> list[str]:
+        """The command of one arm of `job` (d3d.<job>), its Hydra folder `logs`, and its overrides."""
+        if self.hydra_launcher:
+            # one job: its folder is `logs` itself (the override-named subfolder would pass 255 characters)
+            return [sys.executable, "-m", f"d3d.{job}", "-m", f"hydra/launcher={self.hydra_launcher}",
+                    f"hydra.sweep.dir={logs}", "hydra.sweep.subdir=job", *args]
+        if self.gpus:
+            config = self.accelerate if job in ("train", "prune") else "ddp"
+            head = ["accelerate", "launch", "--config_file", str(Path(config_dir()) / "accelerate" / f"{config}.yaml"),
+                    "--num_processes", str(self.gpus), "-m", f"d3d.{job}"]
+        else:
+            head = [sys.executable, "-m", f"d3d.{job}"]
+        return [*head, f"hydra.run.dir={logs}", *args]
 
 
 def override_key(override: str) -> str:
@@ -63,36 +112,68 @@ def override_key(override: str) -> str:
 
 class Sweep:
     def __init__(self, claim: str, preset: dict, drafter: str, extra: list[str], root: Path, dry: bool,
-                 skip_eval: bool = False):
+                 skip_eval: bool = False, launcher: Launcher = Launcher()):
         self.claim, self.p, self.drafter, self.extra, self.dry = claim, preset, drafter, extra, dry
         self.skip_eval = skip_eval  # training sweeps: held-out τ from training only, no benchmark runs
+        self.launcher = launcher
         self.outputs = root / "outputs" / "sweeps" / claim
         self.ckpts = root / "checkpoints" / "sweeps" / claim
+        self.commands: list[list[str]] = []  # every command, in order (what --dry-run prints)
+        self.pending: list[list[str]] | None = None  # inside together(): the stage's commands, not yet run
 
-    def run(self, job: str, *overrides: str, fixed: tuple[str, ...] = (), multirun: bool = False) -> None:
-        """`overrides` are defaults the trailing command-line overrides may change (eval.n=3 wins);
-        `fixed` are what the sweep varies or where it writes: they come last, and an extra override
-        of the same key is dropped with a note rather than silently measuring something else."""
+    def run(self, job: str, name: str, *overrides: str, fixed: tuple[str, ...] = ()) -> None:
+        """One arm, `name`, of `job`. `overrides` are defaults the trailing command-line overrides may
+        change (eval.n=3 wins); `fixed` are what the sweep varies or where it writes: they come last, and
+        an extra override of the same key is dropped with a note rather than silently measuring something else."""
         extra = stage_overrides(job, self.extra)  # only the keys this job has (as d3d.pipeline does)
         owned = {override_key(o) for o in fixed}
         for o in [o for o in extra if override_key(o) in owned]:
             print(f"note: the {self.claim} sweep sets {override_key(o)} itself; ignoring {o}", flush=True)
         extra = [o for o in extra if override_key(o) not in owned]
-        cmd = [sys.executable, "-m", f"d3d.{job}", *(["-m"] if multirun else []), *overrides, *extra, *fixed]
-        print("$ " + " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)
-        if not self.dry:
+        cmd = self.launcher.argv(job, self.outputs / "hydra" / f"{job}_{name}", [*overrides, *extra, *fixed])
+        self.commands.append(cmd)
+        print("$ " + shlex.join("python" if c == sys.executable else c for c in cmd), flush=True)
+        if self.dry:
+            return
+        if self.pending is not None:
+            self.pending.append(cmd)
+        else:
             subprocess.run(cmd, check=True)
 
+    @contextlib.contextmanager
+    def together(self):
+        """The arms run inside are independent (one stage of the sweep). Here or on one node they run one
+        after another; under a scheduler's Hydra launcher each command only waits for its job, so they are
+        all submitted at once and the stage ends when every job has."""
+        self.pending = []
+        try:
+            yield
+            if self.launcher.hydra_launcher:
+                procs = [subprocess.Popen(cmd) for cmd in self.pending]
+                failed = [shlex.join(cmd[1:]) for cmd, proc in zip(self.pending, procs) if proc.wait() != 0]
+                if failed:
+                    raise subprocess.CalledProcessError(1, failed[0])
+            else:
+                for cmd in self.pending:
+                    subprocess.run(cmd, check=True)
+        finally:
+            self.pending = None
+
     def train_budget(self) -> list[str]:
-        return [f"train.max_steps={self.p['train_steps']}", f"train.max_minutes={self.p['train_minutes']}"]
+        return given(("train.max_steps", self.p["train_steps"]), ("train.max_minutes", self.p["train_minutes"]))
 
     def eval(self, name: str, drafter: str, *overrides: str, fixed: tuple[str, ...] = (), n: int | None = None,
              max_new: int | None = None, suite: str = "gsm8k") -> Path:
         out = self.outputs / "eval" / name
-        self.run("eval", f"benchmark={suite}", f"eval.n={n or self.p['n']}",
-                 f"eval.max_new_tokens={max_new or self.p['max_new']}",
+        self.run("eval", name, f"benchmark={suite}",
+                 *given(("eval.n", n or self.p["n"]), ("eval.max_new_tokens", max_new or self.p["max_new"])),
                  *overrides, fixed=(f"drafter.checkpoint={drafter}", f"eval.out_dir={out}", *fixed))
         return out
+
+
+def given(*pairs: tuple[str, object]) -> list[str]:
+    """`key=value` for the preset's sizes that are set; None leaves the key to the experiment overlay."""
+    return [f"{k}={v}" for k, v in pairs if v is not None]
 
 
 # ---------------------------------------------------------------------------- the six claims
@@ -100,12 +181,15 @@ class Sweep:
 
 def ar_loss(sw: Sweep) -> dict:
     lams = ["0.0", "0.5", "1.0", "2.0"]
-    sw.run("train", *sw.train_budget(), fixed=(f"train.ar_weight={','.join(lams)}", f"train.out_dir={sw.ckpts}/lam${{train.ar_weight}}",
-                                                f"hydra.sweep.dir={sw.outputs}/train"), multirun=True)
+    with sw.together():
+        for lam in lams:
+            sw.run("train", f"lam{lam}", *sw.train_budget(),
+                   fixed=(f"train.ar_weight={lam}", f"train.out_dir={sw.ckpts}/lam{lam}"))
+    with sw.together():
+        evs = {lam: None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]",
+                                                      n=sw.p["suite_n"], suite=sw.p["suite"]) for lam in lams}
     rows = []
-    for lam in lams:
-        ev = None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]",
-                                               n=sw.p["suite_n"], suite=sw.p["suite"])
+    for lam, ev in evs.items():
         if sw.dry:
             continue
         row = {"lambda": float(lam), **trained(sw.ckpts / f"lam{lam}")}
@@ -119,7 +203,7 @@ def ar_loss(sw: Sweep) -> dict:
 def budget(sw: Sweep) -> dict:
     budgets = sw.p["budgets"]
     ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.async_budgets=[{','.join(budgets)}]",),
-                 n=sw.p["budget_n"], max_new=sw.p["budget_max_new"])
+                 n=sw.p["budget_n"], max_new=sw.p["budget_max_new"], suite=sw.p["budget_suite"])
     if sw.dry:
         return {"rows": []}
     s = summarise(read_rows(ev))
@@ -141,13 +225,15 @@ def budget(sw: Sweep) -> dict:
 
 def pruning(sw: Sweep) -> dict:
     out = sw.ckpts / "acceptance"
-    sw.run("prune", f"prune.num_layers={sw.p['prune_layers']}", "prune.min_retention=0",
+    sw.run("prune", "acceptance", f"prune.num_layers={sw.p['prune_layers']}", "prune.min_retention=0",
            fixed=(f"drafter.checkpoint={sw.drafter}", f"prune.out_dir={out}"))
     rows = []
     steps = [] if sw.dry else list(read_jsonl(out / "steps.jsonl"))
-    for k in range(sw.p["prune_layers"] + 1):
-        ckpt = sw.drafter if k == 0 else f"{out}/step_{k}"
-        ev = sw.eval(f"step{k}", ckpt, "eval.methods=[ar,sync,async]")
+    removed = range(sw.p["prune_layers"] + 1)
+    with sw.together():
+        evs = [sw.eval(f"step{k}", sw.drafter if k == 0 else f"{out}/step_{k}", "eval.methods=[ar,sync,async]")
+               for k in removed]
+    for k, ev in zip(removed, evs):
         if sw.dry:
             continue
         s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]
@@ -174,7 +260,7 @@ def async_vs_sync(sw: Sweep) -> dict:
 
 def load(sw: Sweep) -> dict:
     ev = sw.eval("load", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.concurrency={sw.p['concurrency']}",),
-                 n=sw.p["load_n"])
+                 n=sw.p["load_n"], suite=sw.p["load_suite"])
     if sw.dry:
         return {"rows": []}
     table = summarise(read_rows(ev))["load"]
@@ -185,13 +271,14 @@ def load(sw: Sweep) -> dict:
 
 def block_size(sw: Sweep) -> dict:
     sizes = [4, 8, 16]
-    sw.run("train", *sw.train_budget(), fixed=(f"drafter.block_size={','.join(map(str, sizes))}",
-                                               f"train.out_dir={sw.ckpts}/B${{drafter.block_size}}",
-                                               f"hydra.sweep.dir={sw.outputs}/train"), multirun=True)
+    with sw.together():
+        for B in sizes:
+            sw.run("train", f"B{B}", *sw.train_budget(), fixed=(f"drafter.block_size={B}", f"train.out_dir={sw.ckpts}/B{B}"))
+    with sw.together():
+        evs = {B: None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]",
+                                                    fixed=(f"decode.block_size={B}",)) for B in sizes}
     rows = []
-    for B in sizes:
-        ev = None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]",
-                                               fixed=(f"decode.block_size={B}",))
+    for B, ev in evs.items():
         if sw.dry:
             continue
         row = {"B": B, **trained(sw.ckpts / f"B{B}")}
@@ -208,16 +295,19 @@ def recipe(sw: Sweep) -> dict:
     (the trailing overrides). τ is evaluated at step 0 and when the budget runs out only, so evaluation
     costs no arm training time; s/step is the arm's own (more anchors cost more per step)."""
     m, cap = sw.p["recipe_minutes"], sw.p["recipe_steps"]
+    outs = {}
+    with sw.together():
+        for arm in sw.p["arms"]:
+            change = () if arm == "base" else tuple(arm.split())
+            # its folder: train.lr=1e-4 -> lr_1e-4 (a path Hydra's override grammar takes unquoted)
+            name = "base" if arm == "base" else "__".join(override_key(c).split(".")[-1] + "_" + c.split("=", 1)[1]
+                                                           for c in change)
+            outs[arm] = out = sw.ckpts / name
+            sw.run("train", name, *given(("train.val_max_new_tokens", sw.p["recipe_val_tokens"])),
+                   fixed=(f"train.max_minutes={m}", f"train.max_steps={cap}", f"train.eval_every={cap}",
+                          f"train.out_dir={out}", *change))
     rows = []
-    for arm in sw.p["arms"]:
-        change = () if arm == "base" else tuple(arm.split())
-        # its folder: train.lr=1e-4 -> lr_1e-4 (a path Hydra's override grammar takes unquoted)
-        name = "base" if arm == "base" else "__".join(override_key(c).split(".")[-1] + "_" + c.split("=", 1)[1]
-                                                       for c in change)
-        out = sw.ckpts / name
-        sw.run("train", f"train.val_max_new_tokens={sw.p['recipe_val_tokens']}",
-               fixed=(f"train.max_minutes={m}", f"train.max_steps={cap}", f"train.eval_every={cap}",
-                      f"train.out_dir={out}", *change))
+    for arm, out in outs.items():
         if sw.dry:
             continue
         history = list(read_jsonl(out / "metrics.jsonl"))
@@ -282,7 +372,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="trained drafter checkpoint the eval sweeps use")
     ap.add_argument("--root", default=".", help="where outputs/ and checkpoints/ go (matches paths.root_dir)")
-    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--out", help="the table, plot and data (default: a new outputs/sweeps/<claim>/<date_time>/)")
+    ap.add_argument("--publish", action="store_true", help="also copy them into docs/results/ (the curated record)")
+    ap.add_argument("--gpus", type=int, help="gpu preset: processes per arm (default: the GPUs this machine sees)")
+    ap.add_argument("--accelerate", default="ddp", help="gpu preset: conf/accelerate/<name>.yaml for training and "
+                                                        "pruning arms (fsdp for an 8B drafter; evaluation uses ddp)")
+    ap.add_argument("--hydra-launcher", help="run each arm as a job of conf/hydra/launcher/<name>.yaml (slurm, local), "
+                                             "the arms of a stage at once")
     ap.add_argument("--budgets", nargs="+", help="budget sweep: C x F values instead of the preset's (e.g. 16x5)")
     ap.add_argument("--arms", nargs="+", help="recipe sweep: the arms instead of the preset's, each 'base' or "
                                               "space-separated train.* overrides (e.g. 'train.lr=1e-4' 'train.gamma=3')")
@@ -299,19 +395,54 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--arms {bad[0]!r}: an arm is 'base' or train.<key>=<value> overrides (e.g. train.lr=1e-4)")
     preset = dict(PRESETS[args.preset], **({"budgets": args.budgets} if args.budgets else {}),
                   **({"arms": args.arms} if args.arms else {}), **({"recipe_minutes": args.minutes} if args.minutes else {}))
-    sw = Sweep(args.claim, preset, args.drafter, args.overrides, Path(args.root), args.dry_run, args.skip_eval)
+    overrides = list(args.overrides)
+    if preset["experiment"] and not any(override_key(o) == "experiment" for o in overrides):
+        overrides.insert(0, f"+experiment={preset['experiment']}")
+    sw = Sweep(args.claim, preset, args.drafter, overrides, Path(args.root).resolve(), args.dry_run, args.skip_eval,
+               launcher(ap, args))
     result = CLAIMS[args.claim](sw)
     if args.dry_run:
-        return result
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown(result["rows"])
-    (out / f"{args.claim}.md").write_text(table)
-    (out / f"{args.claim}.json").write_text(json.dumps({"claim": args.claim, "preset": args.preset,
-                                                        "command": " ".join(sys.argv), **result}, indent=2))
-    png = plot(result, out / f"{args.claim}.png")
-    print(f"\n{table}\nwritten: {out / (args.claim + '.md')}" + (f", {png}" if png else ""))
+        return {**result, "commands": sw.commands}
+    out = Path(args.out) if args.out else sw.outputs / time.strftime("%Y-%m-%d_%H-%M-%S")
+    written = write_result(args.claim, result, out, {"preset": args.preset, "command": " ".join(sys.argv)})
+    if args.publish:
+        docs = Path("docs") / "results"
+        docs.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            shutil.copy2(path, docs / path.name)
+    print(f"\n{markdown(result['rows'])}\nwritten: " + ", ".join(map(str, written))
+          + (f" (and copied into {Path('docs') / 'results'})" if args.publish else ""))
     return result
+
+
+def launcher(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Launcher:
+    """The CPU presets run each arm as one process; the gpu preset over every GPU of the node, or as
+    scheduler jobs (which take their GPUs from the launcher's file, so --gpus does not apply)."""
+    if args.hydra_launcher:
+        return Launcher(hydra_launcher=args.hydra_launcher)
+    if args.preset != "gpu":
+        return Launcher()
+    gpus = args.gpus
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if gpus < 1:
+        ap.error("--preset gpu: no GPU visible here. Fix: run it on a GPU node, pass --gpus N, or submit the "
+                 "arms with --hydra-launcher slurm")
+    if not (Path(config_dir()) / "accelerate" / f"{args.accelerate}.yaml").is_file():
+        ap.error(f"--accelerate {args.accelerate}: no conf/accelerate/{args.accelerate}.yaml. Fix: one of ddp, fsdp, "
+                 "deepspeed_zero2, deepspeed_zero3")
+    return Launcher(gpus=gpus, accelerate=args.accelerate)
+
+
+def write_result(claim: str, result: dict, out: Path, how: dict) -> list[Path]:
+    """<claim>.md, <claim>.json (with `how` it was run) and, when there is something to draw, <claim>.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{claim}.md").write_text(markdown(result["rows"]))
+    (out / f"{claim}.json").write_text(json.dumps({"claim": claim, **how, **result}, indent=2))
+    png = plot(result, out / f"{claim}.png")
+    return [out / f"{claim}.md", out / f"{claim}.json", *([png] if png else [])]
 
 
 if __name__ == "__main__":

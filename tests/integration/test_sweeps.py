@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from d3d.generate import run_generate
 from d3d.train import run_train
-from tests.conftest import CACHE_DIR, compose
+from tests.conftest import CACHE_DIR, ROOT, compose
 
 SMOKE = ["+experiment=smoke", "eval.max_new_tokens=8", "decode.block_size=4", "decode.C=3", "decode.F=1"]
 
@@ -86,3 +89,35 @@ def test_recipe_sweep(sweep, root, monkeypatch):
     assert cfg["lr_1e-4"].lr == 1e-4 != cfg["base"].lr
     assert cfg["anchors_per_seq_8"].anchors_per_seq == 8 != cfg["base"].anchors_per_seq
     assert cfg["trainable_from_layer_1"].trainable_from_layer == 1 and cfg["base"].trainable_from_layer is None
+
+
+@pytest.mark.heavy  # a Hydra multirun through submitit: two jobs of two processes each, then one training here: ~60 s
+def test_submitit_local_multirun_runs_each_job_as_one_distributed_training(root, tmp_path):
+    """`python -m d3d.train -m hydra/launcher=local hydra.launcher.tasks_per_node=2 train.ar_weight=0,1`
+    (conf/hydra/launcher/local.yaml: slurm.yaml's jobs on this machine): one job per value, each of two
+    tasks that the launcher's callback joins into one DDP training, so its weights equal those of one
+    process taking the same global batch as two micro-batches (contract 9), and the λ = 0 job differs."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the cluster extra: pip install -e .[cluster]")
+    import torch
+
+    from d3d.models.drafter import load_drafter
+
+    common = ["+experiment=smoke", f"paths.root_dir={root}", f"paths.cache_dir={CACHE_DIR}", "train.max_steps=3",
+              "train.warmup_steps=1", "train.eval_every=0", "train.save_every=100", "train.batch_size=1", "train.lr=1e-3",
+              "train.freeze_embeddings=false", "train.progress=false"]
+    cmd = [sys.executable, "-m", "d3d.train", "-m", *common, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
+           f"hydra.sweep.dir={tmp_path}/multirun", "hydra.sweep.subdir=lam${train.ar_weight}",  # (the default, every
+           f"train.out_dir={tmp_path}/lam${{train.ar_weight}}", "train.ar_weight=0,1"]  # override, passes 255 characters)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    logs = sorted((tmp_path / "multirun" / ".submitit").glob("*/*_log.*"))
+    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(p.read_text()[-1500:] for p in logs)
+    assert len([p for p in logs if p.name.endswith("_log.out")]) == 4  # 2 jobs x 2 tasks
+
+    run_train(compose("train", [*common[:1], *common[3:], "train.ar_weight=1", "train.grad_accum=2",
+                                f"train.out_dir={tmp_path}/one"], root))
+    weights = {name: load_drafter(tmp_path / name / "final", dtype="float32")[0].state_dict()
+               for name in ("lam0", "lam1", "one")}
+    assert max((weights["lam1"][k] - weights["lam0"][k]).abs().max().item() for k in weights["one"]) > 1e-4
+    for k, w in weights["one"].items():
+        torch.testing.assert_close(weights["lam1"][k], w, rtol=1e-5, atol=2e-6)
