@@ -18,7 +18,7 @@ $(VENV)/.d3d-installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | $(FILTER)
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install $(PIP_QUIET) "$(TORCH_SPEC)" 2>&1 | $(FILTER); fi
-	$(PY) -m pip install $(PIP_QUIET) -e ".[dev,deepspeed]" 2>&1 | $(FILTER)
+	$(PY) -m pip install $(PIP_QUIET) -e ".[dev,deepspeed,cluster]" 2>&1 | $(FILTER)
 	$(PY) -c "import d3d, torch, transformers, hydra; print('d3d ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 

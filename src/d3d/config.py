@@ -37,13 +37,24 @@ def benchmark_names() -> list[str]:
     return names
 
 
+def slug(value: object, limit: int = 120) -> str:
+    """A folder-safe name for a value. A multirun names each job's folder after its overrides, and a
+    long sweep's overrides pass the file systems' 255-byte name limit: past `limit` the name keeps its
+    head and a hash of the whole, so two arms never share a folder."""
+    name = str(value).replace("/", "_").replace("=", "-").replace(" ", "")
+    if len(name.encode()) <= limit:
+        return name
+    import hashlib
+
+    head = name.encode()[: limit - 13].decode(errors="ignore")
+    return f"{head}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
 def _register_resolvers() -> None:
     # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name;
     # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names).
     if not OmegaConf.has_resolver("d3d.slug"):
-        OmegaConf.register_new_resolver(
-            "d3d.slug", lambda value: str(value).replace("/", "_").replace("=", "-").replace(" ", "")
-        )
+        OmegaConf.register_new_resolver("d3d.slug", slug)
     if not OmegaConf.has_resolver("d3d.benchmarks"):
         OmegaConf.register_new_resolver("d3d.benchmarks", benchmark_names)
 

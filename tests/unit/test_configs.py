@@ -307,3 +307,13 @@ def test_resume_keys_written_from_the_raw_config_still_match(experiment, tmp_pat
     ev = compose("eval", ["benchmark=all_plus"], tmp_path)  # eval's key holds asdict of each spec
     typed = {s.name: asdict(s) for s in bind_config(ev, "eval").benchmark.specs.values()}
     assert differing_keys(to_plain(ev)["benchmark"]["specs"], typed) == []
+
+
+def test_a_long_multirun_folder_name_stays_within_the_file_system_limit():
+    """A sweep's folder is named after its overrides; past 255 bytes a job would crash on mkdir."""
+    from d3d.config import slug
+
+    many = ",".join(f"train.some_long_key_{i}=/scratch/checkpoints/run_{i}/final" for i in range(12))
+    a, b = slug(many), slug(many.replace("run_11", "run_12"))
+    assert len(a.encode()) <= 120 and a != b  # two arms never share a folder
+    assert slug("+experiment=smoke") == "+experiment-smoke"  # short names as before
