@@ -121,23 +121,23 @@ def test_a_sampled_run_resumed_after_a_kill_writes_the_uninterrupted_rows(tmp_pa
     """do_sample: batches are cut from the whole prompt set and each draws from its own seeded
     stream, so a run killed after its first batch and resumed gives exactly the rows of a run that
     was never interrupted (it used to redraw from wherever the process's stream stood)."""
-    from d3d.models.engines import HFBackend
+    from d3d.models import engines
 
     sampled = LOCAL + ["generate.do_sample=true", "generate.batch_size=2", "generate.temperature=1.0"]
     whole = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
         compose("generate", sampled + [f"generate.out_dir={tmp_path}/whole"], tmp_path)))}
-    real, calls = HFBackend.generate, []
+    real, calls = engines.generate_batch, []
 
-    def killed_after_one(self, *args, **kw):
+    def killed_after_one(*args, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # stands in for a kill after the first batch reached the disk
-        return real(self, *args, **kw)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(HFBackend, "generate", killed_after_one)
+    monkeypatch.setattr(engines, "generate_batch", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
         run_generate(compose("generate", sampled + [f"generate.out_dir={tmp_path}/cut"], tmp_path))
-    monkeypatch.setattr(HFBackend, "generate", real)
+    monkeypatch.setattr(engines, "generate_batch", real)
     first = {r["id"] for r in read_responses(tmp_path / "cut")}
     assert len(first) == 2
     resumed = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
@@ -160,13 +160,13 @@ def test_a_start_that_wrote_no_row_does_not_bind_the_folder(tmp_path, cache_dir)
     """A run that failed after meta.json and before its first row (a crash in the first batch) left a
     folder that refused every rerun with other settings, though it held no response to mix."""
     import d3d.generate as g
-    from d3d.models.engines import HFBackend
+    from d3d.models import engines
 
-    def crash(self, *a, **k):
+    def crash(*a, **k):
         raise RuntimeError("out of memory in the first batch")
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(HFBackend, "generate", crash)
+        m.setattr(engines, "generate_batch", crash)
         with pytest.raises(RuntimeError):
             run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=8"], tmp_path))
     out = run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=12"], tmp_path))
