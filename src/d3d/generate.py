@@ -210,16 +210,6 @@ def _generate(cfg: GenerateConfig, rank: Rank) -> Path:
     ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in prompts}
     check_context({p.id: ids[p.id] for p in prompts if p.id not in done}, gen.max_new_tokens,
                   max_context(model_path))
-    backend = open_backend(
-        gen.backend, model_path, gen, tokenizer, stop_ids(tokenizer, model_path),
-        dtype_name(cfg.target.dtype, device), cfg.seed,
-        lambda: load_model(model_path, cfg.target.dtype, device, cfg.target.attn_implementation))
-    # every rank writes it (the same header): a shard job may run before shard 0 does
-    engine = {"backend": gen.backend, "version": engine_version(gen.backend),
-              "options": dict(getattr(gen, gen.backend, None) or {})}
-    write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "engine": engine,
-                                       "run": run_info(pick_device(device))})
-
     # Batches are cut from the whole prompt set, done or not, and rank r of n takes batches r, r+n, ...:
     # a batch's members and (hf, sampling) its random stream are the same whatever n and however
     # often the run was resumed, so the rows are too (an engine seeds each prompt from its id).
@@ -231,6 +221,17 @@ def _generate(cfg: GenerateConfig, rank: Rank) -> Path:
     log.info("%d prompts, %d already answered, %d for rank %d of %d (%s)", len(prompts), len(done), todo,
              rank.index, rank.count, rank.source)
     new = {"rows": 0, "tokens": 0, "cut": 0, "looping": 0}
+    if not mine:  # a rank with nothing left to answer starts no engine (minutes on a GPU node)
+        return _report(out_dir, rank, gen, new, 0.0)
+    backend = open_backend(
+        gen.backend, model_path, gen, tokenizer, stop_ids(tokenizer, model_path),
+        dtype_name(cfg.target.dtype, device), cfg.seed,
+        lambda: load_model(model_path, cfg.target.dtype, device, cfg.target.attn_implementation))
+    # every rank writes it (the same header): a shard job may run before shard 0 does
+    engine = {"backend": gen.backend, "version": engine_version(gen.backend),
+              "options": dict(getattr(gen, gen.backend, None) or {})}
+    write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "engine": engine,
+                                       "run": run_info(pick_device(device))})
     start = time.perf_counter()
     bar = tqdm(total=todo, desc=f"generate[{rank.index}]", unit="prompt",
                disable=not gen.progress or rank.local not in (None, 0))
@@ -247,9 +248,13 @@ def _generate(cfg: GenerateConfig, rank: Rank) -> Path:
             bar.set_postfix(tok_s=f"{new['tokens'] / (time.perf_counter() - start):.1f}")
     bar.close()
     backend.close()
-    seconds = time.perf_counter() - start
+    return _report(out_dir, rank, gen, new, time.perf_counter() - start)
+
+
+def _report(out_dir: Path, rank: Rank, gen, new: dict[str, int], seconds: float) -> Path:
+    """Print this rank's line, add its part to report.json, and print the folder's line if it is the last."""
     part = {"rank": rank.index, "ranks": rank.count, "source": rank.source, "backend": gen.backend,
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "batch_size": bs,
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "batch_size": gen.batch_size,
             **{f"new_{k}": n for k, n in new.items()}, "seconds": round(seconds, 2),
             "tokens_per_s": round(new["tokens"] / max(seconds, 1e-9), 2)}
     print(f"[d3d.generate] rank {rank.index}/{rank.count}: {new['rows']} new rows, {new['tokens']} tokens, "
@@ -290,9 +295,8 @@ def publish_report(out_dir: Path, part: dict) -> dict | None:
         ranks = {k: v for k, v in old.items() if v.get("ranks") == part["ranks"]}
         ranks[str(part["rank"])] = part
         rows = read_responses(out_dir)
-        counts = tally(rows)
-        report = {"rows": len(rows), **counts,
-                  "cut_share": counts["cut"] / max(len(rows), 1), "looping_share": counts["looping"] / max(len(rows), 1),
+        counts, share = tally(rows), lambda n: n / max(len(rows), 1)
+        report = {"rows": len(rows), **counts, "cut_share": share(counts["cut"]), "looping_share": share(counts["looping"]),
                   "loop_detector": {"max_period": MAX_PERIOD, "min_repeats": MIN_REPEATS, "min_span": MIN_SPAN},
                   "tokens_per_s": round(sum(p["tokens_per_s"] for p in ranks.values()), 2),
                   "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))}

@@ -193,7 +193,7 @@ def test_two_shards_one_killed_and_resumed_equal_one_process(tmp_path, cache_dir
     rows, and training reads both shards as one set."""
     from d3d.training import load_examples
     from d3d.utils.io import JsonlWriter
-    from tests.stub_engine import plan, use_stub
+    from tests.stub_engine import StubEngine, plan, use_stub
 
     use_stub(monkeypatch)
     args = STUB + (["generate.do_sample=true"] if sampled else [])
@@ -211,6 +211,9 @@ def test_two_shards_one_killed_and_resumed_equal_one_process(tmp_path, cache_dir
     second = list(read_jsonl(tmp_path / "two" / "responses.rank1.jsonl"))
     assert len(second) == 3 and not {r["id"] for r in first} & {r["id"] for r in second}
     assert _answers(tmp_path / "two") == whole and len(whole) == 6
+    engines_started = len(StubEngine.gpus)
+    run_generate(compose("generate", split + ["generate.shard=0/2"], tmp_path))  # all answered: no engine
+    assert len(StubEngine.gpus) == engines_started
     if not sampled:  # the stub's own answers (greedy ignores the seed)
         kinds = {pid: plan(p, None, 80, 2)[0] for pid, (p, _, _) in whole.items()}
         assert set(kinds.values()) == {"loop", "stop", "cut"}, kinds  # the report below has each to count
