@@ -140,8 +140,8 @@ class ContinuousEngine:
 
 class VLLMBackend(ContinuousEngine):
     """vLLM's `LLMEngine` (the one inside the offline `LLM`), fed request by request: `add_request`
-    and `step`, the loop `LLM.generate` runs itself, with submission interleaved. Greedy is
-    temperature 0; sampled rows get a per-prompt seed."""
+    and `step`, the loop `LLM.generate` runs itself (vLLM 0.32: entrypoints/common/offline.py), with
+    submission interleaved. Greedy is temperature 0; sampled rows get a per-prompt seed."""
 
     name = "vllm"
 
@@ -154,12 +154,15 @@ class VLLMBackend(ContinuousEngine):
 
     def _params(self, seed: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         g = self._gen
+        # FINAL_ONLY: step() reports a request once, when it finishes (not every request every step)
+        common = {"max_tokens": g.max_new_tokens, "stop_token_ids": self._stop_ids,
+                  "output_kind": RequestOutputKind.FINAL_ONLY}
         if not g.do_sample:
-            return SamplingParams(temperature=0.0, max_tokens=g.max_new_tokens, stop_token_ids=self._stop_ids)
-        return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1, seed=seed,
-                              max_tokens=g.max_new_tokens, stop_token_ids=self._stop_ids)
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1, seed=seed, **common)
 
     def _submit(self, key: str, prompt_ids: list[int], seed: int) -> None:
         self.llm.llm_engine.add_request(key, {"prompt_token_ids": prompt_ids}, self._params(seed))
