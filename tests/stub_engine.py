@@ -38,6 +38,7 @@ class StubEngine(engines.ContinuousEngine):
     name = "vllm"
     steps: list[tuple[int, int]] = []  # (requests in flight, requests submitted so far) at each step
     gpus: list[str | None] = []  # CUDA_VISIBLE_DEVICES each engine saw when it started
+    worlds: list[str | None] = []  # WORLD_SIZE each engine saw (a launcher's, unless the rank dropped it)
 
     def __init__(self, model_path: str, gen, stop_ids: list[int], dtype: str, seed: int) -> None:
         super().__init__(gen, stop_ids)
@@ -45,6 +46,7 @@ class StubEngine(engines.ContinuousEngine):
         self._emitted: dict[str, list[int]] = {}
         self._submitted = 0
         StubEngine.gpus.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        StubEngine.worlds.append(os.environ.get("WORLD_SIZE"))
 
     def _submit(self, key: str, prompt_ids: list[int], seed: int) -> None:
         g = self._gen
@@ -75,3 +77,4 @@ def use_stub(monkeypatch=None) -> None:
         monkeypatch.setitem(engines.ENGINES, "vllm", stub)
     StubEngine.steps.clear()
     StubEngine.gpus.clear()
+    StubEngine.worlds.clear()

@@ -161,11 +161,20 @@ def rank_gpus(local: int, width: int, visible: list[str] | None) -> list[str]:
     return pool[local * width : (local + 1) * width]
 
 
-def pin_gpus(rank: Rank, width: int, environ) -> None:
-    """Give a launched rank its own GPUs before anything starts CUDA: the engine (and its workers)
-    see only them, so N ranks on a node run N engines side by side instead of N engines on GPU 0."""
+# What torchrun / accelerate launch tell a process about its job: an engine that saw them would take
+# itself for one rank of a torch.distributed world (vLLM's torchrun mode) and wait for the others.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def isolate_rank(rank: Rank, width: int, environ) -> None:
+    """Make a launched rank a standalone job on its own GPUs, before anything starts CUDA: the engine
+    (and its workers) see only those GPUs, so N ranks on a node run N engines side by side instead of
+    N engines on GPU 0, and none of the launcher's world (the ranks share only the folder)."""
     if rank.local is not None:
         environ["CUDA_VISIBLE_DEVICES"] = ",".join(rank_gpus(rank.local, width, visible_gpus(environ)))
+        for name in LAUNCHER_VARS:
+            environ.pop(name, None)
 
 
 def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
@@ -182,7 +191,7 @@ def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
             cache_dir = resolve_path(typed.paths.cache_dir)
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
         return None
-    pin_gpus(rank, engine_gpus(gen.backend, dict(getattr(gen, gen.backend, None) or {})), os.environ)
+    isolate_rank(rank, engine_gpus(gen.backend, dict(getattr(gen, gen.backend, None) or {})), os.environ)
     with lock_folder(resolve_path(gen.out_dir), "d3d.generate", rank.index):
         return _generate(typed, rank)
 

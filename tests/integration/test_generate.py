@@ -225,14 +225,15 @@ def test_two_shards_one_killed_and_resumed_equal_one_process(tmp_path, cache_dir
 
 
 def test_a_launched_rank_pins_its_engine_to_its_own_gpus(tmp_path, cache_dir, monkeypatch):
-    """Rank 1 of 2 on a node with GPUs 0-3 visible, tensor parallel 2: its engine sees GPUs 2,3 only."""
+    """Rank 1 of 2 on a node with GPUs 0-3 visible, tensor parallel 2: its engine sees GPUs 2,3 only,
+    and not the launcher's world (vLLM would take itself for one rank of a torch.distributed job)."""
     from tests.stub_engine import StubEngine, use_stub
 
     use_stub(monkeypatch)
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}.items():
         monkeypatch.setenv(key, value)
     out = run_generate(compose("generate", STUB + ["generate.vllm.tensor_parallel_size=2"], tmp_path))
-    assert StubEngine.gpus == ["2,3"]
+    assert StubEngine.gpus == ["2,3"] and StubEngine.worlds == [None]
     part = json.loads((out / "report.json").read_text())["ranks"]["1"]
     assert (part["gpus"], part["source"], part["new_rows"]) == ("2,3", "launcher rank 1/2", 3)
     assert [p.name for p in out.glob("responses.rank*.jsonl")] == ["responses.rank1.jsonl"]
