@@ -1,15 +1,23 @@
 """`python -m d3d.generate`: the target answers a prompt set; its responses train the drafter.
 
-Rows go to `<out_dir>/responses.rank<r>.jsonl`, flushed batch by batch. A re-run skips every id
-already written by any rank, so a killed run resumes without losing or duplicating a row. Several
-processes (`accelerate launch -m d3d.generate`) split the remaining prompts round-robin.
+Data parallel: each rank answers its own slice of the prompts and appends its rows to its own shard,
+`<out_dir>/responses.rank<r>.jsonl`, as they finish. Ranks come from the launcher (`torchrun` /
+`accelerate launch` on one node or many, `srun`), or from `generate.shard=i/n` for schedulers that
+start independent jobs (array jobs), or both (job i of n, each a launch of w processes, is slice
+i*w + r of n*w). A re-run skips every id already written by any shard, so a killed rank resumes
+without losing or duplicating a row, and the readers (data/responses.py) see all shards as one set.
+Each rank then adds its throughput and its cut and looping replies to `<out_dir>/report.json`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
+import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -19,12 +27,12 @@ from tqdm.auto import tqdm
 from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path
 from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
-from d3d.data.responses import rank_file, read_responses
-from d3d.models.engines import check_backend, engine_version, open_backend
+from d3d.data.responses import MAX_PERIOD, MIN_REPEATS, MIN_SPAN, is_looping, rank_file, read_responses
+from d3d.models.engines import check_backend, engine_gpus, engine_version, open_backend
 from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
-from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, process_device,
-                               process_state, resolve_model_path, torch_dtype)
+from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, resolve_model_path,
+                               torch_dtype)
 from d3d.utils.io import JsonlWriter, lock_folder, write_json
 from d3d.utils.runinfo import run_info
 
@@ -87,26 +95,110 @@ def dtype_name(dtype: str | None, device: str) -> str:
     return str(torch_dtype(dtype, pick_device(device))).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class Rank:
+    """The slice of the prompt set this process answers: every `count`-th batch from `index`."""
+
+    index: int
+    count: int
+    local: int | None  # its place on its node when a launcher started several (its GPUs); else None
+    source: str  # where index and count came from, for the log and the report
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(shard))
+    if not match or not int(match[1]) < int(match[2]):
+        raise ConfigError(f"generate.shard={shard!r} is not i/n with 0 <= i < n. Fix: start n jobs with "
+                          f"generate.shard=0/n ... (n-1)/n (an array job: generate.shard=$SLURM_ARRAY_TASK_ID/n).")
+    return int(match[1]), int(match[2])
+
+
+def launcher_rank(environ) -> tuple[int, int, int, str] | None:
+    """(rank, world size, local rank, launcher) of a process a launcher started: torchrun and
+    accelerate launch set RANK / WORLD_SIZE / LOCAL_RANK; srun sets SLURM_PROCID / SLURM_NTASKS /
+    SLURM_LOCALID, read inside a job step only (SLURM_STEP_ID): a batch script sees the
+    allocation's SLURM_NTASKS too, but it is one process and must answer everything."""
+    if "WORLD_SIZE" in environ:
+        return int(environ.get("RANK", 0)), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)), "launcher"
+    if "SLURM_STEP_ID" in environ and "SLURM_NTASKS" in environ:
+        return (int(environ.get("SLURM_PROCID", 0)), int(environ["SLURM_NTASKS"]),
+                int(environ.get("SLURM_LOCALID", 0)), "srun")
+    return None
+
+
+def data_rank(shard: str | None, environ) -> Rank:
+    """This process's slice: job i of n (`generate.shard`) times launcher rank r of w -> i*w + r of n*w."""
+    i, n = parse_shard(shard) if shard is not None else (0, 1)
+    r, w, local, launcher = launcher_rank(environ) or (0, 1, None, "")
+    if not 0 <= r < w:
+        raise ConfigError(f"the launcher says rank {r} of {w}. Fix: check RANK / WORLD_SIZE (or SLURM_PROCID / "
+                          f"SLURM_NTASKS) in this job's environment.")
+    source = " x ".join(part for part in (f"shard {i}/{n}" if shard is not None else "",
+                                          f"{launcher} rank {r}/{w}" if w > 1 else "") if part) or "one process"
+    return Rank(i * w + r, n * w, local if w > 1 else None, source)
+
+
+def visible_gpus(environ) -> list[str] | None:
+    """The GPUs this process may use, without touching CUDA (which reads CUDA_VISIBLE_DEVICES once,
+    at its start): the variable's list, else one per GPU the driver lists; None if unknown."""
+    if environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(gpus.iterdir())))] if gpus.is_dir() else None
+
+
+def rank_gpus(local: int, width: int, visible: list[str] | None) -> list[str]:
+    """The GPUs of the `local`-th rank on a node when each rank drives `width` of them: GPUs
+    local*width ... (local+1)*width - 1 of the visible ones. A scheduler that already gave each task
+    its own GPUs (`srun --gpus-per-task`) left exactly `width` visible: those are the rank's."""
+    if visible is not None and len(visible) == width:
+        return visible
+    if visible is not None and (local + 1) * width > len(visible):
+        raise ConfigError(f"rank {local} on this node needs GPUs {local * width}..{(local + 1) * width - 1} "
+                          f"({width} per engine) but {len(visible)} are visible. Fix: start at most "
+                          f"{len(visible) // width} ranks per node, or lower the engine's tensor parallel size.")
+    pool = visible if visible is not None else [str(g) for g in range((local + 1) * width)]
+    return pool[local * width : (local + 1) * width]
+
+
+# What torchrun / accelerate launch tell a process about its job: an engine that saw them would take
+# itself for one rank of a torch.distributed world (vLLM's torchrun mode) and wait for the others.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def isolate_rank(rank: Rank, width: int, environ) -> None:
+    """Make a launched rank a standalone job on its own GPUs, before anything starts CUDA: the engine
+    (and its workers) see only those GPUs, so N ranks on a node run N engines side by side instead of
+    N engines on GPU 0, and none of the launcher's world (the ranks share only the folder)."""
+    if rank.local is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = ",".join(rank_gpus(rank.local, width, visible_gpus(environ)))
+        for name in LAUNCHER_VARS:
+            environ.pop(name, None)
+
+
 def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
-    """Answer every prompt not yet answered in the output folder; returns the folder. One run at a
-    time per folder: a second writer would answer every prompt again. `check_only`: bind the settings,
-    check the backend and the thinking switch, and return None (d3d.pipeline checks every stage first)."""
+    """Answer every prompt of this rank's slice not yet answered in the output folder; returns the
+    folder. One run at a time per shard: a second writer would answer its prompts again.
+    `check_only`: bind the settings, check the shard, the backend and the thinking switch, and
+    return None (d3d.pipeline checks every stage first)."""
     typed = bind_config(cfg, "generate")  # the typed boundary: unknown keys fail here
+    gen = typed.generate
+    rank = data_rank(gen.shard, os.environ)
+    check_backend(gen.backend)  # before the prompts and the model load
     if check_only:
-        check_backend(typed.generate.backend)
-        if typed.generate.enable_thinking:
+        if gen.enable_thinking:
             cache_dir = resolve_path(typed.paths.cache_dir)
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
         return None
-    with lock_folder(resolve_path(typed.generate.out_dir), "d3d.generate", process_state().process_index):
-        return _generate(typed)
+    isolate_rank(rank, engine_gpus(gen.backend, dict(getattr(gen, gen.backend, None) or {})), os.environ)
+    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", rank.index):
+        return _generate(typed, rank)
 
 
-def _generate(cfg: GenerateConfig) -> Path:
+def _generate(cfg: GenerateConfig, rank: Rank) -> Path:
     gen = cfg.generate
-    state = process_state()
-    check_backend(gen.backend, state.num_processes)  # before the prompts and the model load
-    torch.manual_seed(cfg.seed + state.process_index)
+    torch.manual_seed(cfg.seed)
     cache_dir = resolve_path(cfg.paths.cache_dir)
     out_dir = resolve_path(gen.out_dir)
 
@@ -115,7 +207,7 @@ def _generate(cfg: GenerateConfig) -> Path:
         prompts = prompts[: gen.limit]
     settings = {k: getattr(gen, k) for k in SETTING_KEYS}
     model_path = resolve_model_path(cfg.target, cache_dir)
-    device = process_device(state, cfg.target.device)  # `dtype: auto` resolves per device and CPU
+    device = str(cfg.target.device)  # a launched rank's GPUs are pinned: `auto` is its first one
     header = {"target": {"name": cfg.target.name, "path": model_path if not Path(model_path).is_dir()
                          else cfg.target.name, "weights": model_fingerprint(model_path),
                          "dtype": dtype_name(cfg.target.dtype, device)}, "settings": settings}
@@ -127,61 +219,98 @@ def _generate(cfg: GenerateConfig) -> Path:
     ids = {p.id: chat_prompt_ids(tokenizer, p.messages, gen.enable_thinking, gen.system_prompt) for p in prompts}
     check_context({p.id: ids[p.id] for p in prompts if p.id not in done}, gen.max_new_tokens,
                   max_context(model_path))
+    # Batches are cut from the whole prompt set, done or not, and rank r of n takes batches r, r+n, ...:
+    # a batch's members and (hf, sampling) its random stream are the same whatever n and however
+    # often the run was resumed, so the rows are too (an engine seeds each prompt from its id).
+    order = sorted(prompts, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else prompts
+    bs = gen.batch_size
+    batches = [(k, [(p, ids[p.id]) for p in order[b : b + bs]]) for k, b in enumerate(range(0, len(order), bs))]
+    mine = [(k, batch) for k, batch in batches[rank.index :: rank.count] if any(p.id not in done for p, _ in batch)]
+    todo = sum(p.id not in done for _, batch in mine for p, _ in batch)
+    log.info("%d prompts, %d already answered, %d for rank %d of %d (%s)", len(prompts), len(done), todo,
+             rank.index, rank.count, rank.source)
+    new = {"rows": 0, "tokens": 0, "cut": 0, "looping": 0}
+    if not mine:  # a rank with nothing left to answer starts no engine (minutes on a GPU node)
+        return _report(out_dir, rank, gen, new, 0.0)
     backend = open_backend(
         gen.backend, model_path, gen, tokenizer, stop_ids(tokenizer, model_path),
         dtype_name(cfg.target.dtype, device), cfg.seed,
         lambda: load_model(model_path, cfg.target.dtype, device, cfg.target.attn_implementation))
-    if state.is_main_process:
-        engine = {"backend": gen.backend, "version": engine_version(gen.backend),
-                  "options": dict(getattr(gen, gen.backend, None) or {})}
-        write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "engine": engine,
-                                           "run": run_info(pick_device(device))})
-
-    # Batches are cut from the whole prompt set, done or not, and process r takes batches r, r+n, ...:
-    # a batch's members and (when sampling) its random stream are the same in a resumed run as in an
-    # uninterrupted one, so the rows are too. Finished batches are skipped.
-    order = sorted(prompts, key=lambda p: len(ids[p.id]), reverse=True) if gen.sort_by_length else prompts
-    bs = gen.batch_size
-    batches = [(k, order[b : b + bs]) for k, b in enumerate(range(0, len(order), bs))]
-    mine = [(k, batch) for k, batch in batches[state.process_index :: state.num_processes]
-            if any(p.id not in done for p in batch)]
-    todo = sum(sum(p.id not in done for p in batch) for _, batch in mine)
-    log.info("%d prompts, %d already answered, %d for this process", len(prompts), len(done), todo)
-    total_tokens, start = 0, time.perf_counter()
-    bar = tqdm(total=todo, desc=f"generate[{state.process_index}]", unit="prompt",
-               disable=not gen.progress or not state.is_local_main_process)
-    with JsonlWriter(rank_file(out_dir, state.process_index)) as writer:
-        for k, members in mine:
-            batch = [(p, ids[p.id]) for p in members]
-            # sampling seed: one stream per batch (hf) / per prompt from it (engines), whatever ran before
-            results = backend.generate(batch, cfg.seed * 1_000_003 + k)
-            rows = []
-            for (prompt, prompt_ids), (resp_ids, reason) in zip(batch, results):
-                if prompt.id in done:  # a batch a kill cut short: its written rows stay as they are
-                    continue
-                rows.append({
-                    "id": prompt.id, "messages": prompt.messages,
-                    "response": tokenizer.decode(resp_ids, skip_special_tokens=True),
-                    "prompt_ids": prompt_ids, "response_ids": resp_ids, "finish_reason": reason,
-                    "target": cfg.target.name, "settings": settings,
-                })
-                total_tokens += len(resp_ids)
-            writer.write(rows)
+    # every rank writes it (the same header): a shard job may run before shard 0 does
+    engine = {"backend": gen.backend, "version": engine_version(gen.backend),
+              "options": dict(getattr(gen, gen.backend, None) or {})}
+    write_json(out_dir / "meta.json", {**header, "prompt_set": asdict(cfg.data), "engine": engine,
+                                       "run": run_info(pick_device(device))})
+    start = time.perf_counter()
+    bar = tqdm(total=todo, desc=f"generate[{rank.index}]", unit="prompt",
+               disable=not gen.progress or rank.local not in (None, 0))
+    with JsonlWriter(rank_file(out_dir, rank.index)) as writer:
+        for finished in backend.run(mine, done, cfg.seed):
+            rows = [{"id": prompt.id, "messages": prompt.messages,
+                     "response": tokenizer.decode(resp_ids, skip_special_tokens=True),
+                     "prompt_ids": ids[prompt.id], "response_ids": resp_ids, "finish_reason": reason,
+                     "target": cfg.target.name, "settings": settings} for prompt, resp_ids, reason in finished]
+            writer.write(rows)  # as they finish: a kill loses only the replies still in flight
+            for key, n in {"rows": len(rows), **tally(rows)}.items():
+                new[key] += n
             bar.update(len(rows))
-            bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}")
+            bar.set_postfix(tok_s=f"{new['tokens'] / (time.perf_counter() - start):.1f}")
     bar.close()
     backend.close()
-    elapsed = time.perf_counter() - start
-    state.wait_for_everyone()
-    rows = read_responses(out_dir)
-    if state.is_main_process:
-        stats = {"rows": len(rows), "new_rows": todo, "new_tokens": total_tokens,
-                 "seconds": round(elapsed, 2), "tokens_per_s": round(total_tokens / max(elapsed, 1e-9), 2),
-                 "batch_size": bs, "processes": state.num_processes, "backend": gen.backend}
-        write_json(out_dir / "last_run.json", stats)
-        print(f"[d3d.generate] {out_dir}: {len(rows)} rows ({todo} new, {total_tokens} tokens, "
-              f"{stats['tokens_per_s']} tok/s)")
+    return _report(out_dir, rank, gen, new, time.perf_counter() - start)
+
+
+def _report(out_dir: Path, rank: Rank, gen, new: dict[str, int], seconds: float) -> Path:
+    """Print this rank's line, add its part to report.json, and print the folder's line if it is the last."""
+    part = {"rank": rank.index, "ranks": rank.count, "source": rank.source, "backend": gen.backend,
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "batch_size": gen.batch_size,
+            **{f"new_{k}": n for k, n in new.items()}, "seconds": round(seconds, 2),
+            "tokens_per_s": round(new["tokens"] / max(seconds, 1e-9), 2)}
+    print(f"[d3d.generate] rank {rank.index}/{rank.count}: {new['rows']} new rows, {new['tokens']} tokens, "
+          f"{part['tokens_per_s']} tok/s; {part['new_cut']} cut at max_new_tokens, {part['new_looping']} looping")
+    report = publish_report(out_dir, part)
+    if report is not None:  # the last rank of the run to finish says how the whole folder looks
+        print(f"[d3d.generate] {out_dir}: {report['rows']} rows; {report['cut']} ({report['cut_share']:.1%}) cut "
+              f"at max_new_tokens={gen.max_new_tokens}, {report['looping']} ({report['looping_share']:.1%}) in a "
+              f"repetition loop; {report['tokens_per_s']} tok/s over {len(report['ranks'])} rank(s)")
     return out_dir
+
+
+def tally(rows: list[dict]) -> dict[str, int]:
+    """Response tokens, replies cut at max_new_tokens, and replies caught in a repetition loop."""
+    return {"tokens": sum(len(r["response_ids"]) for r in rows),
+            "cut": sum(r["finish_reason"] == "length" for r in rows),
+            "looping": sum(is_looping(r) for r in rows)}
+
+
+@contextlib.contextmanager
+def _report_lock(out_dir: Path):
+    """Ranks finish in any order; each rewrites report.json under this lock, so none loses another's part."""
+    with open(out_dir / ".report.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def publish_report(out_dir: Path, part: dict) -> dict | None:
+    """Put this rank's part into `<out_dir>/report.json` and recount the folder's rows (every
+    shard): cut at the limit, caught in a loop, tokens per second per rank and summed. Parts of an
+    earlier run with another rank count are dropped. Returns the report once every rank of this
+    run has reported, else None."""
+    import json
+
+    with _report_lock(out_dir):
+        path = out_dir / "report.json"
+        old = json.loads(path.read_text()).get("ranks", {}) if path.is_file() else {}
+        ranks = {k: v for k, v in old.items() if v.get("ranks") == part["ranks"]}
+        ranks[str(part["rank"])] = part
+        rows = read_responses(out_dir)
+        counts, share = tally(rows), lambda n: n / max(len(rows), 1)
+        report = {"rows": len(rows), **counts, "cut_share": share(counts["cut"]), "looping_share": share(counts["looping"]),
+                  "loop_detector": {"max_period": MAX_PERIOD, "min_repeats": MIN_REPEATS, "min_span": MIN_SPAN},
+                  "tokens_per_s": round(sum(p["tokens_per_s"] for p in ranks.values()), 2),
+                  "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))}
+        write_json(path, report)
+    return report if len(ranks) == part["ranks"] else None
 
 
 @hydra_job("generate")

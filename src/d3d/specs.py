@@ -242,6 +242,7 @@ class GenerateSettings:
     limit: Optional[int]
     sort_by_length: bool
     progress: bool
+    shard: Optional[str]  # "i/n": this job answers slice i of n (independent jobs); null: the launcher's ranks
     backend: str  # hf | vllm | sglang (d3d.models.engines)
     vllm: dict[str, Any]  # vllm.LLM(**vllm) when backend=vllm
     sglang: dict[str, Any]  # sglang.Engine(**sglang) when backend=sglang

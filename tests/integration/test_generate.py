@@ -1,4 +1,5 @@
-"""d3d.generate end to end on a tiny random model: rows, resume after a kill, bad input."""
+"""d3d.generate end to end on a tiny random model: rows, resume after a kill, bad input; data-parallel
+shards on the stub engine (tests/stub_engine.py), in process and under torchrun."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from d3d.generate import OutputMismatchError, run_generate
 from d3d.models.generation import split_response
 from d3d.utils.io import read_jsonl
 from d3d.settings import bind_config
-from tests.conftest import CACHE_DIR, FIXTURES, ROOT, compose
+from tests.conftest import CACHE_DIR, FIXTURES, ROOT, Killed, compose, kill_on, torchrun
 
 LOCAL = ["+experiment=smoke", "data=local", f"data.local_file={FIXTURES / 'prompts.jsonl'}"]
 
@@ -52,7 +53,7 @@ def test_resume_skips_finished_ids(tmp_path, cache_dir):
     out = run_generate(compose("generate", LOCAL, tmp_path))
     ids = [r["id"] for r in read_responses(out)]
     assert sorted(ids) == [f"p{i}" for i in range(6)] and len(ids) == len(set(ids))
-    assert json.loads((out / "last_run.json").read_text())["new_rows"] == 3
+    assert json.loads((out / "report.json").read_text())["ranks"]["0"]["new_rows"] == 3
 
 
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, cache_dir):
@@ -120,23 +121,23 @@ def test_a_sampled_run_resumed_after_a_kill_writes_the_uninterrupted_rows(tmp_pa
     """do_sample: batches are cut from the whole prompt set and each draws from its own seeded
     stream, so a run killed after its first batch and resumed gives exactly the rows of a run that
     was never interrupted (it used to redraw from wherever the process's stream stood)."""
-    from d3d.models.engines import HFBackend
+    from d3d.models import engines
 
     sampled = LOCAL + ["generate.do_sample=true", "generate.batch_size=2", "generate.temperature=1.0"]
     whole = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
         compose("generate", sampled + [f"generate.out_dir={tmp_path}/whole"], tmp_path)))}
-    real, calls = HFBackend.generate, []
+    real, calls = engines.generate_batch, []
 
-    def killed_after_one(self, *args, **kw):
+    def killed_after_one(*args, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # stands in for a kill after the first batch reached the disk
-        return real(self, *args, **kw)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(HFBackend, "generate", killed_after_one)
+    monkeypatch.setattr(engines, "generate_batch", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
         run_generate(compose("generate", sampled + [f"generate.out_dir={tmp_path}/cut"], tmp_path))
-    monkeypatch.setattr(HFBackend, "generate", real)
+    monkeypatch.setattr(engines, "generate_batch", real)
     first = {r["id"] for r in read_responses(tmp_path / "cut")}
     assert len(first) == 2
     resumed = {r["id"]: r["response_ids"] for r in read_responses(run_generate(
@@ -159,13 +160,13 @@ def test_a_start_that_wrote_no_row_does_not_bind_the_folder(tmp_path, cache_dir)
     """A run that failed after meta.json and before its first row (a crash in the first batch) left a
     folder that refused every rerun with other settings, though it held no response to mix."""
     import d3d.generate as g
-    from d3d.models.engines import HFBackend
+    from d3d.models import engines
 
-    def crash(self, *a, **k):
+    def crash(*a, **k):
         raise RuntimeError("out of memory in the first batch")
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(HFBackend, "generate", crash)
+        m.setattr(engines, "generate_batch", crash)
         with pytest.raises(RuntimeError):
             run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=8"], tmp_path))
     out = run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=12"], tmp_path))
@@ -173,3 +174,91 @@ def test_a_start_that_wrote_no_row_does_not_bind_the_folder(tmp_path, cache_dir)
     assert len(read_responses(out)) == 6
     with pytest.raises(g.OutputMismatchError):  # with rows, the folder binds as before
         run_generate(compose("generate", LOCAL + ["generate.max_new_tokens=8"], tmp_path))
+
+
+# --- data parallel on the stub engine --------------------------------------------------------
+
+# the stub stands in for vLLM: 80 new tokens, so its looping replies pass the detector's 64-token floor
+STUB = LOCAL + ["generate.backend=vllm", "generate.max_new_tokens=80", "generate.batch_size=1", "generate.progress=false"]
+
+
+def _answers(folder) -> dict[str, tuple]:
+    return {r["id"]: (r["prompt_ids"], r["response_ids"], r["finish_reason"]) for r in read_responses(folder)}
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_two_shards_one_killed_and_resumed_equal_one_process(tmp_path, cache_dir, monkeypatch, sampled):
+    """generate.shard=0/2 and 1/2 (two independent jobs, run here one after the other): each writes
+    its own shard; shard 1, killed after its first row, resumes; the union is the one-process run's
+    rows, and training reads both shards as one set."""
+    from d3d.training import load_examples
+    from d3d.utils.io import JsonlWriter
+    from tests.stub_engine import StubEngine, plan, use_stub
+
+    use_stub(monkeypatch)
+    args = STUB + (["generate.do_sample=true"] if sampled else [])
+    whole = _answers(run_generate(compose("generate", args + [f"generate.out_dir={tmp_path}/one"], tmp_path)))
+    split = args + [f"generate.out_dir={tmp_path}/two"]
+    run_generate(compose("generate", split + ["generate.shard=0/2"], tmp_path))
+    with monkeypatch.context() as m:  # shard 1 dies before writing its second row
+        m.setattr(JsonlWriter, "write", kill_on(2, JsonlWriter.write))
+        with pytest.raises(Killed):
+            run_generate(compose("generate", split + ["generate.shard=1/2"], tmp_path))
+    shards = [read_jsonl(tmp_path / "two" / f"responses.rank{r}.jsonl") for r in (0, 1)]
+    first, cut = (list(rows) for rows in shards)
+    assert len(first) == 3 and len(cut) == 1  # batches 0, 2, 4 and 1, 3, 5 of six one-prompt batches
+    run_generate(compose("generate", split + ["generate.shard=1/2"], tmp_path))
+    second = list(read_jsonl(tmp_path / "two" / "responses.rank1.jsonl"))
+    assert len(second) == 3 and not {r["id"] for r in first} & {r["id"] for r in second}
+    assert _answers(tmp_path / "two") == whole and len(whole) == 6
+    engines_started = len(StubEngine.gpus)
+    run_generate(compose("generate", split + ["generate.shard=0/2"], tmp_path))  # all answered: no engine
+    assert len(StubEngine.gpus) == engines_started
+    if not sampled:  # the stub's own answers (greedy ignores the seed)
+        kinds = {pid: plan(p, None, 80, 2)[0] for pid, (p, _, _) in whole.items()}
+        assert set(kinds.values()) == {"loop", "stop", "cut"}, kinds  # the report below has each to count
+        report = json.loads((tmp_path / "two" / "report.json").read_text())
+        assert (report["rows"], report["looping"], report["cut"]) == (
+            6, sum(k == "loop" for k in kinds.values()), sum(k != "stop" for k in kinds.values()))
+        assert sorted(report["ranks"]) == ["0", "1"] and report["ranks"]["1"]["new_rows"] == 2
+    assert len(load_examples(tmp_path / "two", 384)) == 6
+
+
+def test_a_launched_rank_pins_its_engine_to_its_own_gpus(tmp_path, cache_dir, monkeypatch):
+    """Rank 1 of 2 on a node with GPUs 0-3 visible, tensor parallel 2: its engine sees GPUs 2,3 only,
+    and not the launcher's world (vLLM would take itself for one rank of a torch.distributed job)."""
+    from tests.stub_engine import StubEngine, use_stub
+
+    use_stub(monkeypatch)
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}.items():
+        monkeypatch.setenv(key, value)
+    out = run_generate(compose("generate", STUB + ["generate.vllm.tensor_parallel_size=2"], tmp_path))
+    assert StubEngine.gpus == ["2,3"] and StubEngine.worlds == [None]
+    part = json.loads((out / "report.json").read_text())["ranks"]["1"]
+    assert (part["gpus"], part["source"], part["new_rows"]) == ("2,3", "launcher rank 1/2", 3)
+    assert [p.name for p in out.glob("responses.rank*.jsonl")] == ["responses.rank1.jsonl"]
+
+
+@pytest.mark.heavy
+def test_two_torchrun_ranks_one_killed_resume_to_the_one_process_rows(tmp_path, cache_dir, monkeypatch):
+    """torchrun --nproc_per_node 2 (real processes, ranks from torchrun's environment): rank 1 is
+    SIGKILLed after its first row, which ends the job; the rerun resumes both ranks; the union equals
+    a one-process run, each rank ran its engine on its own GPUs, training reads both shards."""
+    from d3d.training import load_examples
+    from tests.stub_engine import use_stub
+
+    use_stub(monkeypatch)
+    whole = _answers(run_generate(compose("generate", STUB + [f"generate.out_dir={tmp_path}/one"], tmp_path)))
+    worker = ROOT / "tests" / "multiproc" / "generate_worker.py"
+    folder = tmp_path / "two"
+    args = [tmp_path, *STUB, f"generate.out_dir={folder}", "generate.vllm.tensor_parallel_size=2"]
+    killed = torchrun(2, worker, "--kill-rank-1-after", 1, *args)
+    assert killed.returncode != 0 and len(list(read_jsonl(folder / "responses.rank1.jsonl"))) == 1, killed.stderr[-3000:]
+    done = torchrun(2, worker, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shards = [{r["id"] for r in read_jsonl(folder / f"responses.rank{r}.jsonl")} for r in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == 3 and not shards[0] & shards[1]
+    assert _answers(folder) == whole
+    report = json.loads((folder / "report.json").read_text())
+    assert {k: v["gpus"] for k, v in report["ranks"].items()} == {"0": "0,1", "1": "2,3"}
+    assert "in a repetition loop" in done.stdout and len(load_examples(folder, 384)) == 6

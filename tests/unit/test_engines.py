@@ -1,5 +1,7 @@
 """Generation backends (d3d.models.engines) without an engine installed: the one-line refusals, the
-folder and row bookkeeping, the thinking switch. The engine itself runs in tests/integration/test_engines.py."""
+folder and row bookkeeping, the thinking switch, continuous submission (on the stub engine,
+tests/stub_engine.py), ranks and their GPUs, the repetition-loop detector. The engine itself runs in
+tests/integration/test_engines.py."""
 
 from __future__ import annotations
 
@@ -23,13 +25,6 @@ def test_missing_engine_names_the_install(monkeypatch, name):
     with pytest.raises(ConfigError, match=rf"generate.backend={name} needs {name}.*Fix: pip install"):
         engines.check_backend(name)
     engines.check_backend("hf")  # the reference needs nothing more
-
-
-def test_an_engine_refuses_several_processes(monkeypatch):
-    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda module: object())
-    engines.check_backend("vllm", num_processes=1)
-    with pytest.raises(ConfigError, match="runs in one process .2 were launched"):
-        engines.check_backend("vllm", num_processes=2)
 
 
 def test_generate_refuses_a_missing_engine_before_reading_prompts_or_loading(monkeypatch, tmp_path):
@@ -112,3 +107,114 @@ def test_a_target_without_a_chat_template_is_one_line():
 
     with pytest.raises(ConfigError, match=r"^tokenizer 'base' has no chat template\. Fix: use an instruct/chat model"):
         chat_prompt_ids(SimpleNamespace(chat_template=None, name_or_path="base"), [{"role": "user", "content": "hi"}])
+
+
+# --- continuous submission (the stub engine behind ContinuousEngine's loop) -------------------------
+
+def _prompts(n, rng):
+    return [(SimpleNamespace(id=f"p{i}"), [rng.randrange(3, 260) for _ in range(rng.randrange(2, 9))]) for i in range(n)]
+
+
+def test_an_engine_is_refilled_as_each_reply_finishes_and_rows_come_out_as_they_finish():
+    """While prompts wait, the engine always holds `batch_size` requests: a finished reply's slot is
+    refilled at once instead of idling until the batch's longest reply ends."""
+    import random
+
+    from tests.stub_engine import StubEngine, plan
+
+    StubEngine.steps.clear()
+    window, prompts = 4, _prompts(11, random.Random(0))
+    gen = SimpleNamespace(batch_size=window, max_new_tokens=80, do_sample=False)
+    engine = StubEngine("-", gen, [2], "float32", 0)
+    batches = [(0, prompts[:6]), (1, prompts[6:])]
+    out = [row for group in engine.run(batches, done={"p3"}, seed=0) for row in group]
+    assert sorted(p.id for p, _, _ in out) == sorted(f"p{i}" for i in range(11) if i != 3)
+    assert [p.id for p, _, _ in out] != [p.id for p, _ in prompts if p.id != "p3"]  # in finishing order
+    prompt_ids = {p.id: ids for p, ids in prompts}
+    for prompt, resp, reason in out:
+        kind, tokens = plan(prompt_ids[prompt.id], None, 80, 2)
+        assert resp == tokens and reason == ("stop" if kind == "stop" else "length")
+    waiting = [live for live, submitted in StubEngine.steps if submitted < 10]  # 10 prompts to do
+    assert waiting and all(live == window for live in waiting), StubEngine.steps
+
+
+# --- ranks and their GPUs ---------------------------------------------------------------------
+
+def test_ranks_come_from_the_launcher_srun_or_the_shard():
+    from d3d.generate import data_rank
+
+    assert data_rank(None, {}).__dict__ == {"index": 0, "count": 1, "local": None, "source": "one process"}
+    torchrun = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}
+    assert (data_rank(None, torchrun).index, data_rank(None, torchrun).count, data_rank(None, torchrun).local) == (5, 16, 1)
+    step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3"}
+    assert (data_rank(None, step).index, data_rank(None, step).count, data_rank(None, step).local) == (3, 8, 3)
+    # a batch script sees the allocation's task count but is one process: it answers everything
+    assert data_rank(None, {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).count == 1
+    # job 2 of 4 (an array job), each a torchrun of 8 processes: slice 2*8 + 5 of 32
+    both = data_rank("2/4", torchrun | {"WORLD_SIZE": "8"})
+    assert (both.index, both.count, both.source) == (21, 32, "shard 2/4 x launcher rank 5/8")
+    assert data_rank("1/3", {}).__dict__ == {"index": 1, "count": 3, "local": None, "source": "shard 1/3"}
+
+
+@pytest.mark.parametrize("shard", ["3/3", "1", "a/b", "-1/2", "1/0"])
+def test_a_bad_shard_is_one_line(shard):
+    from d3d.generate import data_rank
+
+    with pytest.raises(ConfigError, match=rf"^generate.shard='{shard}' is not i/n with 0 <= i < n. Fix: start n jobs"):
+        data_rank(shard, {})
+
+
+def test_each_launched_rank_gets_its_own_gpus():
+    from d3d.generate import rank_gpus
+
+    assert rank_gpus(0, 1, None) == ["0"] and rank_gpus(3, 2, None) == ["6", "7"]
+    assert rank_gpus(1, 2, ["4", "5", "6", "7"]) == ["6", "7"]  # indexes into what the node lets us see
+    assert rank_gpus(2, 2, ["3", "1"]) == ["3", "1"]  # srun --gpus-per-task already bound this task's pair
+    with pytest.raises(ConfigError, match=r"rank 2 on this node needs GPUs 4..5 \(2 per engine\) but 4 are visible. "
+                                          r"Fix: start at most 2 ranks per node"):
+        rank_gpus(2, 2, ["0", "1", "2", "3"])
+
+
+def test_an_engine_drives_tensor_times_pipeline_parallel_gpus():
+    assert engines.engine_gpus("vllm", {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}) == 8
+    assert engines.engine_gpus("sglang", {"tp_size": 2}) == 2
+    assert engines.engine_gpus("hf", {"tensor_parallel_size": 8}) == 1
+
+
+# --- the repetition-loop detector and what readers do with it --------------------------------------
+
+def test_the_loop_detector_finds_a_short_period_repeated_over_the_tail():
+    from d3d.data.responses import repetition_loop
+
+    rng = __import__("random").Random(1)
+    prose = [rng.randrange(1000) for _ in range(300)]
+    assert repetition_loop(prose) is None
+    assert repetition_loop(prose + [7, 8, 9] * 22) == 3  # 66 tokens of period 3
+    assert repetition_loop(prose + [7, 8, 9] * 20) is None  # 60 tokens: under the 64-token floor
+    assert repetition_loop(prose + [5] * 64) == 1 and repetition_loop(prose + [5] * 20) is None
+    period = [rng.randrange(1000) for _ in range(64)]
+    assert repetition_loop(prose + period * 3) == 64  # the longest period, three times
+    assert repetition_loop(prose + period * 2) is None  # twice is a quotation, not yet a loop
+    assert repetition_loop(prose + [1, 2] * 40) == 2  # the shortest period (4 fits too)
+    assert repetition_loop(prose + [7, 8, 9] * 30 + [2]) is None  # left the loop and stopped at EOS
+    assert repetition_loop([4] * 10) is None
+
+
+def test_training_may_leave_looping_rows_out(tmp_path):
+    from d3d.data.responses import read_responses
+
+    rows = [{"id": "loop", "response_ids": [3, 4, 5, 6] * 30}, {"id": "ok", "response_ids": list(range(3, 120))}]
+    (tmp_path / "responses.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["id"] for r in read_responses(tmp_path)] == ["loop", "ok"]
+    assert [r["id"] for r in read_responses(tmp_path, drop_looping=True)] == ["ok"]
+
+
+def test_a_prompt_answered_differently_in_two_shards_is_one_line(tmp_path):
+    from d3d.data.responses import ConflictingShards, read_responses
+
+    row = {"id": "p1", "prompt_ids": [1], "response_ids": [2, 3]}
+    (tmp_path / "responses.rank0.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "responses.rank3.jsonl").write_text(json.dumps({**row, "response_ids": [2, 4]}) + "\n")
+    with pytest.raises(ConflictingShards, match=r"prompt 'p1' has different responses in responses.rank0.jsonl and "
+                                                r"responses.rank3.jsonl .*Fix: delete the shard files of one run"):
+        read_responses(tmp_path)

