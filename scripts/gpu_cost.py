@@ -1,7 +1,7 @@
 """What a GPU run of the Qwen3 overlays costs: wall time and GPU-hours per stage on 8 x H100, an
 estimate from stated inputs (each printed beside the table with its source), never a measurement.
 
-    python scripts/gpu_cost.py                        # qwen3_8b and qwen3_32b, markdown (docs/gpu.md)
+    python scripts/gpu_cost.py                        # the Qwen3 overlays, markdown (docs/gpu.md)
     python scripts/gpu_cost.py +experiment=qwen3_8b_d8b --mfu 0.3 --reply-tokens 800
 
 Per stage (N parameters of the model that runs, counted from its config.json numbers):
@@ -10,7 +10,7 @@ Per stage (N parameters of the model that runs, counted from its config.json num
   every GPU of the node (one engine per GPU).
 - train: max_steps x the global batch (train.batch_size x grad_accum x GPUs) x packed tokens per
   sequence (prompt + reply + anchors x B, padding added) x FLOPs per token (6N, 8N with gradient
-  checkpointing: the forward runs twice, + attention 4·L·heads·head_dim·(mean keys) per forward)
+  checkpointing: the forward runs twice; N without an untied input embedding, a lookup; + attention 4·L·heads·head_dim·(mean keys) per forward)
   over the node's bf16 dense peak at an assumed MFU.
 - prune: per removed layer (prune.num_layers, all of them: min_retention may stop it earlier), the
   layer sweep over prune.calib_size responses (one forward of the whole drafter and L/2 of its upper
@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_plan as plan  # noqa: E402  (scripts/ is not a package)
+
+OVERLAYS = ["qwen3_8b", "qwen3_32b", "qwen3_8b_d8b", "qwen3_32b_d8b"]
 
 
 @dataclass
@@ -91,7 +93,8 @@ def stage_rows(overrides: list[str], x: Inputs) -> list[dict]:
     def step_flops(s, seqs: int, ckpt: bool) -> float:
         tokens = seqs * (seq_clean + tc.anchors_per_seq * B) / (1 - x.padding)
         attn = 4 * s.layers * s.heads * s.head_dim * seq_clean / 2  # per token per forward: mean keys ~ half the clean part
-        return tokens * ((8 if ckpt else 6) * plan.params(s) + (4 if ckpt else 3) * attn)
+        matmul = plan.params(s) - (0 if s.tied else s.vocab * s.hidden)  # an untied input embedding is a lookup
+        return tokens * ((8 if ckpt else 6) * matmul + (4 if ckpt else 3) * attn)
 
     node = x.peak_flops * x.mfu
     global_batch = tc.batch_size * tc.grad_accum * x.gpus
@@ -128,13 +131,14 @@ def stage_rows(overrides: list[str], x: Inputs) -> list[dict]:
 
 def markdown(overlays: list[str], x: Inputs) -> str:
     lines = [f"Estimates on {x.gpus} x H100 80 GB (not measurements; inputs below).", "",
-             "| overlay | stage | wall (h) | GPUs | GPU-hours | from |", "|---|---|---|---|---|---|"]
+             "| overlay | stage | wall | GPUs | GPU-hours | from |", "|---|---|---|---|---|---|"]
     for name in overlays:
         total = 0.0
         for r in stage_rows([f"+experiment={name}"], x):
             hours = r["seconds"] / 3600
             total += hours * r["gpus"]
-            lines.append(f"| {name} | {r['stage']} | {hours:.1f} | {r['gpus']} | {hours * r['gpus']:.0f} | {r['how']} |")
+            wall = f"{hours:.1f} h" if hours >= 1 else f"{hours * 60:.0f} min"
+            lines.append(f"| {name} | {r['stage']} | {wall} | {r['gpus']} | {hours * r['gpus']:.1f} | {r['how']} |")
         lines.append(f"| {name} | **all** | | | **{total:.0f}** | |")
     lines += ["", "| input | value | source |", "|---|---|---|"]
     lines += [f"| {f.name} | {getattr(x, f.name):g} | {SOURCES[f.name]} |" for f in fields(Inputs)]
@@ -143,7 +147,7 @@ def markdown(overlays: list[str], x: Inputs) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overlays", nargs="*", default=["qwen3_8b", "qwen3_32b"], help="experiment names")
+    ap.add_argument("overlays", nargs="*", default=OVERLAYS, help="experiment names")
     for f in fields(Inputs):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=SOURCES[f.name])
     args = ap.parse_args()

@@ -31,6 +31,7 @@ Not counted: allocator fragmentation and the CUDA context (~1-3 GiB): a fit keep
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -198,10 +199,16 @@ def decode_need(dc, row, shapes: dict[str, ModelShape], batch: int) -> dict[str,
 
 
 def compose_overlay(root: str, overrides: list[str]):
+    """(raw, bound) config of a root under overrides; composed once per (root, overrides) a process."""
+    return _composed(root, tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(root: str, overrides: tuple[str, ...]):
     from d3d.config import compose
     from d3d.settings import bind_config
 
-    raw = compose(root, overrides)
+    raw = compose(root, list(overrides))
     return raw, bind_config(raw, root)
 
 
@@ -406,7 +413,10 @@ def gib(b: float) -> str:
 
 def markdown(gpus: int) -> str:
     """docs/gpu.md's fit tables: every GPU overlay's training, pruning and decoding rows."""
-    lines = [f"Per-GPU estimate (GiB) on {gpus} GPUs; a stage fits when it is under {HEADROOM:.0%} of "
+    lines = ["| engine (conf/accelerate/) | bytes per parameter whole on each GPU | split over the GPUs | what |",
+             "|---|---|---|---|"]
+    lines += [f"| {name} | {e.replicated:g} | {e.sharded:g} | {e.states} |" for name, e in ENGINES.items()]
+    lines += ["", f"Per-GPU estimate (GiB) on {gpus} GPUs; a stage fits when it is under {HEADROOM:.0%} of "
              f"H100 ({gib(HBM['H100'])}) / H200 ({gib(HBM['H200'])}).", "",
              "| overlay | stage | engine | micro-batch | ckpt | states | gathered | activ. | loss | mask | total | H100 | H200 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

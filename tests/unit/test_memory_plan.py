@@ -102,3 +102,23 @@ def test_docs_gpu_md_holds_the_tables_the_script_prints(plan):
     """docs/gpu.md's fit tables are the script's output, not typed by hand: regenerate them with
     `python scripts/memory_plan.py --markdown` when the plan or an overlay changes."""
     assert plan.markdown(8) in (ROOT / "docs" / "gpu.md").read_text()
+
+
+def test_docs_gpu_md_holds_the_cost_table_the_script_prints():
+    """docs/gpu.md's cost table is scripts/gpu_cost.py's output at its stated inputs."""
+    cost = load_script("gpu_cost")
+    assert cost.markdown(cost.OVERLAYS, cost.Inputs()) in (ROOT / "docs" / "gpu.md").read_text()
+
+
+def test_the_cost_follows_its_inputs():
+    """Training time is inverse in the MFU and linear in the steps; an 8B drafter trains ~4.4x longer
+    than the 1.7B (7.6B / 1.7B matmul parameters: the 8B's untied input embedding is a lookup); the eval of Qwen3-32B + 8B holds two H100s (the plan)."""
+    cost = load_script("gpu_cost")
+    x = cost.Inputs()
+    train = lambda overrides, x: next(r for r in cost.stage_rows(overrides, x) if r["stage"] == "train")  # noqa: E731
+    base = train(["+experiment=qwen3_8b"], x)["seconds"]
+    assert train(["+experiment=qwen3_8b"], cost.Inputs(mfu=x.mfu / 2))["seconds"] == pytest.approx(2 * base)
+    assert train(["+experiment=qwen3_8b", "train.max_steps=10000"], x)["seconds"] == pytest.approx(base / 2)
+    assert train(["+experiment=qwen3_8b_d8b"], x)["seconds"] / base == pytest.approx((8.19 - 0.62) / 1.72, rel=0.05)
+    ev = next(r for r in cost.stage_rows(["+experiment=qwen3_32b_d8b"], x) if r["stage"] == "eval")
+    assert ev["gpus"] == 2
