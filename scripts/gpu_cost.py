@@ -10,7 +10,8 @@ Per stage (N parameters of the model that runs, counted from its config.json num
   every GPU of the node (one engine per GPU).
 - train: max_steps x the global batch (train.batch_size x grad_accum x GPUs) x packed tokens per
   sequence (prompt + reply + anchors x B, padding added) x FLOPs per token (6N, 8N with gradient
-  checkpointing: the forward runs twice; N without an untied input embedding, a lookup; + attention 4·L·heads·head_dim·(mean keys) per forward)
+  checkpointing: the forward runs twice; N without an untied input embedding, a lookup; + attention
+  4·L·heads·head_dim·(mean keys) per forward)
   over the node's bf16 dense peak at an assumed MFU.
 - prune: per removed layer (prune.num_layers, all of them: min_retention may stop it earlier), the
   layer sweep over prune.calib_size responses (one forward of the whole drafter and L/2 of its upper
@@ -53,7 +54,8 @@ class Inputs:
     reply_tokens: int = 600  # assumed mean Qwen3 non-thinking reply (capped at generate.max_new_tokens)
     padding: float = 0.15  # padding share of a packed batch (issue 44's goal for the input pipeline)
     tau: float = 4.0  # assumed accepted tokens per target pass (the run measures it)
-    eval_items: int = 786  # benchmark=all: gsm8k 128 + math500 128 + aime25 30 + humaneval 164 + mbpp 128 + livecodebench 128 + mt_bench 80
+    # benchmark=all: gsm8k 128 + math500 128 + aime25 30 + humaneval 164 + mbpp 128 + livecodebench 128 + mt_bench 80
+    eval_items: int = 786
 
 
 SOURCES = {

@@ -11,8 +11,8 @@ shape under each engine, and checked against peaks measured on the CPU at small 
 Training, per GPU (P parameters, n GPUs, bf16 mixed precision as d3d.train runs on CUDA):
 - model states: bytes per parameter kept whole on every GPU or split over the n (ENGINES), plus, for
   the engines that gather, the root unit (embeddings, head: weights and gradient) and two decoder
-  layers (the one running, the one prefetched; one layer's gradient) unsharded in the compute dtype; single/DDP keep fp32 weights, so autocast
-  caches a bf16 copy of every weight during the forward (2P).
+  layers (the one running, the one prefetched; one layer's gradient) unsharded in the compute dtype;
+  single/DDP keep fp32 weights, so autocast caches a bf16 copy of every weight in the forward (2P).
 - activations of N = micro-batch x (max_len + anchors x B) packed tokens, a bytes per element: with
   gradient checkpointing each layer's input (L x N x d x a) + one layer's activations recomputed in
   backward (after the loss's backward has freed its buffers: the larger of the two counts); without,

@@ -112,7 +112,8 @@ def test_docs_gpu_md_holds_the_cost_table_the_script_prints():
 
 def test_the_cost_follows_its_inputs():
     """Training time is inverse in the MFU and linear in the steps; an 8B drafter trains ~4.4x longer
-    than the 1.7B (7.6B / 1.7B matmul parameters: the 8B's untied input embedding is a lookup); the eval of Qwen3-32B + 8B holds two H100s (the plan)."""
+    than the 1.7B (7.6B / 1.7B matmul parameters: the 8B's untied input embedding is a lookup); the eval
+    of Qwen3-32B + 8B holds two H100s (the plan)."""
     cost = load_script("gpu_cost")
     x = cost.Inputs()
     train = lambda overrides, x: next(r for r in cost.stage_rows(overrides, x) if r["stage"] == "train")  # noqa: E731
