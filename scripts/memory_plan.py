@@ -10,8 +10,9 @@ shape under each engine, and checked against peaks measured on the CPU at small 
 
 Training, per GPU (P parameters, n GPUs, bf16 mixed precision as d3d.train runs on CUDA):
 - model states: bytes per parameter kept whole on every GPU or split over the n (ENGINES), plus, for
-  the engines that gather, the root unit (embeddings, head: weights and gradient) and two decoder
-  layers (the one running, the one prefetched; one layer's gradient) unsharded in the compute dtype;
+  the engines that gather, the root unit (embeddings, head: weights, gradient and, on several GPUs,
+  its reduce-scatter buffer) and two decoder layers (the one running, the one prefetched; one
+  layer's gradient) unsharded in the compute dtype;
   single/DDP keep fp32 weights, so autocast caches a bf16 copy of every weight in the forward (2P).
 - activations of N = micro-batch x (max_len + anchors x B) packed tokens, a bytes per element: with
   gradient checkpointing each layer's input (L x N x d x a) + one layer's activations recomputed in
@@ -153,8 +154,11 @@ def train_peak(s: ModelShape, engine: str, gpus: int, step: Step, mixed: bool = 
     compute = 2 if mixed else 4
     root = P - s.layers * layer_params(s)
     # gathered: the root's weights and its gradient (the head's comes first in backward and is reduced
-    # last), two layers' weights (running, prefetched) and one layer's gradient before its reduce-scatter
-    gathered = compute * (2 * root + 3 * layer_params(s)) if e.gathers else 0
+    # last), two layers' weights (running, prefetched) and one layer's gradient before its reduce-scatter;
+    # on more than one GPU the reduce-scatter copies a unit's gradients into one buffer first (the root's
+    # is the largest; one rank reduces nothing)
+    units = 2 * root + 3 * layer_params(s) + (root if gpus > 1 else 0)
+    gathered = compute * units if e.gathers else 0
     cast = 2 * P if mixed and e.fp32_weights else 0
     tokens = step.batch * step.seq
     one_layer = layer_activation_elems(s, tokens) * a
@@ -304,11 +308,12 @@ def measured_peak(fn) -> int:
 TOY = dict(batch=2, length=512, anchors=16, block=16, chunk=512)  # the measured step
 
 
-def toy_step(engine: str, checkpointing: bool, batch: int) -> dict:
-    """One fp32 training step (d3d.training.D3DTrainingStep + optimizer_step) of the "memory_plan"
-    toy Qwen3 under `engine` in the running process group (gloo): measured peak per rank, from the
-    wrap to the end of the second optimizer step (weights counted as live before it), against
-    train_peak at that shape. d3d.prune's recovery is this step at its own batch."""
+def toy_step(engine: str, checkpointing: bool, batch: int, bf16: bool = False) -> dict:
+    """One training step (d3d.training.D3DTrainingStep + optimizer_step) of the "memory_plan" toy
+    Qwen3 under `engine` in the running process group (gloo): measured peak per rank, from the wrap
+    to the end of the second optimizer step (weights counted as live before it), against train_peak
+    at that shape. d3d.prune's recovery is this step at its own batch. `bf16`: mixed precision as
+    accelerate sets it up (bf16 autocast over fp32 weights; FSDP2 also gathers in bf16)."""
     import torch
     import torch.distributed as dist
 
@@ -327,16 +332,20 @@ def toy_step(engine: str, checkpointing: bool, batch: int) -> dict:
     step = D3DTrainingStep(model, s.vocab, 1.0, loss_chunk_rows=TOY["chunk"])
     weights = sum(p.untyped_storage().nbytes() for p in model.parameters())
 
+    if bf16:  # accelerate wraps the forward only: autocast's cached bf16 weights die with the forward
+        step.forward = torch.autocast("cpu", torch.bfloat16)(step.forward)
+
     def run():
         module = step
         if engine == "ddp":
             module = torch.nn.parallel.DistributedDataParallel(step)
         elif engine == "fsdp":  # what accelerate's TRANSFORMER_BASED_WRAP does: each decoder layer, then the root
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            policy = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16) if bf16 else MixedPrecisionPolicy()
             for layer in model.base_model.layers:
-                fully_shard(layer)
-            fully_shard(step)
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(step, mp_policy=policy)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
         for _ in range(2):  # the second step's forward runs beside AdamW's state: the steady peak
             optimizer_step(module, opt, [packed], clip=None)  # (no clip: FSDP2's norm is a DTensor here)
@@ -344,11 +353,12 @@ def toy_step(engine: str, checkpointing: bool, batch: int) -> dict:
     measured = weights + measured_peak(run)
     rows = len(packed.dn_rows) + len(packed.ar_rows)
     est = train_peak(s, engine, world, Step(batch, packed.input_ids.shape[1], rows, TOY["chunk"], checkpointing,
-                                             flex=False, act_bytes=4), mixed=False)
+                                             flex=False, act_bytes=2 if bf16 else 4), mixed=bf16)
     # on the CPU SDPA takes the bool mask as-is: no float copy per layer
     est_total = est["total"] - est["mask"] + batch * packed.input_ids.shape[1] ** 2
     return {"stage": "train" if batch == TOY["batch"] else "prune recovery", "engine": engine, "world": world,
-            "checkpointing": checkpointing, "batch": batch, "measured_mb": measured / 2**20,
+            "checkpointing": checkpointing, "batch": batch, "precision": "bf16" if bf16 else "fp32",
+            "measured_mb": measured / 2**20,
             "estimated_mb": est_total / 2**20, "ratio": est_total / measured}
 
 
@@ -371,15 +381,18 @@ def toy_sweep() -> dict:
     T = prompt + response - 1 + response * B
     est_total = est["total"] - est["mask"] + T * T  # the bool mask only on the CPU (as above)
     return {"stage": "layer sweep", "engine": "single", "world": 1, "checkpointing": False, "batch": 1,
+            "precision": "fp32",
             "measured_mb": measured / 2**20, "estimated_mb": est_total / 2**20, "ratio": est_total / measured}
 
 
-CASES = ["ddp:train", "ddp:train_ckpt", "ddp:prune", "fsdp:train", "fsdp:train_ckpt", "fsdp:prune", "single:sweep"]
+CASES = ["ddp:train", "ddp:train_ckpt", "ddp:prune", "ddp:train_ckpt_bf16", "fsdp:train", "fsdp:train_ckpt",
+         "fsdp:prune", "fsdp:train_ckpt_bf16", "single:sweep"]
 
 
 def validate(cases=tuple(CASES)) -> list[dict]:
     """The measured cases (engine:what; prune = the recovery step at its batch of one sequence,
-    sweep = the layer sweep, one process) in this process group (world size 1 unless under torchrun)."""
+    _bf16 = under bf16 mixed precision, sweep = the layer sweep, one process) in this process group
+    (world size 1 unless under torchrun)."""
     import torch.distributed as dist
 
     own_group = not dist.is_initialized()
@@ -395,7 +408,8 @@ def validate(cases=tuple(CASES)) -> list[dict]:
             if dist.get_world_size() == 1:
                 out.append(toy_sweep())
             continue
-        out.append(toy_step(engine, what == "train_ckpt", 1 if what == "prune" else TOY["batch"]))
+        out.append(toy_step(engine, what.startswith("train_ckpt"), 1 if what == "prune" else TOY["batch"],
+                            bf16=what.endswith("bf16")))
     # each rank measured itself: the plan is per GPU, so the highest rank is the one that counts
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
@@ -457,7 +471,8 @@ def main() -> None:
         rows = validate(args.cases)
         if int(os.environ.get("RANK", 0)) == 0:
             for r in rows:
-                print(f"{r['stage']:15} {r['engine']:7} world {r['world']} ckpt={r['checkpointing']!s:5} "
+                print(f"{r['stage']:15} {r['engine']:7} {r.get('precision', 'fp32'):5} world {r['world']} "
+                      f"ckpt={r['checkpointing']!s:5} "
                       f"measured {r['measured_mb']:7.1f} MB  formula {r['estimated_mb']:7.1f} MB  ratio {r['ratio']:.3f}")
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=1))

@@ -54,6 +54,14 @@ def test_what_each_engine_shards(plan):
     assert g["fsdp"] > 0 and g["single"] == g["ddp"] == 2 * plan.params(s) and g["deepspeed_zero2"] == 0
 
 
+@pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_32b"])
+def test_the_1p7b_drafter_overlays_fit_an_h100_under_every_engine(plan, name):
+    """Training, recovery and the layer sweep of the 1.7B drafter fit 8 x H100 whatever the engine."""
+    rows = plan.train_plan([f"+experiment={name}"], 8) + plan.prune_plan([f"+experiment={name}"], 8)
+    assert {r["engine"] for r in rows} == set(plan.ENGINES)
+    assert all(plan.fits(r["total"], "H100") for r in rows), [r for r in rows if not plan.fits(r["total"], "H100")]
+
+
 def launch_lines(name: str) -> dict[str, list[str]]:
     """The overlay header's `accelerate launch` lines per GPU class: {gpu: [config file, overrides...]}."""
     text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
