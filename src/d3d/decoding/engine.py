@@ -131,17 +131,30 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ the loop
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None,
-                 seed: int | None = None) -> GenerationResult:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, seed: int | None = None,
+                 ignore_eos: bool = False, reserve: int = 0) -> GenerationResult:
         """Decode a batch of prompts (token id lists). `seed` restarts the sampling stream for
-        this call, so one request's sampled output does not depend on what ran before it."""
+        this call, so one request's sampled output does not depend on what ran before it.
+        `ignore_eos`: decode max_new_tokens whatever comes (no EOS, no stop string), as a warm-up
+        must to run every pass. `reserve`: size a static backend's buffers as for a call whose
+        longest prompt plus new tokens is this many (a warm-up sizes them for the run's longest call)."""
         if seed is not None:
             self.gen.manual_seed(int(seed))
         with self.passes.call():
-            return self._generate(prompts, max_new_tokens)
+            return self._generate(prompts, max_new_tokens, ignore_eos, reserve)
+
+    def warm_up(self, batch: int, reserve: int, prompt: list[int]) -> GenerationResult:
+        """One call that runs every pass of this method at `batch` rows (its batch bucket) over
+        buffers sized for `reserve` tokens (longest prompt + max_new_tokens of the calls to come):
+        a static backend compiles (and on CUDA records) each of its shapes here, not in a timed
+        call. Three rounds at least (2B + 1 new tokens, a round commits at most B): sync drafts
+        its first block without tokens to commit, a later one with them (two shapes)."""
+        return self.generate([list(prompt)] * batch, max_new_tokens=2 * self.B + 1, seed=self.seed,
+                             ignore_eos=True, reserve=reserve)
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> GenerationResult:
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int | None, ignore_eos: bool = False,
+                  reserve: int = 0) -> GenerationResult:
         cfg, B, dev, passes = self.cfg, self.B, self.device, self.passes
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -154,7 +167,7 @@ class SpecGenerator:
         clock = _Clock(dev)
         schedule = self.method.start(cfg, passes)
         drafts = schedule.drafts
-        passes.room = max(len(p) for p in prompts) + max_new + B  # slots committed at most, before a pass
+        passes.room = max(max(len(p) for p in prompts) + max_new, reserve) + B  # slots committed at most, before a pass
         _sync(dev)
         t0 = time.perf_counter()
         tgt = passes.new_state(self.target, b, B)
@@ -192,7 +205,7 @@ class SpecGenerator:
             taus, finished = [], []
             for i, (a, tok, _, *drafted) in enumerate(host):
                 row = rows[i]
-                kept = self._commit(out[row], drafted[:a] + [tok], max_new, reasons, row)
+                kept = self._commit(out[row], drafted[:a] + [tok], max_new, reasons, row, ignore_eos)
                 taus.append(kept)
                 if kept < a + 1 or len(out[row]) >= max_new or reasons[row] == "stop":
                     finished.append(i)
@@ -216,17 +229,18 @@ class SpecGenerator:
         texts = [self.tok.decode(t, skip_special_tokens=True) for t in out]
         return GenerationResult(out, texts, reasons, rounds, prefill_s, decode_s)
 
-    def _commit(self, out: list[int], new: list[int], max_new: int, reasons: list[str], row: int) -> int:
+    def _commit(self, out: list[int], new: list[int], max_new: int, reasons: list[str], row: int,
+                ignore_eos: bool = False) -> int:
         kept = 0
         for t in new:
             if len(out) >= max_new:
                 break
             out.append(t)
             kept += 1
-            if t in self.eos:
+            if t in self.eos and not ignore_eos:
                 reasons[row] = "stop"
                 break
-        if self.cfg.stop_strings and reasons[row] != "stop":
+        if self.cfg.stop_strings and reasons[row] != "stop" and not ignore_eos:
             text = self.tok.decode(out[-(len(new) + 32):], skip_special_tokens=True)
             if any(s in text for s in self.cfg.stop_strings):
                 # cut right after the first token whose text completes a stop string

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.decoding.drafts import Draft
-from d3d.decoding.kv import KVState, StaticKVState, batch_bucket
+from d3d.decoding.kv import KVState, StaticKVState, allocate, batch_bucket
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
@@ -116,7 +116,8 @@ class Passes:
         self.overlap, self.cpu_threads_drafter = overlap, cpu_threads_drafter
         self.stream = torch.cuda.Stream(self.device) if overlap == "stream" else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
-        self.states: dict[tuple[int, int], StaticKVState] = {}  # static buffers, reused across calls
+        # static buffers, reused across calls: (id(model), rows, capacity) -> (cache, slot_pos, slot_valid)
+        self.buffer_pool: dict[tuple[int, int, int], tuple] = {}
         self.room = 0  # slots a call needs beyond its widest pass (set per call)
 
     @contextlib.contextmanager
@@ -169,19 +170,26 @@ class Passes:
         """An empty KV state for `model`: HF's dynamic cache (backend=eager), or static buffers
         big enough for this call (`room` + the widest pass), reused across calls. Their capacity is
         a power of two, and so is their batch (`batch_bucket`), so calls of similar lengths and
-        sizes share one compiled shape."""
+        sizes share one compiled shape. The smallest pooled buffers that hold the call are taken:
+        a warm-up that ran the run's longest call at every batch bucket (d3d.eval) leaves every
+        later call of the run a shape already compiled, at the addresses its CUDA graphs read."""
         if not self.static:
             return KVState(model, batch)
         need = self.room + widest
-        capacity = max(256, 1 << (need - 1).bit_length())
-        key = (id(model), batch_bucket(batch))
-        state = self.states.get(key)
-        if state is None or state.rows != key[1] or state.capacity < need:  # rows: a retiring call may have shrunk it
-            state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
-                                  graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen")
-            self.states[key] = state
-        state.reset(batch)
+        rows = batch_bucket(batch)
+        held = [cap for (m, r, cap) in self.buffer_pool if m == id(model) and r == rows and cap >= need]
+        capacity = min(held, default=max(256, 1 << (need - 1).bit_length()))
+        state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
+                              graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen",
+                              buffers=lambda r, cap: self.buffers(model, r, cap))
         return state
+
+    def buffers(self, model, rows: int, capacity: int) -> tuple:
+        """The pooled static buffers of `model` for `rows` x `capacity` slots (allocated once)."""
+        key = (id(model), rows, capacity)
+        if key not in self.buffer_pool:
+            self.buffer_pool[key] = allocate(model, rows, capacity, self.backend == "frozen", self.backend != "static")
+        return self.buffer_pool[key]
 
     def prefill(self, state: KVState, prompts: list[list[int]]) -> None:
         """Every prompt token but the last (the first pending token), left-padded. Built on the
