@@ -35,7 +35,9 @@ from d3d.decoding.kv import batch_bucket
 from d3d.decoding.methods import method_row
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
-from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
+from d3d.models.target import (
+    drafter_device, load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path,
+)
 from d3d.models.drafter import (
     build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
 )
@@ -258,8 +260,10 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
 
 
 def load_trained_drafter(cfg: EvalConfig, path: str, target, tok, where: str):
-    """A saved drafter on the target's device and dtype, with its fit to the target said (`where` names its key)."""
-    drafter, drafter_tok = load_drafter(resolve_path(path), device=str(target.device), dtype=cfg.target.dtype,
+    """A saved drafter on drafter.device (`same`: the target's) in the target's dtype, with its fit to the
+    target said (`where` names its key)."""
+    drafter, drafter_tok = load_drafter(resolve_path(path), device=drafter_device(cfg.drafter.device, target),
+                                        dtype=cfg.target.dtype,
                                         attn_implementation=drafter_attention(cfg.drafter, cfg.target))
     for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
         log.warning("%s: %s", where, warning)
@@ -274,7 +278,8 @@ def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, 
             drafter = load_trained_drafter(cfg, cfg.drafter.checkpoint, target, tok, "drafter.checkpoint")
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
-            drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=str(target.device), dtype=cfg.target.dtype)
+            drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=drafter_device(cfg.drafter.device, target),
+                                       dtype=cfg.target.dtype)
     if drafter is not None:
         trained = DrafterSettings.of(drafter).block_size
         for name, dc in methods.items():

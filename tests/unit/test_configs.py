@@ -144,7 +144,7 @@ def test_every_group_option_binds_for_every_root_using_it(group, option, root, t
 
 
 @pytest.mark.parametrize("key,where", [
-    ("target.dtyp", "ModelSpec"), ("target.tiny.hiden_size", "TinySpec"), ("drafter.blocksize", "DrafterSpec"),
+    ("target.dtyp", "TargetSpec"), ("target.tiny.hiden_size", "TinySpec"), ("drafter.blocksize", "DrafterSpec"),
     ("data.limt", "PromptSetSpec"), ("paths.cache", "PathsSpec"), ("logger.projct", "LoggerSpec"),
     ("train.anchors", "TrainSettings"),
 ])

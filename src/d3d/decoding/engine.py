@@ -28,7 +28,11 @@ target's cache holds committed tokens but the last; the drafter's cache likewise
 Devices. Every per-round tensor (pending tokens, positions, drafts, accept counts, tray keys and
 their matching, masks) lives on the model's device; the host gets one small transfer per round
 (accept counts, next tokens, hit indices and drafts: b x (B + 2) integers) to commit text, check
-EOS / stop strings and retire rows. Sampling uses a generator on the device.
+EOS / stop strings and retire rows. Sampling uses a generator on the device. A drafter on a device
+of its own (drafter.device; a target spread by target.device_map) keeps its cache and passes
+there: the loop's tensors it reads are copied to it (`Passes.to_drafter`) and its logits and tray
+keys back (`Passes.to_target`), explicitly, once each per round; drafts are made and verified on
+the target's input device, with the one sampling generator.
 
 Streams (overlap=stream, CUDA). All drafter work runs on one side stream and all target work on
 the current stream, so each KV cache has one owner stream and the caching allocator never hands
@@ -55,6 +59,7 @@ from d3d.decoding.config import DecodeConfig
 from d3d.decoding.cost import check_loaded
 from d3d.decoding.methods import checked
 from d3d.decoding.passes import Passes, Round, RoundStats, _Clock, _sync
+from d3d.models.target import input_device
 
 
 @dataclass
@@ -111,10 +116,9 @@ class SpecGenerator:
         if self.method.needs_drafter and drafter is None:
             raise ValueError(f"decode.method={self.cfg.method} needs a drafter; use method=ar for the baseline")
         self.target, self.drafter, self.tok = target, drafter, tokenizer
-        self.device = next(target.parameters()).device
-        if drafter is not None and next(drafter.parameters()).device != self.device:
-            raise ValueError(f"the drafter is on {next(drafter.parameters()).device} and the target on {self.device}: "
-                             "put both on one device (the loop keeps its state there)")
+        # the loop keeps its state where the target's inputs go; a drafter on a device of its own
+        # (drafter.device) gets its inputs and hands back its drafts by explicit copies (Passes)
+        self.device = input_device(target)
         self.B = self.method.block_size(self.cfg)
         check_loaded(self.cfg, self.method, target, drafter, 1)  # the CLI's memory bound (d3d.decoding.cost)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
@@ -168,12 +172,12 @@ class SpecGenerator:
         schedule = self.method.start(cfg, passes)
         drafts = schedule.drafts
         passes.room = max(max(len(p) for p in prompts) + max_new, reserve) + B  # slots committed at most, before a pass
-        _sync(dev)
+        _sync(dev, passes.drafter_device)
         t0 = time.perf_counter()
         tgt = passes.new_state(self.target, b, B)
         passes.prefill(tgt, prompts)
         schedule.begin(prompts)
-        _sync(dev)
+        _sync(dev, passes.drafter_device)
         prefill_s = time.perf_counter() - t0
 
         rows = list(range(b))  # original index of each active row (host bookkeeping)
@@ -223,7 +227,7 @@ class SpecGenerator:
                 pending, next_pos = pending[keep], next_pos[keep]
                 tgt.select(keep)
                 schedule.retire(keep, keep_list)
-        _sync(dev)
+        _sync(dev, passes.drafter_device)
         decode_s = time.perf_counter() - t_dec
         clock.resolve()
         texts = [self.tok.decode(t, skip_special_tokens=True) for t in out]

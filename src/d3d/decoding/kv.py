@@ -19,6 +19,7 @@ import torch
 from d3d.errors import ConfigError
 from d3d.models.forward import attention_mask_for, cache_kwarg, hidden_states
 from d3d.models.masks import CLEAN, Layout, build_mask
+from d3d.models.target import input_device
 
 # How passes run (docs/design.md, Backends): eager (HF's dynamic cache, the reference) | static
 # (preallocated slots) | compiled (static + torch.compile; CUDA graphs on CUDA) | frozen (compiled,
@@ -31,7 +32,7 @@ class KVState:
         from transformers import DynamicCache
 
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # pos, valid and masks; a spread target's layers keep their K/V where they run
         self.cache = DynamicCache(config=model.config)
         self.pos = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
@@ -83,7 +84,7 @@ class KVState:
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # (b, heads, n, dim)
-                at = idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                at = on_layer(idx, t)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
                 t[:, :, start : start + most] = t.gather(2, at)  # gather copies first: moving in place is safe
         self.pos[:, start : start + most] = self.pos.gather(1, idx)
         self.valid[:, start : start + most] = self.valid.gather(1, idx)
@@ -96,7 +97,8 @@ class KVState:
 
         sub = KVState.__new__(KVState)
         sub.model, sub.device, sub.gapless = self.model, self.device, self.gapless and len(rows) == 1
-        layers = [(layer.keys[rows], layer.values[rows]) for layer in self.cache.layers]
+        layers = [(layer.keys[on_layer(rows, layer.keys)], layer.values[on_layer(rows, layer.values)])
+                  for layer in self.cache.layers]
         sub.cache = DynamicCache(layers, config=self.model.config)
         sub.pos, sub.valid = self.pos[rows], self.valid[rows]
         return sub
@@ -108,7 +110,8 @@ class KVState:
         if len(self) == 0:  # HF skips empty layers when selecting rows: they would keep the old batch size
             self.cache = DynamicCache(config=self.model.config)
         else:
-            self.cache.batch_select_indices(rows)
+            for layer in self.cache.layers:  # each layer's rows where its K/V are (a spread target: several devices)
+                layer.keys, layer.values = layer.keys[on_layer(rows, layer.keys)], layer.values[on_layer(rows, layer.values)]
         self.pos, self.valid = self.pos[rows], self.valid[rows]
 
 
@@ -141,7 +144,7 @@ class StaticKVState(KVState):
         # the same shape (Passes.buffers), so a shape warmed up before timing keeps its graphs' addresses
         self.buffers = buffers or (lambda rows, cap: allocate(model, rows, cap, frozen, compiled))
         self.rows, self.live = batch_bucket(batch), batch
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.gapless = False  # the static pass always takes the mask (its keys are all `capacity` slots)
         self.cache, self.slot_pos, self.slot_valid = self.buffers(self.rows, capacity)
         self.length = 0
@@ -215,6 +218,12 @@ class StaticKVState(KVState):
     @property
     def batch(self) -> int:
         return self.live
+
+
+def on_layer(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`index` (made on the loop's device) where cache tensor `t` is: a target spread over devices
+    (target.device_map) keeps each layer's K/V on that layer's device. No copy when they are one."""
+    return index if index.device == t.device else index.to(t.device)
 
 
 def batch_bucket(batch: int) -> int:
