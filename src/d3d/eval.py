@@ -577,6 +577,9 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
+            # where each model's weights are (target.device_map, drafter.device)
+            "placement": {"target": sorted({str(p.device) for p in target.parameters()}),
+                          "drafter": str(next(drafter.parameters()).device) if drafter is not None else None},
             "methods": {name: method_record(dc) for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {})

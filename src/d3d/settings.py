@@ -190,15 +190,15 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, draf
     from d3d.models.target import resolve_model_path, torch_dtype
 
     target_path = resolve_model_path(target, cache_dir)
-    placement = _placement(target, drafter, _shape(target_path, 1, None).layers)  # devices named but absent: refused here
-    device = next(iter(placement.target))
+    where = placement(target, drafter, _shape(target_path, 1, None).layers)  # devices named but absent: refused here
+    device = next(iter(where.target))
     width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
     shapes = {"target": _shape(target_path, width, target.attn_implementation)}
     if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
         shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
         _check_logits_width(drafter, target, shapes["target"].vocab)
     for name, dc in methods.items():
-        check_fits(dc, method_row(dc.method), name, shapes, batch, 0, device, placement=placement)
+        check_fits(dc, method_row(dc.method), name, shapes, batch, 0, device, placement=where)
     # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
     # request of that method would be skipped after the models loaded
     context = _context(target_path)
@@ -210,7 +210,7 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, draf
                           f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
 
 
-def _placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
+def placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
     """Where d3d.eval will put the models (d3d.decoding.cost.Placement): the target on target.device,
     or over target.device_map's devices (`auto`: its layers evenly over the visible GPUs, as
     accelerate's balanced placement; a map: each device's share of the `layers` decoder layers, by
