@@ -51,9 +51,12 @@ class Draft:
         elsewhere: drafter.device); itself when already there."""
         if self.tokens.device == device:
             return self
-        move = lambda t: t if t is None else moved(t, device)  # noqa: E731
-        tree = None if self.tree is None else Tree(**{f.name: move(getattr(self.tree, f.name)) for f in fields(Tree)})
-        return replace(self, tree=tree, **{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "tree"})
+        def move(v):
+            if isinstance(v, Tree):
+                return Tree(**{f.name: moved(getattr(v, f.name), device) for f in fields(Tree)})
+            return moved(v, device) if isinstance(v, torch.Tensor) else v
+
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
 def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
