@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -29,10 +31,13 @@ from d3d.data.benchmarks import BenchmarkUnavailable, Source, evaluation_subset,
 from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import RealDivergence, classify
+from d3d.decoding.kv import batch_bucket
 from d3d.decoding.methods import method_row
 from d3d.decoding.reference import HFGenerate
 from d3d.models import load_target
-from d3d.models.target import load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path
+from d3d.models.target import (
+    drafter_device, load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path,
+)
 from d3d.models.drafter import (
     build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
 )
@@ -259,8 +264,10 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
 
 
 def load_trained_drafter(cfg: EvalConfig, path: str, target, tok, where: str):
-    """A saved drafter on the target's device and dtype, with its fit to the target said (`where` names its key)."""
-    drafter, drafter_tok = load_drafter(resolve_path(path), device=str(target.device), dtype=cfg.target.dtype,
+    """A saved drafter on drafter.device (`same`: the target's) in the target's dtype, with its fit to the
+    target said (`where` names its key)."""
+    drafter, drafter_tok = load_drafter(resolve_path(path), device=drafter_device(cfg.drafter.device, target),
+                                        dtype=cfg.target.dtype,
                                         attn_implementation=drafter_attention(cfg.drafter, cfg.target))
     for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
         log.warning("%s: %s", where, warning)
@@ -275,7 +282,8 @@ def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, 
             drafter = load_trained_drafter(cfg, cfg.drafter.checkpoint, target, tok, "drafter.checkpoint")
         else:
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
-            drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=str(target.device), dtype=cfg.target.dtype)
+            drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=drafter_device(cfg.drafter.device, target),
+                                       dtype=cfg.target.dtype)
     if drafter is not None:
         trained = DrafterSettings.of(drafter).block_size
         for name, dc in methods.items():
@@ -302,14 +310,17 @@ def drafter_label(name: str) -> str:
     return name.partition("@")[2]
 
 
-def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompts: list[list[int]], res) -> dict:
-    """One row: a request at concurrency 1, or a batch of `concurrency` requests."""
+def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompts: list[list[int]], res,
+               compiles: int = 0) -> dict:
+    """One row: a request at concurrency 1, or a batch of `concurrency` requests. `compiles`: graphs
+    torch.compile made while it decoded (0 after a complete warm-up: its decode_s holds no compile)."""
     single = concurrency == 1
     taus = res.taus()  # one entry per request per round
     return {"benchmark": spec.name, "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
             "prompt_tokens": len(prompts[0]) if single else [len(p) for p in prompts],
             "new_tokens": res.new_tokens, "rounds": len(taus),  # request-rounds
-            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "hit_rate": res.hit_rate, "taus": taus,
+            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "compiles": compiles, "hit_rate": res.hit_rate,
+            "taus": taus,
             "token_ids": res.token_ids[0] if single else res.token_ids,
             "text": res.texts[0] if single else res.texts,
             "finish_reason": res.finish_reasons[0] if single else res.finish_reasons}
@@ -358,6 +369,67 @@ def fail_on_real_divergence(row: dict) -> None:
                 f"{d['tolerance']:.3g} in {d['dtype']}). This is not numerics: the decoding loop is not lossless.")
 
 
+# ---- warm-up: every shape a timed call will run, compiled (and on CUDA recorded) before the first one
+
+def warm_up_calls(benchmarks, tok, ev: EvalSettings) -> list[tuple[int, int]]:
+    """The (batch, reserve) warm-up calls that cover every shape the run's timed calls can take.
+    A static backend's shapes are (pass width, batch bucket, capacity): the widths are the method's,
+    the capacity follows the call's longest prompt + max_new_tokens (rounded up to a power of two,
+    reused when smaller), and a batch of c requests runs in c's bucket and, as rows finish, in every
+    smaller one (16 -> 8 -> 4 -> 2 -> 1) at the capacity it started with. `reserve` is that longest
+    prompt + max_new_tokens: an item's turns at concurrency 1 (a later MT-Bench turn counted with
+    max_new_tokens per earlier answer: a bound, the answers are the method's own), the first turns
+    of the benchmarks at a concurrency above 1."""
+    def ids(messages):
+        return len(chat_prompt_ids(tok, messages, ev.enable_thinking))
+
+    single, first = 0, 0
+    for spec, records in benchmarks:
+        for rec in records:
+            history = []
+            for turn in range(len(rec.turns)):
+                history.append({"role": "user", "content": format_turn(spec, rec, turn)})
+                single = max(single, ids(history) + turn * ev.max_new_tokens)
+                history.append({"role": "assistant", "content": ""})
+            first = max(first, ids(history[:1]))
+    calls = []
+    for c in sorted(set(ev.concurrency)):
+        reserve = (single if c == 1 else first) + ev.max_new_tokens
+        bucket = batch_bucket(c)
+        calls += [(b, reserve) for b in (bucket >> i for i in range(bucket.bit_length())) if (b, reserve) not in calls]
+    return calls
+
+
+@contextmanager
+def counting_compiles():
+    """`with counting_compiles() as n:` ... `n()`: graphs torch.compile made inside (dynamo's count)."""
+    from torch._dynamo.utils import counters
+
+    start = counters["stats"]["unique_graphs"]
+    yield lambda: counters["stats"]["unique_graphs"] - start
+
+
+def warm_up(gens: dict, calls: list[tuple[int, int]], tok, repeats: int) -> dict:
+    """Run every method's warm-up calls (`repeats` times each: CUDA graph trees record a shape on its
+    second run) before any timed call, and report per method the seconds they took (compiles
+    included) and the graphs compiled, apart from decode time (run.json, summary.json)."""
+    prompt = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
+    report = {}
+    for name, gen in gens.items():
+        t0 = time.perf_counter()
+        with counting_compiles() as compiles:
+            for _ in range(repeats):
+                if isinstance(gen, SpecGenerator):
+                    limit = getattr(gen.target.config, "max_position_embeddings", None) or float("inf")
+                    for batch, reserve in calls:  # a reserve past the context: those requests are skipped
+                        gen.warm_up(batch, min(reserve, limit - gen.B), prompt)
+                else:  # transformers' generate (eval.reference_generate) compiles nothing
+                    gen.generate([prompt], max_new_tokens=8)
+        report[name] = {"seconds": round(time.perf_counter() - t0, 3), "graphs_compiled": compiles(),
+                        "calls": [list(c) for c in calls] if isinstance(gen, SpecGenerator) else [[1, 0]]}
+    return report
+
+
 def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped) -> None:
     """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method.
     A prompt longer than the context is recorded in skipped.jsonl (with its reason) and that
@@ -382,7 +454,9 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                         ended.add(name)
                         continue
                     seed = item_seed(cfg.seed, spec.name, rec.id, turn, name)
-                    row = result_row(spec, name, rec.id, turn, 1, [ids], gen.generate([ids], seed=seed))
+                    with counting_compiles() as compiles:
+                        res = gen.generate([ids], seed=seed)
+                    row = result_row(spec, name, rec.id, turn, 1, [ids], res, compiles())
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
@@ -414,7 +488,9 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
                                     "concurrency": concurrency, "reason": reason}])
                     continue
                 seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
-                row = result_row(spec, name, key_id, 0, concurrency, prompts, gen.generate(prompts, seed=seed))
+                with counting_compiles() as compiles:
+                    res = gen.generate(prompts, seed=seed)
+                row = result_row(spec, name, key_id, 0, concurrency, prompts, res, compiles())
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                 compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), prompts)
                 writer.write([row])
@@ -504,15 +580,15 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         gens = {BASELINE: gens.pop(BASELINE), REFERENCE: HFGenerate(target, tok, methods[BASELINE], eos), **gens}
     also = also_drafter_generators(cfg, methods, target, tok, eos)
     gens |= also
-    warm = chat_prompt_ids(tok, [{"role": "user", "content": "Say hello."}])
-    for gen in gens.values():
-        for _ in range(ev.warmup):
-            gen.generate([warm], max_new_tokens=8)
+    warmup = warm_up(gens, warm_up_calls(benchmarks, tok, ev), tok, ev.warmup)
     if state.is_main_process:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw, resolve=True))
         write_json(out_dir / "run.json", {
             "run": run_info(target.device), "dtype": str(target.dtype), "processes": state.num_processes,
             "attn_implementation": target.config._attn_implementation,
+            # where each model's weights are (target.device_map, drafter.device)
+            "placement": {"target": sorted({str(p.device) for p in target.parameters()}),
+                          "drafter": str(next(drafter.parameters()).device) if drafter is not None else None},
             "methods": {name: method_record(dc) for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {})
@@ -520,7 +596,8 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
                for name, gen in also.items()},
             "benchmark_sources": {name: asdict(source) | {"fallback": source.fallback(name)}
                                   for name, source in sources.items()},
-            "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {})})
+            "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {}),
+            "warmup": warmup})
 
     done = {row_key(r): r for r in previous}
     rows_file = out_dir / ("rows.jsonl" if state.num_processes == 1 else f"rows.rank{state.process_index}.jsonl")
@@ -539,7 +616,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     state.wait_for_everyone()
     if not state.is_main_process:
         return out_dir
-    summary = write_report(out_dir, {"config": to_plain(raw)})
+    summary = write_report(out_dir, {"config": to_plain(raw), "warmup": warmup})
     print(summary_markdown(summary))
     skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)), row_key)
     if skips:

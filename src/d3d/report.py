@@ -69,6 +69,8 @@ def method_stats(rs: list[dict]) -> dict:
         "tau_prompt_weighted": statistics.mean(r["new_tokens"] / r["rounds"] for r in rs),
         "hit_rate": _mean_or_none([r["hit_rate"] for r in rs]),
         "prefill_ms": 1000 * statistics.mean(r["prefill_s"] for r in rs),
+        # graphs torch.compile made inside timed calls: 0 when the warm-up compiled every shape (d3d.eval)
+        "compiles_in_timed": sum(r.get("compiles") or 0 for r in rs),
         "equal_to_ar": statistics.mean(1.0 if r["equal_to_ar"] else 0.0 for r in rs),
         "accuracy": _mean_or_none([None if c is None else float(c) for c in correct]),
         # graded answers that stopped at eval.max_new_tokens: graded wrong for want of room, not skill

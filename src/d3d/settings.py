@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from d3d.config import ConfigError, config_dir
 from d3d.specs import (
-    BenchmarkSpec, DrafterSpec, EvalConfig, GenerateConfig, ModelSpec, PruneConfig, StepSettings, TrainConfig,
+    BenchmarkSpec, DrafterSpec, EvalConfig, GenerateConfig, ModelSpec, PruneConfig, StepSettings, TargetSpec, TrainConfig,
     TrainSettings,
 )
 
@@ -178,27 +178,27 @@ def bind_decode(node: Any, where: str) -> DecodeConfig:
         raise ConfigError(text.replace("decode.", f"{where}.")) from None
 
 
-def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, drafter: DrafterSpec | None,
+def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, drafter: DrafterSpec | None,
                       cache_dir: str | Path, batch: int = 1) -> None:
     """Every method's widest pass against the device's memory, and decode.F against the vocabulary,
     from the models' config.json only (d3d.decoding.cost): a pass that cannot fit is refused in one
     line before any weight loads. The one check of eval, the pipeline's up-front check and the bench
     scripts. `methods` maps the name each was bound under to its config; `batch` = the most requests
     decoded together (eval.concurrency)."""
-    from d3d.decoding.cost import check_fits, memory_bytes
+    from d3d.decoding.cost import check_fits
     from d3d.decoding.methods import method_row
-    from d3d.models.target import pick_device, resolve_model_path, torch_dtype
+    from d3d.models.target import resolve_model_path, torch_dtype
 
-    device = str(pick_device(target.device))
-    width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
     target_path = resolve_model_path(target, cache_dir)
+    where = placement(target, drafter, _shape(target_path, 1, None).layers)  # devices named but absent: refused here
+    device = next(iter(where.target))
+    width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
     shapes = {"target": _shape(target_path, width, target.attn_implementation)}
     if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
         shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
         _check_logits_width(drafter, target, shapes["target"].vocab)
-    memory = memory_bytes(device)
     for name, dc in methods.items():
-        check_fits(dc, method_row(dc.method), name, shapes, batch, memory, device)
+        check_fits(dc, method_row(dc.method), name, shapes, batch, 0, device, placement=where)
     # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
     # request of that method would be skipped after the models loaded
     context = _context(target_path)
@@ -208,6 +208,35 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: ModelSpec, draft
         raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
                           f"(method {name}) that passes the target's context of {context} tokens, so every request "
                           f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
+
+
+def placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
+    """Where d3d.eval will put the models (d3d.decoding.cost.Placement): the target on target.device,
+    or over target.device_map's devices (`auto`: its layers evenly over the visible GPUs, as
+    accelerate's balanced placement; a map: each device's share of the `layers` decoder layers, by
+    the longest module name that holds `model.layers.<i>`), the drafter on drafter.device (`same`:
+    the target's first device), each device with the memory it has."""
+    from d3d.decoding.cost import Placement, memory_bytes
+    from d3d.models.target import check_device, map_devices, pick_device
+
+    m = target.device_map
+    if m is None:
+        shares = {str(pick_device(target.device)): 1.0}
+    else:
+        devices = [str(check_device(str(d), "target.device_map")) for d in map_devices(m)]
+        if m == "auto":
+            shares = {d: 1 / len(devices) for d in devices}
+        else:
+            named = {k: str(map_devices({k: v})[0]) for k, v in m.items()}
+            owner = []
+            for i in range(layers):
+                layer = f"model.layers.{i}"
+                keys = [k for k in named if k in ("", layer) or layer.startswith(k + ".")]
+                owner.append(named[max(keys, key=len)] if keys else devices[-1])
+            shares = {d: owner.count(d) / layers for d in devices if owner.count(d)}
+    first = next(iter(shares))
+    at = first if drafter is None or drafter.device == "same" else str(check_device(drafter.device, "drafter.device"))
+    return Placement(shares, at, {d: memory_bytes(d) for d in [*shares, at]})
 
 
 def _check_logits_width(drafter: DrafterSpec, target: ModelSpec, vocab: int) -> None:

@@ -76,6 +76,24 @@ class ModelSpec:
 
 
 @dataclass
+class TargetSpec(ModelSpec):
+    """conf/target/*.yaml: a model config, and where a target too big for one device goes."""
+
+    # null: the whole model on `device`; `auto`: accelerate's big-model placement over the visible GPUs
+    # (layers split so each holds its share); or {module: device}, e.g. {"": "cuda:1"} or
+    # {"model.embed_tokens": 0, "model.layers.0": 0, ..., "lm_head": 1}. Passed to from_pretrained.
+    device_map: Any
+
+    def __post_init__(self) -> None:  # a typo ("atuo") failed inside accelerate after the config had bound
+        m = self.device_map
+        if m is None or m == "auto" or (isinstance(m, dict) and all(isinstance(k, str) for k in m)
+                                        and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in m.values())):
+            return
+        raise ConfigError(f"target.device_map={m!r}: null, auto, or a map of module names to devices. Fix: set "
+                          f"target.device_map=auto, or e.g. '{{model.layers.0: cuda:0, lm_head: cuda:1}}'.")
+
+
+@dataclass
 class DrafterSpec:
     """conf/drafter/*.yaml: how the drafter starts (d3d.models.drafter.INITS) or which checkpoint."""
 
@@ -87,6 +105,7 @@ class DrafterSpec:
     mask_token: str
     checkpoint: Optional[str]  # a trained drafter folder: overrides init
     seed: int  # init=random: the weights' seed
+    device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
@@ -399,7 +418,7 @@ class RootConfig:
     run_name: str
     seed: int
     paths: PathsSpec
-    target: ModelSpec
+    target: TargetSpec
     data: PromptSetSpec
 
 

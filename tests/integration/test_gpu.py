@@ -1,7 +1,7 @@
 """The GPU check's contract checks, as tests: scripts/gpu_check.py runs the `gpu`-marked ones with
 `pytest -m gpu` on a lent machine (recording each in gpu_check.json as it ends), then times the real
 shapes. In file order, as the check's stages: greedy, sampling, race, async_sync, engine,
-compiled_equal (the runner maps a test to its stage by its name).
+placement, compiled_equal (the runner maps a test to its stage by its name).
 
 Where they run: on D3D_CHECK_DEVICE (default cuda; they skip on a machine without CUDA, unless it
 says cpu, which is how `gpu_check --device cpu --toy` runs them here); D3D_CHECK_TOY=1 decodes
@@ -361,6 +361,69 @@ def test_engine_flex_block_mask_equals_dense_sdpa():
     real = batch.layout.block.to(DEVICE) != -2  # padding rows differ by design (flex skips empty tiles)
     torch.testing.assert_close(h_flex[real], h_sdpa[real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(l_flex, l_sdpa, rtol=1e-4, atol=1e-4)
+
+
+# ---- placement: a target placed by device_map, a drafter on a device of its own ----
+# (d3d.eval's target.device_map and drafter.device). The loop keeps its state on the target's input
+# device and copies what the drafter reads and returns explicitly each round (Passes.to_drafter /
+# to_target). With one GPU (the lent H200) the target is loaded through from_pretrained's
+# device_map={"": <device>} beside its drafter: the placement path and the transfer code run, the
+# copies being no-ops on one device; with two or more GPUs the target's layers are split over two
+# and the drafter sits on the second, so every copy is real.
+
+PLACEMENT_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("async", 4, 3, 2)]
+
+
+def placed_decoding(tmp_path, target_map: dict, drafter_device: str) -> dict:
+    """The tiny pair, its target saved and reloaded with from_pretrained(device_map=target_map) and
+    its drafter on `drafter_device`: every method's greedy tokens against transformers' generate on
+    the placed target (no real divergence), and a sampled batch that runs to its length."""
+    from d3d.models.target import input_device, load_model
+
+    base, drafter = tiny_pair("cpu", torch.float32, block_size=6)
+    base.save_pretrained(tmp_path / "target")
+    target = load_model(str(tmp_path / "target"), "float32", device_map=target_map)
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = None, 0
+    drafter = drafter.to(drafter_device)
+    prompts = random_prompts(3, 256, seed=5)
+    n = 12 if TOY else 24
+    case = {**new_tally(), "target_devices": sorted({str(p.device) for p in target.parameters()}),
+            "drafter_device": str(next(drafter.parameters()).device)}
+    for method, B, C, F in PLACEMENT_CASES:
+        res = generator(target, drafter, method, block_size=B, C=C, F=F, max_new_tokens=n).generate(prompts)
+        for p, got in zip(prompts, res.token_ids):
+            ref = target.generate(torch.tensor([p], device=input_device(target)), max_new_tokens=n, do_sample=False)
+            tally(case, target, p, ref[0, len(p):].tolist(), got, method=method, batch=len(prompts))
+        sampled = generator(target, drafter, method, block_size=B, C=C, F=F, max_new_tokens=n,
+                            temperature=1.0).generate(prompts, seed=1)
+        assert [len(t) for t in sampled.token_ids] == [n] * len(prompts), method
+    return case
+
+
+@on_device
+def test_placement_target_by_device_map_beside_its_drafter(tmp_path, record_property):
+    """One device: the target loaded with device_map={"": device}, the drafter on the same device."""
+    case = placed_decoding(tmp_path, {"": DEVICE}, DEVICE)
+    record_property("result", case)
+    assert case["cases"] == 3 * len(PLACEMENT_CASES) and case["real"] == 0, case["details"]
+
+
+TWO_GPU_MAPS = {  # the tiny target has 2 layers: one per GPU, the head on the second
+    "target_split_drafter_on_cuda1": {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+                                      "model.layers.1": 1, "model.norm": 1, "lm_head": 1},
+    "target_on_cuda0_drafter_on_cuda1": {"": 0},
+}
+
+
+@on_device
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2,
+                    reason=f"needs 2 CUDA devices (this machine has {torch.cuda.device_count()})")
+@pytest.mark.parametrize("name", list(TWO_GPU_MAPS))
+def test_placement_two_gpus_copy_between_target_and_drafter(tmp_path, name, record_property):
+    case = placed_decoding(tmp_path, TWO_GPU_MAPS[name], "cuda:1")
+    record_property("result", case)
+    assert len({*case["target_devices"], case["drafter_device"]}) == 2  # two devices, copies between them
+    assert case["cases"] == 3 * len(PLACEMENT_CASES) and case["real"] == 0, case["details"]
 
 
 # ---- compiled_equal: decode.backend=compiled gives the eager loop's greedy tokens ----

@@ -144,7 +144,7 @@ def test_every_group_option_binds_for_every_root_using_it(group, option, root, t
 
 
 @pytest.mark.parametrize("key,where", [
-    ("target.dtyp", "ModelSpec"), ("target.tiny.hiden_size", "TinySpec"), ("drafter.blocksize", "DrafterSpec"),
+    ("target.dtyp", "TargetSpec"), ("target.tiny.hiden_size", "TinySpec"), ("drafter.blocksize", "DrafterSpec"),
     ("data.limt", "PromptSetSpec"), ("paths.cache", "PathsSpec"), ("logger.projct", "LoggerSpec"),
     ("train.anchors", "TrainSettings"),
 ])
@@ -184,6 +184,7 @@ def test_drafter_model_attention_reaches_the_drafters_load(tmp_path):
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
     target = OmegaConf.to_container(compose("train", ["+experiment=smoke"]).target, resolve=True)
+    target.pop("device_map")  # the target's placement: a drafter's own device is drafter.device
     for attn in ("eager", "sdpa"):
         model = override({**target, "attn_implementation": attn})
         cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.init=pretrained", f"drafter.model={model}"],

@@ -104,3 +104,53 @@ def test_the_shipped_methods_fit_qwen3_8b_on_an_h200_at_concurrency_16():
                {"method": "tree", "tree_nodes": 15}, {"method": "async_tree", "tree_nodes": 15, "tree_trays": 23}):
         cfg = DecodeConfig(**{"block_size": 16, "max_new_tokens": 2048, **kw})
         check_fits(cfg, method_row(cfg.method), cfg.method, shapes, 16, 139 * GIB, "cuda")
+
+
+def qwen3_pair(target: str) -> dict:
+    from transformers import Qwen3Config
+
+    from d3d.models.random_models import SHAPES
+
+    return {model: ModelShape.of_config(Qwen3Config(**SHAPES[name]), 2, "sdpa")
+            for model, name in (("target", target), ("drafter", "qwen3_1p7b"))}
+
+
+H100 = 81559 * 2**20  # what torch reports for an 80 GB H100
+
+
+def test_the_papers_load_test_is_counted_per_device_and_told_which_placement_fits():
+    """The paper's load test (Qwen3-1.7B drafter, Qwen3-32B target, 16 requests, async 12x2) needs
+    82.3 GiB on one 80 GB H100: refused, naming the placement that fits (the drafter on a GPU of its
+    own); with that placement each device holds its own model and the check passes."""
+    from d3d.decoding.cost import Placement
+
+    shapes, cfg = qwen3_pair("qwen3_32b"), DecodeConfig(method="async", block_size=16, C=12, F=2, max_new_tokens=2048)
+    with pytest.raises(ConfigError) as err:
+        check_fits(cfg, method_row("async"), "async", shapes, 16, H100, "cuda:0")
+    msg = str(err.value)
+    assert "needs about 82.3 GiB" in msg and "of this device (cuda:0)" in msg and "\n" not in msg
+    assert msg.endswith("or put the drafter on a GPU of its own (drafter.device=cuda:1: it needs 12.9 GiB, "
+                        "the target alone 69.4 GiB)."), msg
+    two = Placement({"cuda:0": 1.0}, "cuda:1", {"cuda:0": H100, "cuda:1": H100})
+    check_fits(cfg, method_row("async"), "async", shapes, 16, 0, "", placement=two)
+
+
+def test_a_target_no_device_holds_is_told_how_many_gpus_to_spread_over():
+    """Qwen3-32B with its drafter on 40 GB devices: the target alone does not fit one; the refusal
+    names the number of GPUs target.device_map=auto needs, and that placement passes."""
+    import re
+
+    from d3d.decoding.cost import Placement
+
+    shapes, cfg = qwen3_pair("qwen3_32b"), DecodeConfig(method="sync", block_size=16, max_new_tokens=2048)
+    a100 = 40 * 10**9
+    with pytest.raises(ConfigError, match=r"or spread the target over \d+ GPUs \(target.device_map=auto") as err:
+        check_fits(cfg, method_row("sync"), "sync", shapes, 1, a100, "cuda:0")
+    k = int(re.search(r"over (\d+) GPUs", str(err.value)).group(1))
+    assert "and put the drafter on a GPU of its own" in str(err.value)
+    devices = [f"cuda:{i}" for i in range(k + 1)]
+    spread = Placement({d: 1 / k for d in devices[:k]}, devices[k], {d: a100 for d in devices})
+    check_fits(cfg, method_row("sync"), "sync", shapes, 1, 0, "", placement=spread)
+    with pytest.raises(ConfigError):  # one GPU fewer does not hold it
+        fewer = Placement({d: 1 / (k - 1) for d in devices[: k - 1]}, devices[k], {d: a100 for d in devices})
+        check_fits(cfg, method_row("sync"), "sync", shapes, 1, 0, "", placement=fewer)

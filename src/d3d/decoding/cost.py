@@ -95,42 +95,105 @@ def memory_bytes(device: str) -> int:
     return total
 
 
-def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int, memory: int,
-               device: str, where: str = "decode") -> None:
-    """Refuse `cfg` (the DecodeConfig of the run's method `name`, of row `method`; its keys named
-    `where`.<key>, as DecodeConfig names them) when its widest passes cannot fit in `memory`. The weights of both models and each one's widest pass (method.widest) must fit
-    together (an overlapped tray pass runs while the target verifies). What no memory makes work with
-    this vocabulary (the row's check_vocab: a chain's F, a tree's node count) is said first."""
-    method.check_vocab(cfg, shapes["target"].vocab, name, where)
-    need, widest = 0, None
+@dataclass(frozen=True)
+class Placement:
+    """Where each model's bytes go, and what each device holds: the target's weights and KV cache
+    split over its devices by `target` (device -> share of its layers, summing to 1: one device, or
+    target.device_map), the drafter whole on `drafter`. A pass's transient terms (attention, one
+    layer's activations) arise on every device that runs a layer; the logits where the last layer is."""
+
+    target: dict[str, float]
+    drafter: str
+    memory: dict[str, int]
+
+    @classmethod
+    def one(cls, device: str, memory: int) -> "Placement":
+        return cls({device: 1.0}, device, {device: memory})
+
+
+def device_needs(cfg, method, shapes: dict[str, ModelShape], batch: int, placement: Placement) -> dict:
+    """Bytes each device needs for the method's widest passes, per model: {device: {model: bytes}}."""
+    needs: dict = {}
     for model, q in method.widest(cfg).items():
         if model not in shapes:  # a model the run does not load
             continue
-        kv = q + cfg.max_new_tokens  # the prompt left out: a lower bound
-        terms = shapes[model].pass_bytes(batch, q, kv)
-        need += shapes[model].weight_bytes() + sum(terms.values())
-        if widest is None or q * kv > widest[1] * widest[2]:
-            widest = (model, q, kv, terms)
-    if need <= memory:
+        terms = shapes[model].pass_bytes(batch, q, q + cfg.max_new_tokens)  # the prompt left out: a lower bound
+        spread = placement.target if model == "target" else {placement.drafter: 1.0}
+        last = list(spread)[-1]
+        for device, share in spread.items():
+            held = share * (shapes[model].weight_bytes() + terms["kv_cache"]) + terms["attention"] + terms["activations"]
+            held += terms["logits"] if device == last else 0
+            needs.setdefault(device, {})[model] = needs.get(device, {}).get(model, 0) + int(held)
+    return needs
+
+
+def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int, memory: int,
+               device: str, where: str = "decode", placement: Placement | None = None) -> None:
+    """Refuse `cfg` (the DecodeConfig of the run's method `name`, of row `method`; its keys named
+    `where`.<key>, as DecodeConfig names them) when its widest passes cannot fit. Counted per device
+    (`placement`; default: both models on `device`, which holds `memory`): the weights each device
+    holds and each model's widest pass there (an overlapped tray pass runs while the target
+    verifies). A refusal says which placement would fit (a drafter on a GPU of its own, a target
+    spread by target.device_map). What no memory makes work with this vocabulary (the row's
+    check_vocab: a chain's F, a tree's node count) is said first."""
+    method.check_vocab(cfg, shapes["target"].vocab, name, where)
+    placement = placement or Placement.one(device, memory)
+    needs = device_needs(cfg, method, shapes, batch, placement)
+    over = [d for d, per in needs.items() if sum(per.values()) > placement.memory[d]]
+    if not over:
         return
-    model, q, kv, terms = widest
+    dev = over[0]
+    widest = None
+    for model, q in method.widest(cfg).items():
+        if model in shapes and model in needs[dev] and (widest is None or q * (q + cfg.max_new_tokens) > widest[1] * widest[2]):
+            widest = (model, q, q + cfg.max_new_tokens)
+    model, q, kv = widest
+    terms = shapes[model].pass_bytes(batch, q, kv)
     parts = ", ".join(f"{k} {b / GIB:.1f}" for k, b in terms.items())
     setting = " ".join(f"{where}.{k}={getattr(cfg, k)}" for k in method.sized_by(cfg))
     fewer = " or fewer requests at once (eval.concurrency)" if batch > 1 else ""
     raise ConfigError(
         f"{setting} (method {name}, batch {batch}): the {model}'s widest pass runs {q} tokens over {kv} keys "
-        f"and needs about {need / GIB:.1f} GiB with the weights ({parts} GiB), more than the {memory / GIB:.1f} GiB "
-        f"of this device ({device}). Fix: {method.narrower(cfg, where)}{fewer}.")
+        f"and needs about {sum(needs[dev].values()) / GIB:.1f} GiB with the weights ({parts} GiB), more than the "
+        f"{placement.memory[dev] / GIB:.1f} GiB of this device ({dev}). Fix: {method.narrower(cfg, where)}{fewer}"
+        f"{placement_hint(cfg, method, shapes, batch, placement.memory[dev])}.")
+
+
+def placement_hint(cfg, method, shapes, batch: int, memory: int) -> str:
+    """Which placement of the two models fits devices of `memory` bytes, said after a refusal: the
+    drafter on a GPU of its own, and the target over as many GPUs as its share needs (an estimate:
+    accelerate's balanced placement spreads the layers evenly)."""
+    apart = device_needs(cfg, method, shapes, batch, Placement({"target": 1.0}, "drafter", {}))
+    target, drafter = apart["target"]["target"], apart.get("drafter", {}).get("drafter")
+    if drafter is not None and drafter > memory:
+        return ""  # the drafter alone does not fit one such device: only a narrower pass helps
+    mine = f"put the drafter on a GPU of its own (drafter.device=cuda:1: it needs {drafter / GIB:.1f} GiB" if drafter else ""
+    if target <= memory:
+        return f", or {mine}, the target alone {target / GIB:.1f} GiB)" if mine else ""
+    for k in range(2, 65):
+        spread = device_needs(cfg, method, {"target": shapes["target"]}, batch,
+                              Placement({f"gpu{i}": 1 / k for i in range(k)}, "", {}))
+        if max(per["target"] for per in spread.values()) <= memory:
+            return (f", or spread the target over {k} GPUs (target.device_map=auto: it needs {target / GIB:.1f} GiB "
+                    f"on one)" + (f" and {mine})" if mine else ""))
+    return ""
 
 
 def check_loaded(cfg, method, target, drafter, batch: int) -> None:
     """check_fits for models already loaded (SpecGenerator: the Python API and the scripts that build one
     without d3d.settings.check_decode_cost refuse what the CLI refuses): the same estimate, from the
-    models' configs and their loaded dtype and attention, for a batch of `batch` requests."""
-    device = next(target.parameters()).device
+    models' configs and their loaded dtype and attention, for a batch of `batch` requests, counted on
+    the devices they are on (the target's share of each by its parameters' bytes)."""
     shapes = {}
     for model_name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
             shapes[model_name] = ModelShape.of_config(model.config, next(model.parameters()).dtype.itemsize,
                                                       getattr(model.config, "_attn_implementation", None))
-    check_fits(cfg, method, cfg.method, shapes, batch, memory_bytes(str(device)), str(device))
+    held: dict[str, int] = {}
+    for p in target.parameters():
+        held[str(p.device)] = held.get(str(p.device), 0) + p.numel()
+    shares = {d: n / sum(held.values()) for d, n in held.items()}
+    drafter_at = str(next(drafter.parameters()).device) if drafter is not None else next(iter(shares))
+    devices = [*shares, drafter_at]
+    placement = Placement(shares, drafter_at, {d: memory_bytes(d) for d in devices})
+    check_fits(cfg, method, cfg.method, shapes, batch, 0, devices[0], placement=placement)

@@ -15,7 +15,7 @@ models' size can serve (`check_vocab`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -45,6 +45,24 @@ class Draft:
     def handed(self) -> tuple:
         """What the target's side reads of it (ordered across streams by Passes.take)."""
         return self.tokens, self.q, self.nodes, self.ancestors
+
+    def to(self, device: torch.device) -> "Draft":
+        """The same drafts on `device` (the drafter's own, for its tray pass, when the target is
+        elsewhere: drafter.device); itself when already there."""
+        if self.tokens.device == device:
+            return self
+        def move(v):
+            if isinstance(v, Tree):
+                return Tree(**{f.name: moved(getattr(v, f.name), device) for f in fields(Tree)})
+            return moved(v, device) if isinstance(v, torch.Tensor) else v
+
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, one explicit copy (none when already there). Between two GPUs the copy is
+    queued without blocking the host; to or from the host it waits for the data (safe to read)."""
+    return t if t.device == device else t.to(device, non_blocking=t.device.type == device.type == "cuda")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,11 @@ target's cache holds committed tokens but the last; the drafter's cache likewise
 Devices. Every per-round tensor (pending tokens, positions, drafts, accept counts, tray keys and
 their matching, masks) lives on the model's device; the host gets one small transfer per round
 (accept counts, next tokens, hit indices and drafts: b x (B + 2) integers) to commit text, check
-EOS / stop strings and retire rows. Sampling uses a generator on the device.
+EOS / stop strings and retire rows. Sampling uses a generator on the device. A drafter on a device
+of its own (drafter.device; a target spread by target.device_map) keeps its cache and passes
+there: the loop's tensors it reads are copied to it (`Passes.to_drafter`) and its logits and tray
+keys back (`Passes.to_target`), explicitly, once each per round; drafts are made and verified on
+the target's input device, with the one sampling generator.
 
 Streams (overlap=stream, CUDA). All drafter work runs on one side stream and all target work on
 the current stream, so each KV cache has one owner stream and the caching allocator never hands
@@ -55,6 +59,7 @@ from d3d.decoding.config import DecodeConfig
 from d3d.decoding.cost import check_loaded
 from d3d.decoding.methods import checked
 from d3d.decoding.passes import Passes, Round, RoundStats, _Clock, _sync
+from d3d.models.target import input_device
 
 
 @dataclass
@@ -111,10 +116,9 @@ class SpecGenerator:
         if self.method.needs_drafter and drafter is None:
             raise ValueError(f"decode.method={self.cfg.method} needs a drafter; use method=ar for the baseline")
         self.target, self.drafter, self.tok = target, drafter, tokenizer
-        self.device = next(target.parameters()).device
-        if drafter is not None and next(drafter.parameters()).device != self.device:
-            raise ValueError(f"the drafter is on {next(drafter.parameters()).device} and the target on {self.device}: "
-                             "put both on one device (the loop keeps its state there)")
+        # the loop keeps its state where the target's inputs go; a drafter on a device of its own
+        # (drafter.device) gets its inputs and hands back its drafts by explicit copies (Passes)
+        self.device = input_device(target)
         self.B = self.method.block_size(self.cfg)
         check_loaded(self.cfg, self.method, target, drafter, 1)  # the CLI's memory bound (d3d.decoding.cost)
         self.eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
@@ -131,17 +135,30 @@ class SpecGenerator:
 
     # ------------------------------------------------------------------ the loop
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None,
-                 seed: int | None = None) -> GenerationResult:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, seed: int | None = None,
+                 ignore_eos: bool = False, reserve: int = 0) -> GenerationResult:
         """Decode a batch of prompts (token id lists). `seed` restarts the sampling stream for
-        this call, so one request's sampled output does not depend on what ran before it."""
+        this call, so one request's sampled output does not depend on what ran before it.
+        `ignore_eos`: decode max_new_tokens whatever comes (no EOS, no stop string), as a warm-up
+        must to run every pass. `reserve`: size a static backend's buffers as for a call whose
+        longest prompt plus new tokens is this many (a warm-up sizes them for the run's longest call)."""
         if seed is not None:
             self.gen.manual_seed(int(seed))
         with self.passes.call():
-            return self._generate(prompts, max_new_tokens)
+            return self._generate(prompts, max_new_tokens, ignore_eos, reserve)
+
+    def warm_up(self, batch: int, reserve: int, prompt: list[int]) -> GenerationResult:
+        """One call that runs every pass of this method at `batch` rows (its batch bucket) over
+        buffers sized for `reserve` tokens (longest prompt + max_new_tokens of the calls to come):
+        a static backend compiles (and on CUDA records) each of its shapes here, not in a timed
+        call. Three rounds at least (2B + 1 new tokens, a round commits at most B): sync drafts
+        its first block without tokens to commit, a later one with them (two shapes)."""
+        return self.generate([list(prompt)] * batch, max_new_tokens=2 * self.B + 1, seed=self.seed,
+                             ignore_eos=True, reserve=reserve)
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> GenerationResult:
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int | None, ignore_eos: bool = False,
+                  reserve: int = 0) -> GenerationResult:
         cfg, B, dev, passes = self.cfg, self.B, self.device, self.passes
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -154,13 +171,13 @@ class SpecGenerator:
         clock = _Clock(dev)
         schedule = self.method.start(cfg, passes)
         drafts = schedule.drafts
-        passes.room = max(len(p) for p in prompts) + max_new + B  # slots committed at most, before a pass
-        _sync(dev)
+        passes.room = max(max(len(p) for p in prompts) + max_new, reserve) + B  # slots committed at most, before a pass
+        _sync(dev, passes.drafter_device)
         t0 = time.perf_counter()
         tgt = passes.new_state(self.target, b, B)
         passes.prefill(tgt, prompts)
         schedule.begin(prompts)
-        _sync(dev)
+        _sync(dev, passes.drafter_device)
         prefill_s = time.perf_counter() - t0
 
         rows = list(range(b))  # original index of each active row (host bookkeeping)
@@ -192,7 +209,7 @@ class SpecGenerator:
             taus, finished = [], []
             for i, (a, tok, _, *drafted) in enumerate(host):
                 row = rows[i]
-                kept = self._commit(out[row], drafted[:a] + [tok], max_new, reasons, row)
+                kept = self._commit(out[row], drafted[:a] + [tok], max_new, reasons, row, ignore_eos)
                 taus.append(kept)
                 if kept < a + 1 or len(out[row]) >= max_new or reasons[row] == "stop":
                     finished.append(i)
@@ -210,23 +227,24 @@ class SpecGenerator:
                 pending, next_pos = pending[keep], next_pos[keep]
                 tgt.select(keep)
                 schedule.retire(keep, keep_list)
-        _sync(dev)
+        _sync(dev, passes.drafter_device)
         decode_s = time.perf_counter() - t_dec
         clock.resolve()
         texts = [self.tok.decode(t, skip_special_tokens=True) for t in out]
         return GenerationResult(out, texts, reasons, rounds, prefill_s, decode_s)
 
-    def _commit(self, out: list[int], new: list[int], max_new: int, reasons: list[str], row: int) -> int:
+    def _commit(self, out: list[int], new: list[int], max_new: int, reasons: list[str], row: int,
+                ignore_eos: bool = False) -> int:
         kept = 0
         for t in new:
             if len(out) >= max_new:
                 break
             out.append(t)
             kept += 1
-            if t in self.eos:
+            if t in self.eos and not ignore_eos:
                 reasons[row] = "stop"
                 break
-        if self.cfg.stop_strings and reasons[row] != "stop":
+        if self.cfg.stop_strings and reasons[row] != "stop" and not ignore_eos:
             text = self.tok.decode(out[-(len(new) + 32):], skip_special_tokens=True)
             if any(s in text for s in self.cfg.stop_strings):
                 # cut right after the first token whose text completes a stop string

@@ -19,6 +19,7 @@ import torch
 from d3d.errors import ConfigError
 from d3d.models.forward import attention_mask_for, cache_kwarg, hidden_states
 from d3d.models.masks import CLEAN, Layout, build_mask
+from d3d.models.target import input_device
 
 # How passes run (docs/design.md, Backends): eager (HF's dynamic cache, the reference) | static
 # (preallocated slots) | compiled (static + torch.compile; CUDA graphs on CUDA) | frozen (compiled,
@@ -31,7 +32,7 @@ class KVState:
         from transformers import DynamicCache
 
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # pos, valid and masks; a spread target's layers keep their K/V where they run
         self.cache = DynamicCache(config=model.config)
         self.pos = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
@@ -83,7 +84,7 @@ class KVState:
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # (b, heads, n, dim)
-                at = idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                at = on_layer(idx, t)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
                 t[:, :, start : start + most] = t.gather(2, at)  # gather copies first: moving in place is safe
         self.pos[:, start : start + most] = self.pos.gather(1, idx)
         self.valid[:, start : start + most] = self.valid.gather(1, idx)
@@ -96,7 +97,8 @@ class KVState:
 
         sub = KVState.__new__(KVState)
         sub.model, sub.device, sub.gapless = self.model, self.device, self.gapless and len(rows) == 1
-        layers = [(layer.keys[rows], layer.values[rows]) for layer in self.cache.layers]
+        layers = [(layer.keys[on_layer(rows, layer.keys)], layer.values[on_layer(rows, layer.values)])
+                  for layer in self.cache.layers]
         sub.cache = DynamicCache(layers, config=self.model.config)
         sub.pos, sub.valid = self.pos[rows], self.valid[rows]
         return sub
@@ -108,7 +110,8 @@ class KVState:
         if len(self) == 0:  # HF skips empty layers when selecting rows: they would keep the old batch size
             self.cache = DynamicCache(config=self.model.config)
         else:
-            self.cache.batch_select_indices(rows)
+            for layer in self.cache.layers:  # each layer's rows where its K/V are (a spread target: several devices)
+                layer.keys, layer.values = layer.keys[on_layer(rows, layer.keys)], layer.values[on_layer(rows, layer.values)]
         self.pos, self.valid = self.pos[rows], self.valid[rows]
 
 
@@ -133,33 +136,20 @@ class StaticKVState(KVState):
     what a row costs on a CPU. The uncompiled static backend pads too, so it stays the reference
     of what the compiled one runs."""
 
-    def __init__(self, model, batch: int, capacity: int, compiled: bool, graphs: bool = True, frozen: bool = False):
-        from transformers import StaticCache
-
+    def __init__(self, model, batch: int, capacity: int, compiled: bool, graphs: bool = True, frozen: bool = False,
+                 buffers=None):
         self.model, self.compiled, self.graphs, self.capacity = model, compiled, graphs, capacity
         self.frozen = frozen
+        # (rows, capacity) -> (cache, slot_pos, slot_valid): a pool that hands the same buffers back for
+        # the same shape (Passes.buffers), so a shape warmed up before timing keeps its graphs' addresses
+        self.buffers = buffers or (lambda rows, cap: allocate(model, rows, cap, frozen, compiled))
         self.rows, self.live = batch_bucket(batch), batch
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.gapless = False  # the static pass always takes the mask (its keys are all `capacity` slots)
-        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
-            raise ConfigError(f"decode.backend={'frozen' if frozen else 'compiled' if compiled else 'static'}: "
-                              f"{type(model).__name__} has sliding-window layers, "
-                              "whose static cache keeps only a window of slots; use decode.backend=eager")
-        cfg = model.config.get_text_config(decoder=True)
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(model.parameters()).dtype
-        for layer in self.cache.layers:  # allocate now (eagerly), so the compiled pass never allocates
-            # HF makes the length counter on the default device and moves it here; make it here
-            layer.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
-            empty = torch.zeros(self.rows, heads, 0, head_dim, dtype=dtype, device=self.device)
-            layer.lazy_initialization(empty, empty)
-        self.slot_pos = torch.zeros(self.rows, capacity, dtype=torch.long, device=self.device)
-        self.slot_valid = torch.zeros(self.rows, capacity, dtype=torch.bool, device=self.device)
-        for t in (self.slot_pos, self.slot_valid):
-            torch._dynamo.mark_static_address(t)  # mutated in place by the pass: CUDA graphs need fixed addresses
+        self.cache, self.slot_pos, self.slot_valid = self.buffers(self.rows, capacity)
         self.length = 0
+        for layer in self.cache.layers:  # pooled buffers hold an earlier call's slots: empty (the mask hides them)
+            layer.cumulative_length.fill_(0)
 
     def __len__(self) -> int:
         return self.length
@@ -211,37 +201,61 @@ class StaticKVState(KVState):
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep some rows. Inside the bucket they move to the front of the same buffers (same shape,
-        same addresses: CUDA graphs read them there); a batch that leaves its bucket gets new
-        buffers of the smaller one (a new shape, compiled once)."""
+        same addresses: CUDA graphs read them there); a batch that leaves its bucket moves to the
+        pooled buffers of the smaller one (a new shape, compiled once, at addresses that stay)."""
         n = len(rows)
-        new = self if batch_bucket(n) == self.rows else \
-            StaticKVState(self.model, n, self.capacity, self.compiled, self.graphs, self.frozen)
-        for old, layer in zip(self.cache.layers, new.cache.layers):
+        bucket = batch_bucket(n)
+        cache, slot_pos, slot_valid = (self.cache, self.slot_pos, self.slot_valid) if bucket == self.rows else \
+            self.buffers(bucket, self.capacity)
+        for old, layer in zip(self.cache.layers, cache.layers):
             layer.keys[:n] = old.keys[rows]  # indexing copies first, so moving rows in place is safe
             layer.values[:n] = old.values[rows]
-        new.slot_pos[:n] = self.slot_pos[rows]
-        new.slot_valid[:n] = self.slot_valid[rows]
-        for layer in new.cache.layers:
             layer.cumulative_length.fill_(self.length)
-        self.cache, self.slot_pos, self.slot_valid, self.rows, self.live = \
-            new.cache, new.slot_pos, new.slot_valid, new.rows, n
+        slot_pos[:n] = self.slot_pos[rows]
+        slot_valid[:n] = self.slot_valid[rows]
+        self.cache, self.slot_pos, self.slot_valid, self.rows, self.live = cache, slot_pos, slot_valid, bucket, n
 
     @property
     def batch(self) -> int:
         return self.live
 
-    def reset(self, batch: int | None = None) -> None:
-        """Empty, for the next call of `batch` rows in this bucket (the buffers and their compiled
-        passes are reused)."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(0)
-        self.length = 0
-        self.live = self.live if batch is None else batch
+
+def on_layer(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`index` (made on the loop's device) where cache tensor `t` is: a target spread over devices
+    (target.device_map) keeps each layer's K/V on that layer's device. No copy when they are one."""
+    return index if index.device == t.device else index.to(t.device)
 
 
 def batch_bucket(batch: int) -> int:
     """Rows a static state allocates for `batch` live rows: the next power of two (StaticKVState)."""
     return 1 << (batch - 1).bit_length()
+
+
+def allocate(model, rows: int, capacity: int, frozen: bool = False, compiled: bool = False):
+    """Static buffers for `rows` x `capacity` slots: HF's StaticCache, allocated now (so a compiled
+    pass never allocates), and the slots' positions and validity."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise ConfigError(f"decode.backend={'frozen' if frozen else 'compiled' if compiled else 'static'}: "
+                          f"{type(model).__name__} has sliding-window layers, "
+                          "whose static cache keeps only a window of slots; use decode.backend=eager")
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    for layer in cache.layers:
+        # HF makes the length counter on the default device and moves it here; make it here
+        layer.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
+        empty = torch.zeros(rows, heads, 0, head_dim, dtype=dtype, device=device)
+        layer.lazy_initialization(empty, empty)
+    slot_pos = torch.zeros(rows, capacity, dtype=torch.long, device=device)
+    slot_valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+    for t in (slot_pos, slot_valid):
+        torch._dynamo.mark_static_address(t)  # mutated in place by the pass: CUDA graphs need fixed addresses
+    return cache, slot_pos, slot_valid
 
 
 def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid) -> torch.Tensor:

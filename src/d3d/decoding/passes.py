@@ -16,17 +16,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.decoding.drafts import Draft
-from d3d.decoding.kv import KVState, StaticKVState, batch_bucket
+from d3d.decoding.drafts import Draft, moved
+from d3d.decoding.kv import KVState, StaticKVState, allocate, batch_bucket
+from d3d.errors import ConfigError
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
+from d3d.models.target import input_device
 
 
-def _sync(device: torch.device) -> None:
+def _sync(*devices: torch.device) -> None:
     """Only around prefill and at the end of a call (wall-clock totals): never inside a round."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for device in dict.fromkeys(devices):  # the target's and the drafter's, once each
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 class _Clock:
@@ -110,13 +113,24 @@ class Passes:
     def __init__(self, target, drafter, block: int, backend: str, overlap: str, gen: torch.Generator,
                  cpu_threads_drafter: int | None = None):
         self.target, self.drafter, self.B, self.gen = target, drafter, block, gen
-        self.device = next(target.parameters()).device
+        # the loop's state lives where the target's inputs go; the drafter's where its weights are
+        self.device = input_device(target)
+        self.drafter_device = input_device(drafter) if drafter is not None else self.device
         self.settings = DrafterSettings.of(drafter) if drafter is not None else None
         self.backend, self.static = backend, backend != "eager"
+        spread = {p.device for p in target.parameters()}
+        if self.static and len(spread) > 1:
+            raise ConfigError(f"decode.backend={backend}: the target is spread over {len(spread)} devices "
+                              f"(target.device_map), and a static backend keeps its cache on one. Fix: "
+                              f"decode.backend=eager, or a device_map that puts the target on one device.")
         self.overlap, self.cpu_threads_drafter = overlap, cpu_threads_drafter
-        self.stream = torch.cuda.Stream(self.device) if overlap == "stream" else None
+        # a drafter on a device of its own runs beside the target without a side stream: each device
+        # queues its own work, and the copies between them (to_drafter, to_target) order the two
+        two = self.drafter_device != self.device
+        self.stream = torch.cuda.Stream(self.device) if overlap == "stream" and not two else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
-        self.states: dict[tuple[int, int], StaticKVState] = {}  # static buffers, reused across calls
+        # static buffers, reused across calls: (id(model), rows, capacity) -> (cache, slot_pos, slot_valid)
+        self.buffer_pool: dict[tuple[int, int, int], tuple] = {}
         self.room = 0  # slots a call needs beyond its widest pass (set per call)
 
     @contextlib.contextmanager
@@ -139,6 +153,17 @@ class Passes:
             self.pool.shutdown()
             self.pool = None
             torch.set_num_threads(total)
+
+    # ------------------------------------------------------------------ devices
+
+    def to_drafter(self, *tensors):
+        """The loop's tensors a drafter pass reads, on the drafter's device (explicit copies when
+        drafter.device is not the target's; the same tensors otherwise)."""
+        return tuple(t if t is None else moved(t, self.drafter_device) for t in tensors)
+
+    def to_target(self, *tensors):
+        """The drafter's results the loop reads (logits, tray keys), on the loop's device."""
+        return tuple(t if t is None else moved(t, self.device) for t in tensors)
 
     # ------------------------------------------------------------------ streams
 
@@ -169,19 +194,26 @@ class Passes:
         """An empty KV state for `model`: HF's dynamic cache (backend=eager), or static buffers
         big enough for this call (`room` + the widest pass), reused across calls. Their capacity is
         a power of two, and so is their batch (`batch_bucket`), so calls of similar lengths and
-        sizes share one compiled shape."""
+        sizes share one compiled shape. The smallest pooled buffers that hold the call are taken:
+        a warm-up that ran the run's longest call at every batch bucket (d3d.eval) leaves every
+        later call of the run a shape already compiled, at the addresses its CUDA graphs read."""
         if not self.static:
             return KVState(model, batch)
         need = self.room + widest
-        capacity = max(256, 1 << (need - 1).bit_length())
-        key = (id(model), batch_bucket(batch))
-        state = self.states.get(key)
-        if state is None or state.rows != key[1] or state.capacity < need:  # rows: a retiring call may have shrunk it
-            state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
-                                  graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen")
-            self.states[key] = state
-        state.reset(batch)
+        rows = batch_bucket(batch)
+        held = [cap for (m, r, cap) in self.buffer_pool if m == id(model) and r == rows and cap >= need]
+        capacity = min(held, default=max(256, 1 << (need - 1).bit_length()))
+        state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
+                              graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen",
+                              buffers=lambda r, cap: self.buffers(model, r, cap))
         return state
+
+    def buffers(self, model, rows: int, capacity: int) -> tuple:
+        """The pooled static buffers of `model` for `rows` x `capacity` slots (allocated once)."""
+        key = (id(model), rows, capacity)
+        if key not in self.buffer_pool:
+            self.buffer_pool[key] = allocate(model, rows, capacity, self.backend == "frozen", self.backend != "static")
+        return self.buffer_pool[key]
 
     def prefill(self, state: KVState, prompts: list[list[int]]) -> None:
         """Every prompt token but the last (the first pending token), left-padded. Built on the
@@ -193,8 +225,7 @@ class Passes:
         ids = [[0] * (width - n) + p[:-1] for p, n in zip(prompts, lens)]
         pos = [[0] * (width - n) + list(range(n)) for n in lens]
         block = [[PAD] * (width - n) + [CLEAN] * n for n in lens]
-        dev = self.device
-        ids, pos, block = (torch.tensor(x, dtype=torch.long, device=dev) for x in (ids, pos, block))
+        ids, pos, block = (torch.tensor(x, dtype=torch.long, device=state.device) for x in (ids, pos, block))
         state.forward(ids, Layout(pos, block, pos + 1), causal=True, once=True)
 
     def verify_pass(self, tgt: KVState, pending: torch.Tensor, drafts: torch.Tensor, next_pos: torch.Tensor):
@@ -202,13 +233,19 @@ class Passes:
         ids = torch.cat([pending[:, None], drafts], dim=1)
         pos = next_pos[:, None] + torch.arange(ids.shape[1], device=self.device)
         h = tgt.forward(ids, Layout(pos, torch.full_like(pos, CLEAN), pos + 1), causal=True)
-        return logits_at(self.target, h).float()
+        return self.target_logits(h)
+
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's float logits of hidden states `h`, on the loop's device (a target spread by
+        target.device_map computes them where its LM head is)."""
+        return moved(logits_at(self.target, h).float(), self.device)
 
     def draft_pass(self, dr: KVState, pending: torch.Tensor, next_pos: torch.Tensor, unc: torch.Tensor | None = None,
                    unc_n: torch.Tensor | None = None):
         """Commit each row's new tokens (`unc` (b, k), the first unc_n[r] of row r; they end just
-        before next_pos) into the drafter's cache and draft the next block: logits (b, B, V)."""
-        b, B, s, dev = len(pending), self.B, self.settings, self.device
+        before next_pos) into the drafter's cache and draft the next block: logits (b, B, V).
+        Everything here is on the drafter's device (the caller moves its inputs: to_drafter)."""
+        b, B, s, dev = len(pending), self.B, self.settings, self.drafter_device
         if unc is None:
             unc, unc_n = torch.zeros(b, 0, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
         real = unc.shape[1]

@@ -107,22 +107,26 @@ class Sync(Schedule):
         self.dr = p.new_state(p.drafter, b, 2 * p.B)  # a draft pass: <= B new tokens + the block
         p.prefill(self.dr, prompts)
         # tokens the target committed that the drafter has not seen: pending + the accepted path
-        self.unc = torch.zeros(b, 0, dtype=torch.long, device=p.device)
-        self.unc_n = torch.zeros(b, dtype=torch.long, device=p.device)
+        # (on the drafter's device, as all its state)
+        self.unc = torch.zeros(b, 0, dtype=torch.long, device=p.drafter_device)
+        self.unc_n = torch.zeros(b, dtype=torch.long, device=p.drafter_device)
 
     def propose(self, r):
+        p = self.passes
         t = r.clock.mark()  # one timed draft pass: the drafter commits what it has not seen and reads the block
-        q_logits = self.passes.draft_pass(self.dr, r.pending, r.next_pos, self.unc, self.unc_n)
+        q_logits = p.draft_pass(self.dr, *p.to_drafter(r.pending, r.next_pos), self.unc, self.unc_n)
+        (q_logits,) = p.to_target(q_logits)  # drafts are made where they are verified (one sampling stream)
         r.clock.span(r.stats, "draft_s", t)
         r.draft = self.drafts.make(r.pending, q_logits)
 
     def settle(self, r):
-        self.unc, self.unc_n = torch.cat([r.pending[:, None], r.path], dim=1), r.accepted + 1
+        self.unc, self.unc_n = self.passes.to_drafter(torch.cat([r.pending[:, None], r.path], dim=1), r.accepted + 1)
 
     def commit(self, r, host, most):
         self.unc = self.unc[:, :most]
 
     def retire(self, keep, keep_list):
+        (keep,) = self.passes.to_drafter(keep)
         self.dr.select(keep)
         self.unc, self.unc_n = self.unc[keep], self.unc_n[keep]
 
@@ -183,20 +187,24 @@ class Async(Schedule):
         what a pass over a few costs (the weights are read once), so all rows are drafted; so does a
         static backend (a pass over all rows is its one compiled shape)."""
         p = self.passes
-        if self.prepared is None or len(miss) == len(self.hit) or p.device.type == "cuda" or p.static:
-            q_logits = p.draft_pass(self.dr, r.pending, r.next_pos)
+        pending, next_pos = p.to_drafter(r.pending, r.next_pos)
+        if self.prepared is None or len(miss) == len(self.hit) or p.drafter_device.type == "cuda" or p.static:
+            (q_logits,) = p.to_target(p.draft_pass(self.dr, pending, next_pos))
             if self.prepared is None or len(miss) == len(self.hit):
                 return q_logits
             return torch.where(self.hit_dev[:, None, None], self.prepared, q_logits)
-        idx = torch.tensor(miss, dtype=torch.long, device=p.device)
-        part = p.draft_pass(self.dr.subset(idx), r.pending[idx], r.next_pos[idx])
+        idx = torch.tensor(miss, dtype=torch.long, device=p.drafter_device)
+        part = p.draft_pass(self.dr.subset(idx), pending[idx], next_pos[idx])
         q_logits = self.prepared.clone()
-        q_logits[idx] = part
+        at, part = p.to_target(idx, part)
+        q_logits[at] = part
         return q_logits
 
     def beside_verify(self, r):
         p, ds = self.passes, self.passes.stream
-        tray_pass = functools.partial(self._tray_pass, self.dr, r.draft, r.pending, r.next_pos)  # values, bound now
+        # values, bound now; on the drafter's device (one copy of the round's drafts when it has its own)
+        tray_pass = functools.partial(self._tray_pass, self.dr, r.draft.to(p.drafter_device),
+                                      *p.to_drafter(r.pending, r.next_pos))
         if ds is not None:  # queued on the side stream; its inputs were lent to it before verify
             with _on(ds):
                 t = r.clock.mark(ds)
@@ -222,23 +230,25 @@ class Async(Schedule):
             r.stats.tray_wait_s = time.perf_counter() - t
         keys, tray_logits = r.trays
         self.passes.take(self.passes.stream, keys, tray_logits)
-        r.hit_idx = find_trays(keys, r.outcome, r.token)
+        r.hit_idx = find_trays(*self.passes.to_target(keys), r.outcome, r.token)
 
     def commit(self, r, host, most):
         p, ds = self.passes, self.passes.stream
         p.lend(ds, r.accepted, r.kept)
+        kept, counts, hit_idx = p.to_drafter(r.kept, r.accepted + 1, r.hit_idx)
         with _on(ds):  # the glue commits the pending token and the accepted path
-            self.dr.keep(r.glue_start, r.kept, r.accepted + 1, most)
+            self.dr.keep(r.glue_start, kept, counts, most)
         self.hit, self.hit_dev = [h[2] >= 0 for h in host], r.hit_idx >= 0
         r.stats.hit = list(self.hit)
-        rows = torch.arange(len(host), device=p.device)
-        self.prepared = r.trays[1][rows, r.hit_idx.clamp(min=0)] if any(self.hit) else None
+        rows = torch.arange(len(host), device=p.drafter_device)
+        # the served trays' logits, on the loop's device: the next round's drafts are made from them
+        self.prepared = p.to_target(r.trays[1][rows, hit_idx.clamp(min=0)])[0] if any(self.hit) else None
 
     def retire(self, keep, keep_list):
         p, ds = self.passes, self.passes.stream
         p.lend(ds, keep)
         with _on(ds):
-            self.dr.select(keep)
+            self.dr.select(*p.to_drafter(keep))
         self.hit, self.hit_dev = [self.hit[i] for i in keep_list], self.hit_dev[keep]
         if self.prepared is not None:
             self.prepared = self.prepared[keep]
@@ -251,11 +261,11 @@ class Async(Schedule):
         p, B, s = self.passes, self.passes.B, self.passes.settings
         o = self.drafts.outcomes(d, pending, next_pos)
         (b, n), g = o.token.shape, o.glue.shape[1]
-        trays = torch.full((b, n, B), s.mask_token_id, dtype=torch.long, device=p.device)
+        trays = torch.full((b, n, B), s.mask_token_id, dtype=torch.long, device=p.drafter_device)
         trays[:, :, 0] = o.token
         seen = None
         if o.glue_sees is not None:  # in-row visibility: the glue's own, and each tray's of the glue
-            seen = torch.ones(b, g + n * B, g + n * B, dtype=torch.bool, device=p.device)
+            seen = torch.ones(b, g + n * B, g + n * B, dtype=torch.bool, device=p.drafter_device)
             seen[:, :g, :g] = o.glue_sees
             seen[:, g:, :g] = o.sees.repeat_interleave(B, dim=1)
         layout = concat(o.glue_layout, block_layout(o.pos, B))

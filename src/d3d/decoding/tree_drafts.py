@@ -20,7 +20,6 @@ from d3d.decoding.drafts import Draft, Drafts, Outcomes
 from d3d.decoding.tree import build_tree
 from d3d.decoding.verify import Sampling, probs, tree_greedy_verify, tree_path, tree_sample_verify
 from d3d.errors import ConfigError
-from d3d.models.forward import logits_at
 from d3d.models.masks import tree_ancestors, tree_layout
 
 
@@ -71,7 +70,7 @@ class TreeDrafts(Drafts):
     def verify(self, passes, tgt, r):
         d = r.draft
         h = tgt.forward(d.nodes, tree_layout(r.next_pos, d.ancestors), tree=d.ancestors)
-        return logits_at(passes.target, h).float()
+        return passes.target_logits(h)
 
     def accept(self, r, p_logits):
         s, d = self.cfg.sampling, r.draft

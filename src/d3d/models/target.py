@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from d3d.errors import UserError
+from d3d.errors import ConfigError, UserError
 from d3d.fetch import PackageSpec, hub_reachable, package_file
-from d3d.specs import GgufSpec, ModelSpec
+from d3d.specs import GgufSpec, ModelSpec, TargetSpec
 from d3d.utils.io import published
 
 
@@ -174,6 +174,44 @@ def pick_device(name: str | None = "auto") -> torch.device:
     return torch.device(name)
 
 
+def input_device(model) -> torch.device:
+    """Where a model's inputs go: its input embeddings' device. A model placed over several devices
+    (target.device_map) moves its activations between them itself (accelerate's hooks); the decoding
+    loop keeps its per-round state here (contract 8)."""
+    return model.get_input_embeddings().weight.device
+
+
+def map_devices(device_map) -> list[torch.device]:
+    """The devices a target.device_map places weights on, in order of first use (`auto`: every
+    visible GPU, or the CPU without one)."""
+    if device_map == "auto":
+        n = torch.cuda.device_count()
+        return [torch.device("cuda", i) for i in range(n)] or [torch.device("cpu")]
+    out = []
+    for v in device_map.values():
+        dev = torch.device("cuda", v) if isinstance(v, int) else torch.device(v)
+        if dev not in out:
+            out.append(dev)
+    return out
+
+
+def check_device(name: str, key: str) -> torch.device:
+    """A device string a config names (`key`), refused in one line when this machine has no such device."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{key}={name!r}: not a device. Fix: set {key} to cpu, cuda or cuda:<i>.") from None
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"{key}={name}: this machine has {torch.cuda.device_count()} CUDA device(s). Fix: name one "
+                          f"it has, or keep the model on the target's device (drafter.device=same).")
+    return dev
+
+
+def drafter_device(configured: str, target) -> str:
+    """drafter.device: `same` = the target's input device (one device, today's default); else its own."""
+    return str(input_device(target)) if configured == "same" else str(check_device(configured, "drafter.device"))
+
+
 def process_state():
     """accelerate's view of this process among the job's (`accelerate launch` or torchrun). On a
     machine without CUDA accelerate sees torchrun's ranks only when told to use the CPU: without
@@ -198,25 +236,34 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_target(target: ModelSpec, cache_dir, device: str | None = "auto"):
+def load_target(target: TargetSpec, cache_dir, device: str | None = "auto"):
     """The target a `target` config names: (its folder, tokenizer, model), in the config's dtype and
-    attention backend (`attn_implementation`: flash_attention_2 on a GPU when set)."""
+    attention backend (`attn_implementation`: flash_attention_2 on a GPU when set), on `device` or
+    placed by `target.device_map` (accelerate's big-model placement: a target that fits no single
+    device, or not beside its drafter)."""
     path = resolve_model_path(target, cache_dir)
-    model = load_model(path, target.dtype, device, target.attn_implementation)
+    model = load_model(path, target.dtype, device, target.attn_implementation, target.device_map)
     return path, load_tokenizer(path), model
 
 
 def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto",
-               attn_implementation: str | None = "sdpa"):
-    """An eval-mode causal LM on `device`; flash-attn/flex are GPU-only (docs/design.md, Models)."""
+               attn_implementation: str | None = "sdpa", device_map=None):
+    """An eval-mode causal LM on `device`, or placed by `device_map` (from_pretrained's: `auto` or
+    {module: device}); flash-attn/flex are GPU-only (docs/design.md, Models)."""
     from transformers import AutoModelForCausalLM
 
-    dev = pick_device(device)
+    if device_map is not None:
+        for dev in map_devices(device_map):
+            check_device(str(dev), "target.device_map")
+        dev = map_devices(device_map)[0]
+    else:
+        dev = pick_device(device)
     if dev.type != "cuda" and attn_implementation in ("flash_attention_2", "flex_attention"):
         attn_implementation = "sdpa"
+    placed = {} if device_map is None else {"device_map": device_map}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype(dtype, dev), attn_implementation=attn_implementation
+            path, dtype=torch_dtype(dtype, dev), attn_implementation=attn_implementation, **placed
         )
     except Exception as err:  # noqa: BLE001  (turned into a one-line error only when a weight file is damaged)
         bad = damaged_weights(Path(str(path))) if Path(str(path)).is_dir() else None
@@ -225,7 +272,7 @@ def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise UserError(f"cannot load the weights in {bad} ({reason}). Fix: the file is damaged or truncated; "
                         f"copy or re-save that checkpoint (for a drafter: rerun the job that wrote it).") from err
-    return model.to(dev).eval()
+    return (model if device_map is not None else model.to(dev)).eval()
 
 
 def damaged_weights(folder: Path) -> Path | None:
