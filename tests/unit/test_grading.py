@@ -209,7 +209,10 @@ def test_host_files_cannot_be_written(who, shared_dir):
     canary = shared_dir / "canary.txt"
     canary.write_text("keep me")
     owned(canary, who)
-    answer = (f"import os\ndef wrote():\n    n = 0\n"
+    answer = (f"import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+              f"for point in [line.split()[4] for line in open('/proc/self/mountinfo')]:\n"
+              f"    libc.mount(None, point.encode(), None, 32 | 4096, None)  # MS_REMOUNT | MS_BIND, read-write\n"
+              f"def wrote():\n    n = 0\n"
               f"    for path in ({str(canary)!r}, {str(shared_dir / 'new.txt')!r}, '/tmp/x', '/x', '/dev/shm/x'):\n"
               f"        try:\n            open(path, 'a').write('gone')\n            n += 1\n        except OSError:\n            pass\n"
               f"    return n\n"
@@ -275,7 +278,7 @@ def held(mb, children=3):
 @pytest.mark.parametrize("who", WHO)
 def test_the_process_tree_holds_no_more_memory_than_its_budget(who):
     """Three children held 2.4 GB against a 2 GB cap (the address-space limit was per process)."""
-    limits = Limits(memory_mb=256, processes=4)
+    limits = Limits(memory_mb=256, processes=6)  # room for the three children
     ok, why = graded(HOLD, f"assert held(100) <= {limits.memory_mb}, held(100)\n", who, limits)
     assert ok, why
 
@@ -325,29 +328,24 @@ def alive_with(marker: str) -> list[int]:
 HE = Record("humaneval/add", ["Write add."], {"prompt": "def add(a, b):\n", "entry_point": "add",
                                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
                                                        "    assert abs(candidate(2, 2) - 4) < 1e-9\n"})
-MBPP = Record("mbpp/add", ["Write add."], {"tests": ["import math", "assert add(1, 2) == 3",
-                                                     "assert math.isclose(add(2, 2), 4)"], "setup": ""})
+MBPP = Record("mbpp/add", ["Write add."], {"tests": ["import math", "assert math.isclose(add(2, 2), 4)",
+                                                     "assert abs(add(1, 2) - 3) < 1e-9"], "setup": ""})
 WRONG = "def add(a, b):\n    return 0\n"
-CHEATS = {
+CHEATS = {  # record, answer: each answer is wrong, and each used to pass
     "dangling decorator": (HE, WRONG + "def _skip(f):\n    return lambda *a: None\n@_skip\n"),
     "evidence channel": (MBPP, "import os\nfor fd in range(3, 64):\n    try:\n        seen = os.read(fd, 64)\n"
-                               "    except OSError:\n        continue\n    os.write(1, b'\\n' + seen + b'\\n')\n"
-                               "    for out in range(1, 64):\n        try:\n            os.write(out, seen + b' pass\\n')\n"
-                               "        except OSError:\n            pass\n    os._exit(0)\nos._exit(0)\n"),
+                               "    except OSError:\n        continue\n    if len(seen) == 32:\n"
+                               "        os.write(1, b'\\n' + seen + b'\\n')\n        os._exit(0)\n"),
     "always-equal object": (HE, "class Yes(int):\n    __eq__ = lambda self, other: True\n    __sub__ = lambda self, other: 0\n"
                                 "def add(a, b):\n    return Yes()\n"),
     "monkeypatched builtins": (MBPP, WRONG + "import builtins, math\nbuiltins.abs = lambda x: 0\n"
-                                     "math.isclose = lambda *a, **k: True\nclass Eq(dict):\n    pass\n"
-                                     "import sys\nsys.modules['math'].isclose = math.isclose\n"
-                                     "def add(a, b):\n    import math\n    return 0 if math.isclose(1, 1) else 1\n"
-                                     "exec('assert True')\nimport re\n"
-                                     "__builtins__ = builtins\n" + "if True:\n    builtins.__dict__['__import__'] = __import__\n"),
-    "tests read from its own file": (MBPP, "import re, sys\nanswers = {}\nfor path in (globals().get('__file__'), sys.argv[0], 'check.py'):\n"
-                                           "    try:\n        text = open(path).read()\n    except (OSError, TypeError):\n        continue\n"
-                                           "    answers.update({(int(a), int(b)): int(c) for a, b, c in re.findall(r'add\\((\\d+), (\\d+)\\)\\) == (\\d+)|add\\((\\d+), (\\d+)\\) == (\\d+)', text) if a})\n"
-                                           "    for a, b, c in re.findall(r'add\\((\\d+), (\\d+)\\) == (\\d+)', text):\n"
-                                           "        answers[int(a), int(b)] = int(c)\n"
-                                           "def add(a, b):\n    return answers.get((a, b), 0)\n"),
+                                     "math.isclose = lambda *a, **k: True\n"),
+    "tests read from its own file": (MBPP, "import re, sys\nknown = {}\n"
+                                           "for path in (globals().get('__file__'), sys.argv[0], 'check.py'):\n    try:\n"
+                                           "        text = open(path).read()\n    except (OSError, TypeError):\n        continue\n"
+                                           "    for a, b, c in re.findall(r'add\\((\\d+), (\\d+)\\)(?: - |, )(\\d+)', text):\n"
+                                           "        known[int(a), int(b)] = int(c)\n"
+                                           "def add(a, b):\n    return known.get((a, b), 0)\n"),
 }
 
 
