@@ -408,8 +408,9 @@ def isolation(sandbox: str = "bwrap") -> dict:
         facts |= {"bwrap": version, "user": NOBODY, "network": "none", "filesystem": "python runtime (read-only), scratch tmpfs"}
     if why:
         raise ConfigError(f"eval.sandbox=bwrap: graded code cannot be sandboxed here ({why}). Fix: install "
-                          f"bubblewrap (`apt-get install -y bubblewrap`) and allow user namespaces "
-                          f"(sysctl user.max_user_namespaces=15000), or set eval.sandbox=unsafe_subprocess "
+                          f"bubblewrap (`make setup` does, or `apt-get install -y bubblewrap`) and allow unprivileged user "
+                          f"namespaces (sysctl user.max_user_namespaces=15000; on Ubuntu 24.04 "
+                          f"kernel.apparmor_restrict_unprivileged_userns=0), or set eval.sandbox=unsafe_subprocess "
                           f"to grade without a sandbox.")
     return facts
 

@@ -308,6 +308,34 @@ def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_timeout(who):
     assert alive_with(marker) == []
 
 
+KILLED_GRADER = "import sys\nsys.path.insert(0, {src!r})\nfrom d3d.grading import run_tests\nrun_tests({program!r}, '', 120)\n"
+
+
+def test_a_grader_killed_mid_grade_leaves_nothing_running():
+    """SIGKILL the grading process while its program (and a child that left its session) runs."""
+    hexpart = uuid.uuid4().hex
+    marker = f"d3d-canary-{hexpart}"  # only the grandchild's command line holds it whole
+    program = (f"import subprocess, sys, time\n"
+               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', 'd3d-canary-' + {hexpart!r}],"
+               f" start_new_session=True)\n"
+               f"time.sleep(120)\n")
+    grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER.format(src=str(SRC), program=program)])
+    deadline = time.time() + 60
+    while not alive_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert alive_with(marker), "the graded program never started"
+    grader.kill()
+    grader.wait()
+    deadline = time.time() + 10
+    while alive_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    try:
+        assert alive_with(marker) == []
+    finally:  # a failing run does not leave its canaries behind
+        for pid in alive_with(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
 def alive_with(marker: str) -> list[int]:
     """Host pids (zombies excluded) whose command line carries `marker`."""
     pids = []
