@@ -114,8 +114,8 @@ def extract_code(text: str) -> str:
 # shared libraries `ldd` names) and a scratch tmpfs of `Limits.disk_mb` as its cwd and HOME. It runs
 # as uid 65534 on the host too: a root grader stages the runtime into a private mount namespace
 # (util-linux `unshare --mount`), then starts bwrap as nobody (`setpriv`), so the kernel's process
-# count binds it (it never binds uid 0). No cgroup is created (the machines' hierarchy is not the
-# project's): the tree's budget is per-process limits times a process count, set inside its user
+# count binds it (it never binds uid 0). No cgroup is created (a shared machine's or a cluster job's
+# hierarchy is not the grader's to change): the tree's budget is per-process limits times a process count, set inside its user
 # namespace, where RLIMIT_NPROC counts only the tree (see `Limits`). A timeout kills bwrap's process
 # group; --die-with-parent and the PID namespace take every process of the tree with it.
 #
