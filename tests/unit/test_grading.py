@@ -134,18 +134,19 @@ spec = importlib.util.spec_from_file_location("grading", sys.argv[1])
 grading = sys.modules["grading"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(grading)
 job = json.loads(sys.stdin.read())
-print(json.dumps(grading.run_tests(job["answer"], job["tests"], 20, grading.Limits(**job["limits"]))))
+print(json.dumps(grading.run_tests(job["answer"], job["tests"], job["timeout_s"], grading.Limits(**job["limits"]))))
 """
 
 
-def graded(answer: str, tests: str, who: str = "root", limits: Limits = Limits()) -> tuple[bool, str]:
-    if who == "root":
-        return run_tests(answer, tests, 20, limits)
+def graded(answer: str, tests: str, who: str = "root", limits: Limits = Limits(),
+           timeout_s: float = 20) -> tuple[bool, str]:
+    if who != "user":
+        return run_tests(answer, tests, timeout_s, limits)
     from dataclasses import asdict
 
     out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", USER_PYTHON, "-I", "-c",
                           AS_USER, str(SRC / "d3d" / "grading.py")], capture_output=True, text=True, timeout=60,
-                         input=json.dumps({"answer": answer, "tests": tests, "limits": asdict(limits)}), cwd="/")
+                         input=json.dumps({"answer": answer, "tests": tests, "limits": asdict(limits), "timeout_s": timeout_s}), cwd="/")
     assert out.returncode == 0, out.stderr
     return tuple(json.loads(out.stdout))
 
@@ -300,8 +301,12 @@ def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_timeout(who):
     answer = (f"import os, subprocess, sys\nn = 0\nfor _ in range(30):\n    try:\n"
               f"        subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}], start_new_session=True)\n"
               f"        n += 1\n    except OSError:\n        break\nwhile True:\n    pass\n")
-    ok, why = run_tests(answer, "", 3, Limits(processes=4)) if who != "user" else graded(answer, "", who, Limits(processes=4))
+    ok, why = graded(answer, "", who, Limits(processes=4), timeout_s=3)
     assert not ok and why == "timeout"
+    forks = ("import os, time\ndef forked():\n    n = 0\n    for _ in range(30):\n        try:\n            pid = os.fork()\n"
+             "        except OSError:\n            break\n        if pid == 0:\n            time.sleep(3)\n            os._exit(0)\n"
+             "        n += 1\n    return n\n")
+    assert graded(forks, "assert forked() == 3\n", who, Limits(processes=4)) == (True, "")  # the harness and 3 more
     deadline = time.time() + 5
     while alive_with(marker) and time.time() < deadline:
         time.sleep(0.1)
