@@ -121,8 +121,8 @@ def extract_code(text: str) -> str:
 #
 # Pass means the tests ran and passed. The answer must parse alone (a dangling decorator cannot
 # swallow the tests); answer and tests reach the harness over stdin, never as a file; the tests run
-# with builtins and modules as they were before the answer ran, and every value they get from a call
-# or compare must be a plain value (no class written in Python: its `==` could be forged); the
+# with builtins and modules as they were before the answer ran, and no value they get from a call
+# or compare may be of a class the answer wrote (its `==` could say yes to anything); the
 # verdict goes out on a pipe of its own, as a line carrying a per-run nonce the answer never sees on
 # any file or descriptor. What a hostile answer can still do is in docs/reliability.md.
 
@@ -163,9 +163,22 @@ def main():
     type_, id_, isinstance_, dict_, len_, repr_ = type, id, isinstance, dict, len, repr
     plain = {bool, int, float, complex, str, bytes, type(None)}
     nested = {list, tuple, set, frozenset}
-    flags = type.__dict__["__flags__"]
+    flags, module_of, name_of = (type.__dict__[k] for k in ("__flags__", "__module__", "__qualname__"))
+    modules = sys.modules
+    def trusted(t):
+        # A class written in C, or one a module of the runtime defines under its own name (random.Random):
+        # the answer can write a class with any __module__ and name, but not put it in that module's place.
+        meta = type_(t)
+        if meta is not type and not trusted(meta):
+            return False
+        if not flags.__get__(t) & (1 << 9):  # Py_TPFLAGS_HEAPTYPE: written in Python
+            return True
+        where, name = module_of.__get__(t), name_of.__get__(t)
+        module = modules.get(where) if isinstance_(where, str) else None
+        return (where != "__main__" and module is not None and isinstance_(getattr(module, "__file__", None), str)
+                and dict_.get(module.__dict__, name) is t)
     def vet(value):
-        # A class written in Python (Py_TPFLAGS_HEAPTYPE) can define == to say yes to anything.
+        # Any other class can define ==, - or bool to say yes to anything.
         stack, seen = [value], set()
         while stack and len_(seen) < 1000000:
             v = stack.pop()
@@ -180,8 +193,8 @@ def main():
             elif t is dict_:
                 stack.extend(dict_.keys(v))
                 stack.extend(dict_.values(v))
-            elif type_(t) is not type or flags.__get__(t) & (1 << 9):
-                raise AssertionError("the answer gave a " + repr_(t.__name__) + " object, a class written in Python, "
+            elif not trusted(t):
+                raise AssertionError("the answer gave a " + repr_(name_of.__get__(t)) + " object, a class it wrote, "
                                      "whose == cannot be trusted: a plain value is expected")
         return value
     namespace = {"__name__": "__main__", "__builtins__": builtins}
