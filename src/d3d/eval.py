@@ -37,7 +37,7 @@ from d3d.models.drafter import (
     build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.grading import SANDBOXES, grade, isolation, isolation_warning
+from d3d.grading import check_sandbox, grade, isolation, isolation_warning
 from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
@@ -189,9 +189,7 @@ def check_eval_settings(ev: EvalSettings) -> None:
             raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}. Fix: set eval.{key} to {least} or more.")
     if ev.exec_timeout_s <= 0:
         raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0. Fix: set eval.exec_timeout_s=10.")
-    if ev.sandbox not in SANDBOXES:
-        raise ConfigError(f"eval.sandbox={ev.sandbox!r}: no such sandbox. Fix: set eval.sandbox=bwrap (or "
-                          f"eval.sandbox=unsafe_subprocess to grade without one).")
+    check_sandbox(ev.sandbox)
     for label in ev.also_drafters:  # its rows are named <method>@<label>
         if not label or "@" in label or "/" in label:
             raise ConfigError(f"eval.also_drafters.{label}: a label names rows <method>@<label>. Fix: use a plain "

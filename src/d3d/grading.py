@@ -327,6 +327,12 @@ def _tail(path: str, n: int = 4000) -> str:
         return f.read().decode("utf-8", "replace")
 
 
+def check_sandbox(sandbox: str) -> None:
+    if sandbox not in SANDBOXES:
+        raise ConfigError(f"eval.sandbox={sandbox!r}: no such sandbox. Fix: set eval.sandbox=bwrap (or "
+                          f"eval.sandbox=unsafe_subprocess to grade without one).")
+
+
 def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None = None,
               sandbox: str = "bwrap") -> tuple[bool, str]:
     """Run the answer, then the tests, in `sandbox` (see above); (passed, why it failed)."""
@@ -334,8 +340,7 @@ def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None =
     why = unparsable(answer)
     if why:
         return False, why
-    if sandbox not in SANDBOXES:
-        raise ConfigError(f"eval.sandbox={sandbox!r}: use bwrap (or unsafe_subprocess, no sandbox)")
+    check_sandbox(sandbox)
     nonce = secrets.token_hex(16)
     read_end, write_end = os.pipe()
     job = json.dumps({"answer": answer, "tests": vetted_tests(tests), "nonce": nonce, "verdict": write_end,
@@ -404,19 +409,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def isolation(sandbox: str = "bwrap") -> dict:
     """What graded code gets with `sandbox`, for run.json; bwrap is tried once through the real chain,
     and where it cannot run here, grading refuses in one line naming the fix."""
+    check_sandbox(sandbox)
     limits = Limits()
     facts = {"sandbox": sandbox, "limits": asdict(limits),
              "tree_memory_mb": limits.memory_mb + (limits.disk_mb if sandbox == "bwrap" else 0)}
     if sandbox == "unsafe_subprocess":
         return facts | {"user": os.geteuid(), "network": "host", "filesystem": "host (as this user)"}
-    if sandbox not in SANDBOXES:
-        raise ConfigError(f"eval.sandbox={sandbox!r}: no such sandbox. Fix: set eval.sandbox=bwrap "
-                          f"(or eval.sandbox=unsafe_subprocess to run graded code without one).")
     missing = [tool for tool in ("bwrap", "ldd", *(("unshare", "setpriv") if os.geteuid() == 0 else ()))
                if not shutil.which(tool)]
     why = f"{', '.join(missing)} not found" if missing else None
     if not why:
-        ok, why = run_tests("import os\nhome = os.getuid()\n", "assert home == 65534, home\n", 30.0)
+        why = run_tests("import os\nuid = os.getuid()\n", f"assert uid == {NOBODY}, uid\n", 30.0)[1]
         version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
         facts |= {"bwrap": version, "user": NOBODY, "network": "none", "filesystem": "python runtime (read-only), scratch tmpfs"}
     if why:

@@ -372,6 +372,7 @@ def test_run_json_records_the_graders_sandbox_and_the_unsafe_mode_warns(tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]", "eval.sandbox=unsafe_subprocess")
     assert json.loads((out / "run.json").read_text())["grading"] == json.loads(json.dumps(isolation("unsafe_subprocess")))
+    assert json.loads((out / "summary.json").read_text())["config"]["eval"]["sandbox"] == "unsafe_subprocess"
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning: eval.sandbox=unsafe_subprocess" in line]
     assert len(warnings) == 1 and "unsandboxed" in warnings[0]
 

@@ -419,6 +419,8 @@ def test_where_bwrap_is_missing_grading_refuses_in_one_line_unless_told_unsafe(m
         facts = grading.isolation("unsafe_subprocess")
         assert facts["sandbox"] == "unsafe_subprocess" and "unsandboxed" in grading.isolation_warning(facts)
         assert run_tests("def f():\n    return 1\n", "assert f() == 1\n", 10, sandbox="unsafe_subprocess") == (True, "")
+        with pytest.raises(ConfigError, match=r"eval.sandbox='nope': no such sandbox. Fix: set eval.sandbox=bwrap"):
+            run_tests("x = 1\n", "", 10, sandbox="nope")
     finally:
         monkeypatch.undo()
         grading.isolation.cache_clear()
