@@ -343,9 +343,11 @@ def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None =
     check_sandbox(sandbox)
     nonce = secrets.token_hex(16)
     read_end, write_end = os.pipe()
+    # bwrap's own init is pid 1 of the namespace: one more than the tree's budget. Unsandboxed, the
+    # count is this user's, so the processes the user already runs are added.
+    nproc = limits.processes + (1 if sandbox == "bwrap" else _user_processes(os.getuid()))
     job = json.dumps({"answer": answer, "tests": vetted_tests(tests), "nonce": nonce, "verdict": write_end,
-                      # bwrap's own init is pid 1 of the namespace: one more than the tree's budget
-                      "nproc": limits.processes + (1 if sandbox == "bwrap" else _user_processes(os.getuid()))})
+                      "nproc": nproc})
     with tempfile.TemporaryDirectory(prefix="d3d-grade-") as tmp:
         os.chmod(tmp, 0o755)  # a root grader's staging folder is read by nobody's bwrap
         stage = None
@@ -362,8 +364,7 @@ def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None =
             try:
                 proc = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
                                         pass_fds=(write_end,), start_new_session=True,
-                                        preexec_fn=_preexec(limits, timeout_s, None if sandbox == "bwrap"
-                                                            else json.loads(job)["nproc"]))
+                                        preexec_fn=_preexec(limits, timeout_s, None if sandbox == "bwrap" else nproc))
             finally:
                 os.close(write_end)
             try:
@@ -372,15 +373,20 @@ def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None =
                     proc.stdin.close()
                 except BrokenPipeError:
                     pass
-                code = proc.wait(timeout=timeout_s)
+                proc.wait(timeout=timeout_s)
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
                 _kill_group(proc)
             code = proc.wait()
-            with os.fdopen(read_end, "rb") as f:
-                said = f.read(4096).decode("utf-8", "replace")  # every writer is dead: this never blocks
+            os.set_blocking(read_end, False)  # a process that left the tree may still hold the write end
+            try:
+                said = os.read(read_end, 4096).decode("utf-8", "replace")
+            except BlockingIOError:
+                said = ""
+            finally:
+                os.close(read_end)
         stderr = _tail(err_path)
         flooded = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.file_mb << 20
     if timed_out:
@@ -389,9 +395,10 @@ def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None =
         return False, f"output or a file over {limits.file_mb} MB"
     lines = said.splitlines()
     mine = [line[len(nonce) + 1:] for line in lines if line.startswith(nonce + " ")]
+    if not lines:  # the harness never got to its verdict: the sandbox's or the interpreter's own words
+        return False, (stderr.strip().splitlines() or [f"no verdict from the tests (exit status {code})"])[-1]
     if len(lines) != 1 or len(mine) != 1:  # anything else on the verdict pipe is the answer's
-        return False, (stderr.strip().splitlines() or [f"no verdict from the tests (exit status {code})"])[-1] \
-            if not lines else "the verdict pipe held lines the tests did not write"
+        return False, "the verdict pipe held lines the tests did not write"
     if mine[0] == "pass" and code == 0:
         return True, ""
     return False, mine[0].removeprefix("fail ") or f"exit status {code}"
