@@ -382,14 +382,22 @@ CHEATS = {  # record, answer: each answer is wrong, and each used to pass
 }
 
 
+@pytest.mark.parametrize("who", WHO)
 @pytest.mark.parametrize("cheat", list(CHEATS))
-def test_a_wrong_answer_does_not_pass_by_a_trick(cheat):
+def test_a_wrong_answer_does_not_pass_by_a_trick(cheat, who):
     """Each used to pass: `correct: True` without the tests having passed."""
+    from d3d.grading import PROGRAMS
+
     record, answer = CHEATS[cheat]
-    spec = shipped_benchmark("humaneval" if record is HE else "mbpp")
-    assert grade(spec, record, f"```python\n{answer}```")["correct"] is False
+    loader = "humaneval" if record is HE else "mbpp"
     right = "def add(a, b):\n    return a + b\n"
-    assert grade(spec, record, f"```python\n{right}```")["correct"] is True  # the same record, honestly answered
+    if who != "user":  # the grader's entry point, as eval calls it
+        spec = shipped_benchmark(loader)
+        assert grade(spec, record, f"```python\n{answer}```")["correct"] is False
+        assert grade(spec, record, f"```python\n{right}```")["correct"] is True  # the same record, honestly answered
+    else:
+        assert graded(*PROGRAMS[loader](record, answer), who)[0] is False
+        assert graded(*PROGRAMS[loader](record, right), who) == (True, "")
 
 
 @pytest.mark.parametrize("early_exit", ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"])
