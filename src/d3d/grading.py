@@ -115,9 +115,10 @@ def extract_code(text: str) -> str:
 # as uid 65534 on the host too: a root grader stages the runtime into a private mount namespace
 # (util-linux `unshare --mount`), then starts bwrap as nobody (`setpriv`), so the kernel's process
 # count binds it (it never binds uid 0). No cgroup is created (a shared machine's or a cluster job's
-# hierarchy is not the grader's to change): the tree's budget is per-process limits times a process count, set inside its user
-# namespace, where RLIMIT_NPROC counts only the tree (see `Limits`). A timeout kills bwrap's process
-# group; --die-with-parent and the PID namespace take every process of the tree with it.
+# hierarchy is not the grader's to change): the tree's budget is per-process limits times a process
+# count, set inside its user namespace, where RLIMIT_NPROC counts only the tree (see `Limits`). A
+# timeout kills bwrap's process group; --die-with-parent and the PID namespace take every process of
+# the tree with it.
 #
 # Pass means the tests ran and passed. The answer must parse alone (a dangling decorator cannot
 # swallow the tests); answer and tests reach the harness over stdin, never as a file; the tests run
@@ -153,7 +154,7 @@ def main():
     fd = os.open("/dev/null", os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-    resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))  # in the user namespace: the tree alone
+    resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"],) * 2)  # in its user namespace: the tree alone
     verdict, nonce, tests = job.pop("verdict"), job.pop("nonce"), job.pop("tests")
     def say(line):
         os.write(verdict, (nonce + " " + line.replace("\n", " ")[:500] + "\n").encode())
@@ -258,10 +259,11 @@ def _runtime() -> tuple[str, tuple[str, ...]]:
     """The interpreter and the host paths it needs: its standard library, extension modules and the
     shared libraries `ldd` names for them (found, not assumed: a venv's or pyenv's Python works)."""
     python = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-    dynload = sysconfig.get_config_var("DESTSHARED") or ""
-    paths = {python, sysconfig.get_path("stdlib"), *([dynload] if os.path.isdir(dynload) else [])}
-    objects = [python, *(os.path.join(dynload, f) for f in sorted(os.listdir(dynload)) if f.endswith(".so"))] \
-        if dynload and os.path.isdir(dynload) else [python]
+    paths, objects = {python, sysconfig.get_path("stdlib")}, [python]
+    dynload = sysconfig.get_config_var("DESTSHARED") or ""  # the extension modules' folder
+    if os.path.isdir(dynload):
+        paths.add(dynload)
+        objects += [os.path.join(dynload, f) for f in sorted(os.listdir(dynload)) if f.endswith(".so")]
     out = subprocess.run(["ldd", *objects], capture_output=True, text=True).stdout
     for word in out.split():
         if word.startswith("/") and os.path.exists(word) and not word.endswith(":"):
@@ -278,7 +280,10 @@ def _bwrap_argv(limits: Limits, stage: str | None) -> list[str]:
         source = path
         if stage:  # root: bound into a private mount namespace where nobody can reach it
             source = os.path.join(stage, str(i))
-            os.mkdir(source) if os.path.isdir(path) else open(source, "w").close()
+            if os.path.isdir(path):
+                os.mkdir(source)
+            else:
+                open(source, "w").close()
             mounts += [path, source]
         binds += ["--ro-bind", source, path]
     sandbox = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
@@ -292,7 +297,6 @@ def _bwrap_argv(limits: Limits, stage: str | None) -> list[str]:
     stage_mounts = 'set -e; while [ "$1" != -- ]; do mount --bind "$1" "$2"; shift 2; done; shift; exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", stage_mounts, "sh", *mounts, "--",
             "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *sandbox]
-
 
 
 def _preexec(limits: Limits, timeout_s: float, nproc: int | None):
