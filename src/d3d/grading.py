@@ -112,9 +112,10 @@ def extract_code(text: str) -> str:
 # with fresh user, PID, network, IPC, UTS and mount namespaces, its own /proc, no capabilities, and
 # a filesystem of only the Python runtime (read-only: the interpreter, its standard library and the
 # shared libraries `ldd` names) and a scratch tmpfs of `Limits.disk_mb` as its cwd and HOME. It runs
-# as uid 65534 on the host too: a root grader stages the runtime into a private mount namespace
-# (util-linux `unshare --mount`), then starts bwrap as nobody (`setpriv`), so the kernel's process
-# count binds it (it never binds uid 0). No cgroup is created (a shared machine's or a cluster job's
+# as uid 65534 on the host too: a root grader stages the runtime paths others cannot reach (an
+# interpreter under a 0700 /root) into a private mount namespace (util-linux `unshare --mount`),
+# then starts bwrap as nobody (`setpriv`), so the kernel's process count binds it (it never binds
+# uid 0). No cgroup is created (a shared machine's or a cluster job's
 # hierarchy is not the grader's to change): the tree's budget is per-process limits times a process
 # count, set inside its user namespace, where RLIMIT_NPROC counts only the tree (see `Limits`). A
 # timeout kills bwrap's process group; --die-with-parent and the PID namespace take every process of
@@ -272,13 +273,24 @@ def _runtime() -> tuple[str, tuple[str, ...]]:
     return python, tuple(sorted(paths))
 
 
+def _open_to_all(path: str) -> bool:
+    """Whether any user can read `path` (every folder above it searchable by others)."""
+    parts = path.split("/")
+    folders = ["/".join(parts[:i]) or "/" for i in range(1, len(parts))]
+    need = 0o005 if os.path.isdir(path) else 0o004  # others may read it (and enter it)
+    try:
+        return all(os.stat(d).st_mode & 0o001 for d in folders) and os.stat(path).st_mode & need == need
+    except OSError:
+        return False
+
+
 def _bwrap_argv(limits: Limits, stage: str | None) -> list[str]:
     """The command line that starts the harness in bwrap; `stage`: a root grader's staging folder."""
     python, paths = _runtime()
     binds, mounts = [], []
     for i, path in enumerate(paths):
         source = path
-        if stage:  # root: bound into a private mount namespace where nobody can reach it
+        if stage and not _open_to_all(path):  # root: bound into a private mount namespace for nobody to reach
             source = os.path.join(stage, str(i))
             if os.path.isdir(path):
                 os.mkdir(source)
