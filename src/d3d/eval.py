@@ -463,6 +463,7 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
                           max(typed.eval.concurrency))
         if typed.eval.enable_thinking:  # else said only when the eval stage starts, after the others ran
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
+        grading_isolation(list(iter_specs(typed.benchmark)), typed.eval.sandbox)  # a sandbox that cannot run here
         return None
     with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, typed)
