@@ -10,9 +10,17 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
+.PHONY: setup sandbox-tool vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
-setup: $(VENV)/.d3d-installed
+setup: $(VENV)/.d3d-installed sandbox-tool
+
+# Graded code (HumanEval, MBPP) runs in bubblewrap (d3d.grading): installed here where apt-get and
+# root allow it, else the line says how; eval refuses to grade code without it unless told
+# eval.sandbox=unsafe_subprocess.
+sandbox-tool:
+	@command -v bwrap >/dev/null || if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; \
+	else echo "d3d: graded code needs bubblewrap: sudo apt-get install bubblewrap (Debian/Ubuntu; dnf install bubblewrap on Fedora)"; fi
 
 $(VENV)/.d3d-installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -42,7 +42,7 @@ from d3d.models.drafter import (
     build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.grading import grade, isolation, isolation_warning
+from d3d.grading import check_sandbox, grade, isolation, isolation_warning
 from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
@@ -194,6 +194,7 @@ def check_eval_settings(ev: EvalSettings) -> None:
             raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}. Fix: set eval.{key} to {least} or more.")
     if ev.exec_timeout_s <= 0:
         raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0. Fix: set eval.exec_timeout_s=10.")
+    check_sandbox(ev.sandbox)
     for label in ev.also_drafters:  # its rows are named <method>@<label>
         if not label or "@" in label or "/" in label:
             raise ConfigError(f"eval.also_drafters.{label}: a label names rows <method>@<label>. Fix: use a plain "
@@ -457,7 +458,7 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                     with counting_compiles() as compiles:
                         res = gen.generate([ids], seed=seed)
                     row = result_row(spec, name, rec.id, turn, 1, [ids], res, compiles())
-                    row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s))
+                    row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s, ev.sandbox))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
                     compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), [ids])
@@ -522,12 +523,15 @@ def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tupl
     return out
 
 
-def grading_isolation(specs) -> dict:
-    """What graded code gets on this machine (d3d.grading.isolation), for run.json; a run that grades
-    code where it gets less than the namespaces and a process limit says so in one line first."""
-    facts = isolation()
+def grading_isolation(specs, sandbox: str) -> dict | None:
+    """What graded code gets here (d3d.grading.isolation: eval.sandbox), for run.json, when the run
+    grades code: a sandbox that cannot run here is refused in one line before any model loads, and
+    eval.sandbox=unsafe_subprocess is said in one line."""
+    if not any(spec.kind == "code" for spec in specs):
+        return None
+    facts = isolation(sandbox)
     warning = isolation_warning(facts)
-    if warning and any(spec.kind == "code" for spec in specs):
+    if warning:
         print(f"[d3d.eval] warning: {warning}", flush=True)
     return facts
 
@@ -543,6 +547,7 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
                           max(typed.eval.concurrency))
         if typed.eval.enable_thinking:  # else said only when the eval stage starts, after the others ran
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
+        grading_isolation(list(iter_specs(typed.benchmark)), typed.eval.sandbox)  # a sandbox that cannot run here
         return None
     with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
         return _evaluate(cfg, typed)
@@ -569,7 +574,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     check_resumable(out_dir, key, previous)
     if ev.enable_thinking:  # a template without the switch would change nothing, silently (before loading)
         require_thinking_switch(load_tokenizer(resolve_model_path(cfg.target, cache)), "eval.enable_thinking")
-    grading = grading_isolation([spec for spec, _, _ in benchmarks]) if state.is_main_process else None
+    grading = grading_isolation([spec for spec, _, _ in benchmarks], ev.sandbox) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
     auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
     eos = eos_ids(tok, target)

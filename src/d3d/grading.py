@@ -4,14 +4,14 @@ At T = 0 a lossless method returns the AR tokens, so its verdicts must equal AR'
 differs is a bug even if the token comparison were somehow fooled. Cheap checks only:
 - math (GSM8K, MATH-500, AIME): the final answer (\\boxed{...}, "####", "answer is", else the last
   number) compared with the reference after light normalisation;
-- code (HumanEval, MBPP): the completion's code run against the benchmark's tests in a separate
-  Python process with a time limit (never in this process: model output is untrusted code).
+- code (HumanEval, MBPP): the completion's code run against the benchmark's tests in a sandbox
+  (bubblewrap) with a time limit (never in this process: model output is untrusted code).
 Other benchmarks (MT-Bench, LiveCodeBench, Alpaca) get `None`: no cheap reference check exists.
 """
 
 from __future__ import annotations
 
-import atexit
+import ast
 import functools
 import json
 import math
@@ -23,8 +23,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
-import threading
 from dataclasses import asdict, dataclass
 from decimal import Decimal
 from typing import Any, Callable
@@ -107,191 +107,225 @@ def extract_code(text: str) -> str:
     return text
 
 
-# How graded code runs (docs/design.md#contract-10). Model output is untrusted code, but it is written by a
-# language model answering a benchmark, not by an attacker: the aim is that an honest mistake or a
-# careless program (an endless loop, a fork, a huge allocation, `sys.exit(0)` before its tests, a
-# stray `rm`) cannot hurt the host, outlive its time limit, or be graded correct. It is NOT a
-# security sandbox for hostile code: a program that sets out to escape (reads the evidence pipe,
-# calls setsid from outside a PID namespace, exploits the kernel) may succeed. Layers:
-#   - always: a fresh `python -I`, its own session (process group) killed whole on timeout and after
-#     it exits, and by a guardian process if the grader itself dies mid-grade (killed eval: the
-#     program and its temporary directory go too); resource limits (address space, CPU seconds,
-#     file size, open files, processes); stdin closed; stdout/stderr into files whose size the
-#     file-size limit caps (only their tails are read back); cwd, HOME and TMPDIR in a temporary
-#     directory;
-#   - as root: the program runs as uid and gid `nobody` with no supplementary groups, no_new_privs,
-#     and one capability, CAP_DAC_READ_SEARCH (it reads the interpreter wherever it is installed,
-#     under /root say; reading was never contained). So, namespaces or not, it cannot write root's
-#     files or signal the grader, and RLIMIT_NPROC binds it; its directory is chowned to it;
-#   - where `unshare` is permitted (root, or user namespaces): new network namespace (no network,
-#     not even the host's localhost), new PID namespace (the grader and every other process are
-#     invisible to kill(); when the program exits the kernel kills whatever it left behind), and a
-#     new mount namespace in which every mount is read-only but the temporary directory.
-# `isolation()` says which layers this machine gives (probed once per process, through the real
-# chain); `run_python` uses it to choose the chain, and d3d.eval records it in run.json and warns
-# in one line when the namespaces are missing.
-# A pass needs exit status 0 AND the per-call sentinel that the runner prints after the program
-# returned: exiting early (sys.exit(0), os._exit(0), a killed interpreter) is a failure.
+# How graded code runs (docs/design.md#contract-10). Model output is untrusted code: it runs in a
+# sandbox built on bubblewrap (`bwrap`, Flatpak's sandbox; docs/reliability.md says why this tool),
+# with fresh user, PID, network, IPC, UTS and mount namespaces, its own /proc, no capabilities, and
+# a filesystem of only the Python runtime (read-only: the interpreter, its standard library and the
+# shared libraries `ldd` names) and a scratch tmpfs of `Limits.disk_mb` as its cwd and HOME. It runs
+# as uid 65534 on the host too: a root grader stages the runtime paths others cannot reach (an
+# interpreter under a 0700 /root) into a private mount namespace (util-linux `unshare --mount`),
+# then starts bwrap as nobody (`setpriv`), so the kernel's process count binds it (it never binds
+# uid 0). No cgroup is created (a shared machine's or a cluster job's
+# hierarchy is not the grader's to change): the tree's budget is per-process limits times a process
+# count, set inside its user namespace, where RLIMIT_NPROC counts only the tree (see `Limits`). A
+# timeout kills bwrap's process group; --die-with-parent and the PID namespace take every process of
+# the tree with it.
+#
+# Pass means the tests ran and passed. The answer must parse alone (a dangling decorator cannot
+# swallow the tests); answer and tests reach the harness over stdin, never as a file; the tests run
+# with builtins and modules as they were before the answer ran, and no value they get from a call
+# or compare may be of a class the answer wrote (its `==` could say yes to anything); the
+# verdict goes out on a pipe of its own, as a line carrying a per-run nonce the answer never sees on
+# any file or descriptor. What a hostile answer can still do is in docs/reliability.md.
 
-_BOOT = r"""
-import ctypes, os, sys
-path, work, fs, evidence, run_as = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-if fs == "readonly":
-    # Private mount namespace (unshare --mount): keep the work dir writable, make the rest read-only.
-    libc = ctypes.CDLL(None, use_errno=True)
-    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
-    KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,  # locked flags must be restated
-            "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
-    if libc.mount(work.encode(), work.encode(), None, MS_BIND, None) != 0:
-        sys.exit("d3d grading: cannot bind the work dir")
-    with open("/proc/self/mountinfo") as f:
-        mounts = [(line.split()[4], line.split()[5]) for line in f]
-    for point, opts in mounts:
-        point = point.replace("\\040", " ")
-        if point == work:
-            continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for o in opts.split(","):
-            flags |= KEEP.get(o, 0)
-        libc.mount(None, point.encode(), None, flags, None)  # a mount that refuses stays as it was
-    os.chdir(work)  # the cwd still pointed into the mount under the bind, now read-only
-if run_as != "-":
-    # Root: the program becomes uid/gid `run_as` (nobody), with no supplementary groups, before its
-    # code runs, so it cannot write root's files or signal the grader (there may be no namespaces to
-    # stop it), and RLIMIT_NPROC binds it. It keeps one capability, CAP_DAC_READ_SEARCH, so it still
-    # reads the interpreter and its modules wherever they are installed (under /root, mode 0700, say):
-    # reading was never contained. no_new_privs: a set-uid binary it runs does not make it root again.
-    class Head(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-    class Caps(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-    libc = ctypes.CDLL(None, use_errno=True)
-    uid = int(run_as)
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setresuid, to be cut below
-    try:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        dropped = True
-    except OSError:  # a container without CAP_SETUID: it stays root, which isolation() reports (never a failed grade)
-        dropped = False
-    if dropped:
-        head, caps = Head(0x20080522, 0), (Caps * 2)()  # _LINUX_CAPABILITY_VERSION_3; every other capability dropped
-        caps[0].effective = caps[0].permitted = 1 << 2  # CAP_DAC_READ_SEARCH
-        libc.capset(ctypes.byref(head), caps)
-os.set_inheritable(evidence, False)  # children of the program do not get the pipe
-sys.argv = [path]
-with open(path, encoding="utf-8") as f:
-    code = compile(f.read(), path, "exec")
-exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
-# Only now, after the program returned normally, is the sentinel read and shown.
-sentinel = os.read(evidence, 64)
-sys.stdout.flush()
-os.write(1, b"\n" + sentinel + b"\n")
-"""
+SANDBOXES = ("bwrap", "unsafe_subprocess")  # eval.sandbox: the second runs graded code unsandboxed
+NOBODY = 65534  # the uid graded code has inside its sandbox and, for a root grader, on the host
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of one graded program (per process; processes counted per user)."""
+    """The budget of one graded program's whole process tree."""
 
-    memory_mb: int = 2048  # address space: HumanEval/MBPP solutions need tens of MB
+    memory_mb: int = 2048  # address space of the tree: each process gets memory_mb // processes
+    processes: int = 4  # processes and threads of the tree, the harness included
     file_mb: int = 16  # largest file it may write, its captured output included
-    processes: int = 64  # beyond those its user already runs (as root: real uid nobody, see above)
+    disk_mb: int = 64  # its scratch directory in all (a tmpfs of this size; memory too, so the tree
+    #                    holds at most memory_mb + disk_mb)
     open_files: int = 256
 
 
-NOBODY = 65534  # the real uid a root grader's programs run with, so that RLIMIT_NPROC binds them
-
-
-def _unshare_prefix(as_root: bool) -> list[str]:
-    base = ["unshare", "--net", "--pid", "--mount", "--fork", "--kill-child"]
-    return base if as_root else base[:1] + ["--map-root-user"] + base[1:]
-
-
-_PROBE = """import json, os, socket, sys
-s = socket.socket(); s.settimeout(1)
-try:
-    s.connect(('127.0.0.1', 9)); net = 'shared'
-except ConnectionRefusedError:
-    net = 'shared'
-except OSError:
-    net = 'unshared'
-outside = sys.argv[0].rsplit('/', 2)[0]  # the directory above its own: read-only only under a private mount
-fs = 'readonly' if os.statvfs(outside).f_flag & os.ST_RDONLY else 'writable'
-caps = int(next(l for l in open('/proc/self/status') if l.startswith('CapEff')).split()[1], 16)
-uid, mapped = os.getuid(), False  # the kernel counts the uid outside a user namespace (--map-root-user)
-for line in open('/proc/self/uid_map'):
-    inner, outer, count = map(int, line.split())
-    if inner <= uid < inner + count and (inner, outer) != (0, 0):
-        uid, mapped = outer + uid - inner, True
-        break
-binds = uid != 0 and (mapped or not caps & (1 << 21 | 1 << 24))  # a user namespace's caps do not lift it
-print(json.dumps({"network": net, "filesystem": fs, "pids": "namespace" if os.getpid() == 1 else "shared",
-                  "uid": uid, "euid": os.geteuid(), "nproc_binds": binds}))
+# The harness: the only code started in the sandbox. It reads {answer, tests, nonce, ...} from stdin
+# to its end (stdin is then /dev/null), runs the answer, restores what the answer may have patched,
+# runs the tests, and writes its verdict on fd `verdict` as "<nonce> pass" or "<nonce> fail <why>".
+# It leaves by os._exit: the answer's atexit hooks and threads never run after the verdict.
+_HARNESS = r"""
+import builtins, json, os, resource, sys
+def main():
+    job = json.loads(sys.stdin.buffer.read())
+    fd = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"],) * 2)  # in its user namespace: the tree alone
+    verdict, nonce, tests = job.pop("verdict"), job.pop("nonce"), job.pop("tests")
+    def say(line):
+        os.write(verdict, (nonce + " " + line.replace("\n", " ")[:500] + "\n").encode())
+        os._exit(0)
+    pristine = dict(builtins.__dict__)
+    before = {name: (m, dict(m.__dict__)) for name, m in list(sys.modules.items()) if type(m) is type(sys)}
+    type_, id_, isinstance_, dict_, len_, repr_ = type, id, isinstance, dict, len, repr
+    plain = {bool, int, float, complex, str, bytes, type(None)}
+    nested = {list, tuple, set, frozenset}
+    flags, module_of, name_of = (type.__dict__[k] for k in ("__flags__", "__module__", "__qualname__"))
+    modules = sys.modules
+    def trusted(t):
+        # A class written in C, or one a module of the runtime defines under its own name (random.Random):
+        # the answer can write a class with any __module__ and name, but not put it in that module's place.
+        meta = type_(t)
+        if meta is not type and not trusted(meta):
+            return False
+        if not flags.__get__(t) & (1 << 9):  # Py_TPFLAGS_HEAPTYPE: written in Python
+            return True
+        where, name = module_of.__get__(t), name_of.__get__(t)
+        module = modules.get(where) if isinstance_(where, str) else None
+        return (where != "__main__" and module is not None and isinstance_(getattr(module, "__file__", None), str)
+                and dict_.get(module.__dict__, name) is t)
+    def vet(value):
+        # Any other class can define ==, - or bool to say yes to anything.
+        stack, seen = [value], set()
+        while stack and len_(seen) < 1000000:
+            v = stack.pop()
+            t = type_(v)
+            if t in plain:
+                continue
+            if id_(v) in seen:
+                continue
+            seen.add(id_(v))
+            if t in nested:
+                stack.extend(v)
+            elif t is dict_:
+                stack.extend(dict_.keys(v))
+                stack.extend(dict_.values(v))
+            elif not trusted(t):
+                raise AssertionError("the answer gave a " + repr_(name_of.__get__(t)) + " object, a class it wrote, "
+                                     "whose == cannot be trusted: a plain value is expected")
+        return value
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(compile(job.pop("answer"), "<answer>", "exec"), namespace)
+    except SystemExit:
+        say("fail the answer exited before its tests ran")
+    except BaseException as err:
+        say("fail " + type_(err).__name__ + ": " + str(err))
+    sys.settrace(None)
+    sys.setprofile(None)
+    for name in [n for n in sys.modules if n not in before]:
+        del sys.modules[name]  # a module the answer imported is imported afresh by the tests
+    for name, (module, saved) in before.items():
+        sys.modules[name] = module
+        for key in [k for k in module.__dict__ if k not in saved]:
+            del module.__dict__[key]
+        module.__dict__.update(saved)
+    scope = {**namespace, "__builtins__": pristine, "__d3d_vet": vet}
+    try:
+        exec(compile(tests, "<tests>", "exec"), scope)
+    except BaseException as err:
+        say("fail " + type_(err).__name__ + ": " + str(err))
+    say("pass")
+main()
 """
 
 
+class _Vetted(ast.NodeTransformer):
+    """The tests with each call's result and each compared operand passed through the harness's `vet`."""
+
+    @staticmethod
+    def wrap(node: ast.expr) -> ast.expr:
+        return ast.copy_location(ast.Call(ast.Name("__d3d_vet", ast.Load()), [node], []), node)
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        return self.wrap(self.generic_visit(node))
+
+    def visit_Compare(self, node: ast.Compare) -> ast.expr:
+        self.generic_visit(node)
+        node.left = self.wrap(node.left)
+        node.comparators = [self.wrap(c) for c in node.comparators]
+        return node
+
+
+def vetted_tests(tests: str) -> str:
+    return ast.unparse(ast.fix_missing_locations(_Vetted().visit(ast.parse(tests))))
+
+
+def unparsable(answer: str) -> str | None:
+    """Why the answer alone is not a complete program, or None."""
+    try:
+        ast.parse(answer)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        return f"the answer is not a complete program on its own ({type(err).__name__}: {err})"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
-def isolation() -> dict:
-    """Which layers this machine gives graded code, found by running a probe through the real chain:
-    it tries to reach the network and to write outside its directory, and reports whether the
-    process limit binds it. d3d.eval records this dict in run.json."""
-    facts = {"session": True, "rlimits": True, "guardian": True, "namespaces": None, "network": "shared",
-             "pids": "shared", "filesystem": "writable", "processes": "unknown", "effective_uid": None,
-             "limits": asdict(Limits())}
-    chains = [(_unshare_prefix(os.geteuid() == 0), "readonly"), (_unshare_prefix(False), "readonly")]
-    for prefix, fs in [*(chains if shutil.which("unshare") else []), ([], "writable")]:
-        try:
-            ok, out = _run_contained(_PROBE, 10.0, Limits(), prefix, fs)
-            seen = json.loads(out.strip().splitlines()[-1]) if ok else None
-        except (OSError, ValueError, IndexError):
-            continue
-        if seen:
-            facts.update(namespaces=prefix or None, network=seen["network"], filesystem=seen["filesystem"],
-                         pids=seen["pids"], effective_uid=seen["euid"],
-                         processes=(f"RLIMIT_NPROC for real uid {seen['uid']}" if seen["nproc_binds"] else
-                                    "unlimited (root with CAP_SYS_ADMIN/CAP_SYS_RESOURCE: RLIMIT_NPROC does not bind)"))
-            break
-    return facts
+def _runtime() -> tuple[str, tuple[str, ...]]:
+    """The interpreter and the host paths it needs: its standard library, extension modules and the
+    shared libraries `ldd` names for them (found, not assumed: a venv's or pyenv's Python works)."""
+    python = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    paths, objects = {python, sysconfig.get_path("stdlib")}, [python]
+    dynload = sysconfig.get_config_var("DESTSHARED") or ""  # the extension modules' folder
+    if os.path.isdir(dynload):
+        paths.add(dynload)
+        objects += [os.path.join(dynload, f) for f in sorted(os.listdir(dynload)) if f.endswith(".so")]
+    out = subprocess.run(["ldd", *objects], capture_output=True, text=True).stdout
+    for word in out.split():
+        if word.startswith("/") and os.path.exists(word) and not word.endswith(":"):
+            paths.add(word)
+    paths.update(p for p in ("/etc/ld.so.cache",) if os.path.exists(p))
+    return python, tuple(sorted(paths))
 
 
-def isolation_warning(facts: dict) -> str | None:
-    """One line for a machine that gives graded code less than the full isolation, else None."""
-    missing = [what for what, ok in [("a network namespace", facts["network"] == "unshared"),
-                                     ("a PID namespace", facts["pids"] == "namespace"),
-                                     ("read-only mounts", facts["filesystem"] == "readonly"),
-                                     ("a process limit", facts["processes"].startswith("RLIMIT"))] if not ok]
-    if not missing:
-        return None
-    euid = facts.get("effective_uid")  # a record from before the field: as the grader's own user
-    euid = os.geteuid() if euid is None else euid
-    user = "root" if euid == 0 else "this user" if euid == os.geteuid() else f"uid {euid}"
-    # another uid without CAP_KILL (root's programs run as nobody) cannot signal the grader
-    signals = "a PID namespace" in missing and euid == os.geteuid()
-    return (f"graded code runs without {', '.join(missing)} here (unshare {'missing or refused' if not facts['namespaces'] else 'partial'}): "
-            f"it can {'use the network, ' if 'a network namespace' in missing else ''}"
-            f"{f'write files as {user}, ' if 'read-only mounts' in missing else ''}"
-            f"{'signal the grader, ' if signals else ''}"
-            f"{'fork without bound, ' if 'a process limit' in missing else ''}"
-            f"and keeps its time, memory and file-size limits (run.json records what it had)")
+def _open_to_all(path: str) -> bool:
+    """Whether any user can read `path` (every folder above it searchable by others)."""
+    parts = path.split("/")
+    folders = ["/".join(parts[:i]) or "/" for i in range(1, len(parts))]
+    need = 0o005 if os.path.isdir(path) else 0o004  # others may read it (and enter it)
+    try:
+        return all(os.stat(d).st_mode & 0o001 for d in folders) and os.stat(path).st_mode & need == need
+    except OSError:
+        return False
 
 
-def _preexec(limits: Limits, timeout_s: float, extra_processes: int):
+def _bwrap_argv(limits: Limits, stage: str | None) -> list[str]:
+    """The command line that starts the harness in bwrap; `stage`: a root grader's staging folder."""
+    python, paths = _runtime()
+    binds, mounts = [], []
+    for i, path in enumerate(paths):
+        source = path
+        if stage and not _open_to_all(path):  # root: bound into a private mount namespace for nobody to reach
+            source = os.path.join(stage, str(i))
+            if os.path.isdir(path):
+                os.mkdir(source)
+            else:
+                open(source, "w").close()
+            mounts += [path, source]
+        binds += ["--ro-bind", source, path]
+    sandbox = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
+               "--cap-drop", "ALL", "--die-with-parent", "--new-session", *binds,
+               "--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_mb << 20), "--tmpfs", "/scratch",
+               "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/scratch", "--clearenv",
+               "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch", "--setenv", "LANG", "C.UTF-8",
+               "--", python, "-I", "-c", _HARNESS]
+    if not stage:
+        return sandbox
+    stage_mounts = 'set -e; while [ "$1" != -- ]; do mount --bind "$1" "$2"; shift 2; done; shift; exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", stage_mounts, "sh", *mounts, "--",
+            "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *sandbox]
+
+
+def _preexec(limits: Limits, timeout_s: float, nproc: int | None):
     def apply() -> None:
         cap = lambda which, value: resource.setrlimit(which, (value, value))
-        cap(resource.RLIMIT_AS, limits.memory_mb << 20)
+        cap(resource.RLIMIT_AS, (limits.memory_mb // limits.processes) << 20)
         cap(resource.RLIMIT_CPU, int(math.ceil(timeout_s)) + 1)  # a busy grandchild dies on its own too
         cap(resource.RLIMIT_FSIZE, limits.file_mb << 20)
         cap(resource.RLIMIT_NOFILE, limits.open_files)
         cap(resource.RLIMIT_CORE, 0)
-        cap(resource.RLIMIT_NPROC, extra_processes + limits.processes)
+        if nproc is not None:
+            cap(resource.RLIMIT_NPROC, nproc)
     return apply
 
 
 def _user_processes(uid: int) -> int:
-    """Processes whose real uid is `uid` now: RLIMIT_NPROC counts them all, not only the program's."""
+    """Processes whose real uid is `uid` now (unsafe_subprocess: RLIMIT_NPROC counts them all)."""
     n = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -303,161 +337,166 @@ def _user_processes(uid: int) -> int:
     return n
 
 
-# The guardian: one small process per grading process, in a session of its own. The grader tells it
-# each program's process group and temporary directory as it starts it and forgets it when done;
-# when its stdin closes without that (the grader was killed mid-grade), it kills what is left and
-# removes the directories. Without it a killed eval left its graded programs running (reparented
-# to init) and their directories behind. Its stdin's write end is only the grader's (close-on-exec).
-_GUARD = r"""
-import os, shutil, signal, sys, time
-live = {}
-for line in sys.stdin:
-    op, pgid, tmp = line.rstrip("\n").split(" ", 2)
-    if op == "+":
-        live[pgid] = tmp
-    else:
-        live.pop(pgid, None)
-for pgid, tmp in live.items():
-    try:
-        os.killpg(int(pgid), signal.SIGKILL)
-        deadline = time.time() + 5
-        while time.time() < deadline:
-            os.killpg(int(pgid), 0)  # ProcessLookupError once the group is empty
-            time.sleep(0.02)
-    except OSError:
-        pass
-    shutil.rmtree(tmp, ignore_errors=True)
-"""
-_guardian: subprocess.Popen | None = None
-_guardian_lock = threading.Lock()
-
-
-def _guard(line: str) -> None:
-    global _guardian
-    with _guardian_lock:
-        if _guardian is None or _guardian.poll() is not None:
-            _guardian = subprocess.Popen([sys.executable, "-I", "-c", _GUARD], stdin=subprocess.PIPE,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                                         start_new_session=True)  # not in the terminal's group: Ctrl-C reaches the grader only
-            atexit.register(_release_guardian, _guardian)
-        _guardian.stdin.write(line + "\n")
-        _guardian.stdin.flush()
-
-
-def _release_guardian(proc: subprocess.Popen) -> None:
-    """At a normal exit nothing is registered: closing its stdin ends it."""
-    try:
-        proc.stdin.close()
-        proc.wait(timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-
-
 def _tail(path: str, n: int = 4000) -> str:
     with open(path, "rb") as f:
         f.seek(max(0, os.path.getsize(path) - n))
         return f.read().decode("utf-8", "replace")
 
 
-def _run_contained(program: str, timeout_s: float, limits: Limits, prefix: list[str], fs: str) -> tuple[bool, str]:
-    """One program through `prefix` (an unshare command line, or nothing); (passed, stdout or error tail)."""
+def check_sandbox(sandbox: str) -> None:
+    if sandbox not in SANDBOXES:
+        raise ConfigError(f"eval.sandbox={sandbox!r}: no such sandbox. Fix: set eval.sandbox=bwrap (or "
+                          f"eval.sandbox=unsafe_subprocess to grade without one).")
+
+
+def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None = None,
+              sandbox: str = "bwrap") -> tuple[bool, str]:
+    """Run the answer, then the tests, in `sandbox` (see above); (passed, why it failed)."""
+    limits = limits or Limits()
+    why = unparsable(answer)
+    if why:
+        return False, why
+    check_sandbox(sandbox)
+    nonce = secrets.token_hex(16)
+    read_end, write_end = os.pipe()
+    # bwrap's own init is pid 1 of the namespace: one more than the tree's budget. Unsandboxed, the
+    # count is this user's, so the processes the user already runs are added.
+    nproc = limits.processes + (1 if sandbox == "bwrap" else _user_processes(os.getuid()))
+    job = json.dumps({"answer": answer, "tests": vetted_tests(tests), "nonce": nonce, "verdict": write_end,
+                      "nproc": nproc})
     with tempfile.TemporaryDirectory(prefix="d3d-grade-") as tmp:
-        work = os.path.join(os.path.realpath(tmp), "work")  # the program's world; tmp itself holds what it must not touch
-        os.mkdir(work)
-        path = os.path.join(work, "check.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(program)
-        sentinel = secrets.token_hex(16).encode()
-        read_end, write_end = os.pipe()
-        os.write(write_end, sentinel)
-        os.close(write_end)
+        os.chmod(tmp, 0o755)  # a root grader's staging folder is read by nobody's bwrap
+        stage = None
+        if sandbox == "bwrap" and os.geteuid() == 0:
+            stage = os.path.join(tmp, "stage")
+            os.mkdir(stage)
+        scratch = os.path.join(tmp, "scratch")  # unsafe_subprocess: its cwd (bwrap: a tmpfs instead)
+        os.mkdir(scratch)
+        argv = (_bwrap_argv(limits, stage) if sandbox == "bwrap" else [sys.executable, "-I", "-c", _HARNESS])
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        run_as = NOBODY if os.geteuid() == 0 else None  # root runs nothing as root (see _BOOT)
-        if run_as is not None:  # its directory is the one place it may write
-            os.chown(work, run_as, run_as)
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": scratch,
+                   "LANG": "C.UTF-8"}
             try:
-                proc = subprocess.Popen([*prefix, sys.executable, "-I", "-c", _BOOT, path, work, fs, str(read_end),
-                                         "-" if run_as is None else str(run_as)], cwd=work,
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                        pass_fds=(read_end,), start_new_session=True,
-                                        preexec_fn=_preexec(limits, timeout_s,
-                                                            _user_processes(os.getuid() if run_as is None else run_as)))
+                proc = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
+                                        pass_fds=(write_end,), start_new_session=True,
+                                        preexec_fn=_preexec(limits, timeout_s, None if sandbox == "bwrap" else nproc))
             finally:
-                os.close(read_end)
-            _guard(f"+ {proc.pid} {tmp}")  # its session id is its pid (start_new_session)
+                os.close(write_end)
             try:
-                code = proc.wait(timeout=timeout_s)
+                try:
+                    proc.stdin.write(job.encode())
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+                proc.wait(timeout=timeout_s)
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
                 _kill_group(proc)
             code = proc.wait()
-        stdout, stderr = _tail(out_path), _tail(err_path)
+            os.set_blocking(read_end, False)  # a process that left the tree may still hold the write end
+            try:
+                said = os.read(read_end, 4096).decode("utf-8", "replace")
+            except BlockingIOError:
+                said = ""
+            finally:
+                os.close(read_end)
+        stderr = _tail(err_path)
         flooded = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.file_mb << 20
-    _guard(f"- {proc.pid} -")  # its group is dead and its directory removed: nothing left to guard
     if timed_out:
         return False, "timeout"
     if flooded or code == -signal.SIGXFSZ:  # Python ignores SIGXFSZ and raises "File too large" instead
         return False, f"output or a file over {limits.file_mb} MB"
-    if code != 0:
-        return False, stderr or f"exit status {code}"
-    if not stdout.endswith("\n" + sentinel.decode() + "\n"):
-        return False, "exited before its tests finished (status 0 without the runner's evidence)"
-    return True, stdout[: -len(sentinel) - 2]
+    lines = said.splitlines()
+    mine = [line[len(nonce) + 1:] for line in lines if line.startswith(nonce + " ")]
+    if not lines:  # the harness never got to its verdict: the sandbox's or the interpreter's own words
+        return False, (stderr.strip().splitlines() or [f"no verdict from the tests (exit status {code})"])[-1]
+    if len(lines) != 1 or len(mine) != 1:  # anything else on the verdict pipe is the answer's
+        return False, "the verdict pipe held lines the tests did not write"
+    if mine[0] == "pass" and code == 0:
+        return True, ""
+    return False, mine[0].removeprefix("fail ") or f"exit status {code}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the program's whole process group (its session): forks and spawned commands too."""
+    """SIGKILL the sandbox's whole process group: bwrap, and with it (--die-with-parent) its PID namespace."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def run_python(program: str, timeout_s: float, limits: Limits | None = None) -> tuple[bool, str]:
-    """Run a program contained (see above); (passed, the error tail when it failed)."""
-    facts = isolation()
-    prefix = facts["namespaces"] or []
-    ok, out = _run_contained(program, timeout_s, limits or Limits(), prefix, "readonly" if prefix else "writable")
-    return ok, "" if ok else out
+@functools.lru_cache(maxsize=None)
+def isolation(sandbox: str = "bwrap") -> dict:
+    """What graded code gets with `sandbox`, for run.json; bwrap is tried once through the real chain,
+    and where it cannot run here, grading refuses in one line naming the fix."""
+    check_sandbox(sandbox)
+    limits = Limits()
+    facts = {"sandbox": sandbox, "limits": asdict(limits),
+             "tree_memory_mb": limits.memory_mb + (limits.disk_mb if sandbox == "bwrap" else 0)}
+    if sandbox == "unsafe_subprocess":
+        return facts | {"user": os.geteuid(), "network": "host", "filesystem": "host (as this user)"}
+    missing = [tool for tool in ("bwrap", "ldd", *(("unshare", "setpriv") if os.geteuid() == 0 else ()))
+               if not shutil.which(tool)]
+    why = f"{', '.join(missing)} not found" if missing else None
+    if not why:
+        why = run_tests("import os\nuid = os.getuid()\n", f"assert uid == {NOBODY}, uid\n", 30.0)[1]
+        version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
+        facts |= {"bwrap": version, "user": NOBODY, "network": "none", "filesystem": "python runtime (read-only), scratch tmpfs"}
+    if why:
+        raise ConfigError(f"eval.sandbox=bwrap: graded code cannot be sandboxed here ({why}). Fix: install "
+                          f"bubblewrap (`make setup` does, or `apt-get install -y bubblewrap`) and allow unprivileged user "
+                          f"namespaces (sysctl user.max_user_namespaces=15000; on Ubuntu 24.04 "
+                          f"kernel.apparmor_restrict_unprivileged_userns=0), or set eval.sandbox=unsafe_subprocess "
+                          f"to grade without a sandbox.")
+    return facts
 
 
-def humaneval_program(record: Record, text: str) -> str:
+def isolation_warning(facts: dict) -> str | None:
+    """One line for grading without a sandbox, else None."""
+    if facts["sandbox"] != "unsafe_subprocess":
+        return None
+    return ("eval.sandbox=unsafe_subprocess: graded code runs unsandboxed, as this user: it can read and write "
+            "this user's files, use the network and signal the grader (run.json records it)")
+
+
+def humaneval_program(record: Record, text: str) -> tuple[str, str]:
+    """(answer, tests): a reply that restates the function is complete; else it is the body after the prompt."""
     ref = record.reference
     code = extract_code(text)
-    # A reply that restates the function is complete; else it is the body after the prompt.
-    body = code if f"def {ref['entry_point']}" in code else ref["prompt"] + code
-    return f"{body}\n\n{ref['test']}\n\ncheck({ref['entry_point']})\n"
+    answer = code if f"def {ref['entry_point']}" in code else ref["prompt"] + code
+    return answer, f"{ref['test']}\n\ncheck({ref['entry_point']})\n"
 
 
-def mbpp_program(record: Record, text: str) -> str:
+def mbpp_program(record: Record, text: str) -> tuple[str, str]:
+    """(answer, tests): the benchmark's setup code runs first, as part of the answer's program."""
     ref = record.reference
-    return "\n".join([ref.get("setup") or "", extract_code(text), *ref["tests"]]) + "\n"
+    return "\n".join([ref.get("setup") or "", extract_code(text)]) + "\n", "\n".join(ref["tests"]) + "\n"
 
 
 # ---------------------------------------------------------------------------- one entry point
 
 
-# How a code benchmark's tests become a program, by its parser (`spec.loader`): the test format is
-# the parser's. A code benchmark without one (LiveCodeBench: stdin tests) is not checked.
-PROGRAMS: dict[str, Callable[[Record, str], str]] = {"humaneval": humaneval_program, "mbpp": mbpp_program}
+# How a code benchmark's reply and tests become (answer, tests), by its parser (`spec.loader`): the
+# test format is the parser's. A code benchmark without one (LiveCodeBench: stdin tests) is not checked.
+PROGRAMS: dict[str, Callable[[Record, str], tuple[str, str]]] = {"humaneval": humaneval_program, "mbpp": mbpp_program}
 
 UNCHECKED = {"answer": None, "correct": None}
 
 
-def grade_math(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+def grade_math(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float, sandbox: str) -> dict[str, Any]:
     answer, ok = math_correct(text, record.reference)
     return {"answer": answer, "correct": ok}
 
 
-def grade_code(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float) -> dict[str, Any]:
+def grade_code(spec: BenchmarkSpec, record: Record, text: str, timeout_s: float,
+               sandbox: str = "bwrap") -> dict[str, Any]:
     program = PROGRAMS.get(spec.loader)
     if program is None:
         return dict(UNCHECKED)
-    ok, err = run_python(program(record, text), timeout_s)
+    ok, err = run_tests(*program(record, text), timeout_s, sandbox=sandbox)
     return {"answer": None, "correct": ok, **({} if ok else {"error": err.strip().splitlines()[-1:]})}
 
 
@@ -467,11 +506,12 @@ GRADERS: dict[str, Callable[..., dict[str, Any]] | None] = {"math": grade_math, 
 
 
 def grade(spec: BenchmarkSpec, record: Record, text: str, turn: int = 0,
-          timeout_s: float = 10.0) -> dict[str, Any]:
-    """{"answer": ..., "correct": True/False/None} for one reply (None: not checkable)."""
+          timeout_s: float = 10.0, sandbox: str = "bwrap") -> dict[str, Any]:
+    """{"answer": ..., "correct": True/False/None} for one reply (None: not checkable); code runs in
+    `sandbox` (eval.sandbox)."""
     if spec.kind not in GRADERS:
         raise ConfigError(f"benchmark.specs.{spec.name}.kind={spec.kind!r}: use {', '.join(GRADERS)}")
     grader = GRADERS[spec.kind]
     if grader is None or turn > 0 or record.reference is None:
         return dict(UNCHECKED)
-    return grader(spec, record, text, timeout_s)
+    return grader(spec, record, text, timeout_s, sandbox)

@@ -287,6 +287,7 @@ class EvalSettings:
     concurrency: list[int]
     reference_generate: bool
     exec_timeout_s: float
+    sandbox: str  # bwrap | unsafe_subprocess (d3d.grading.SANDBOXES)
     progress: bool
     enable_thinking: bool
     out_dir: Optional[str]

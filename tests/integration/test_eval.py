@@ -364,18 +364,38 @@ def test_the_targets_own_folder_as_drafter_is_one_line_with_the_fix(tmp_path):
         evaluate(tmp_path, f"drafter.checkpoint={target}")
 
 
-def test_run_json_records_the_graders_isolation_and_a_fallback_warns(tmp_path, monkeypatch, capsys):
-    """Nothing recorded which protections graded code had, and a machine without unshare said nothing."""
+def test_a_sandbox_that_cannot_run_here_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """Where bwrap is missing, grading code stops in one line naming the fix (eval.sandbox=bwrap)."""
+    import shutil
+
     import d3d.eval
+    import d3d.grading
+    from d3d.config import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real(name, *a, **k))
+    monkeypatch.setattr(d3d.eval, "load_models", lambda *a, **k: pytest.fail("the models loaded"))
+    d3d.grading.isolation.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"eval.sandbox=bwrap: graded code cannot be sandboxed here \(bwrap not "
+                                              r"found\)\. Fix: install bubblewrap"):
+            evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]")
+    finally:
+        d3d.grading.isolation.cache_clear()
+
+
+def test_run_json_records_the_graders_sandbox_and_the_unsafe_mode_warns(tmp_path, monkeypatch, capsys):
+    """Nothing recorded which protections graded code had; eval.sandbox=unsafe_subprocess (no
+    sandbox, by its name) is recorded in run.json and said in one line."""
     from d3d.grading import isolation
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    weaker = {**isolation(), "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable"}
-    monkeypatch.setattr(d3d.eval, "isolation", lambda: weaker)
-    out = evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]")
-    assert json.loads((out / "run.json").read_text())["grading"] == json.loads(json.dumps(weaker))
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning: graded code runs without" in line]
-    assert len(warnings) == 1 and "use the network" in warnings[0]
+    out = evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]", "eval.sandbox=unsafe_subprocess")
+    assert json.loads((out / "run.json").read_text())["grading"] == json.loads(json.dumps(isolation("unsafe_subprocess")))
+    assert json.loads((out / "summary.json").read_text())["config"]["eval"]["sandbox"] == "unsafe_subprocess"
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning: eval.sandbox=unsafe_subprocess" in line]
+    assert len(warnings) == 1 and "unsandboxed" in warnings[0]
 
 
 def test_a_run_folder_given_as_drafter_names_its_final(tmp_path):

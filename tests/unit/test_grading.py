@@ -84,146 +84,6 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
         assert grade(spec, rec, "```python\npass\n```")["correct"] is False
 
 
-# ---------------------------------------------------------------------------- containment (docs/design.md#contract-10)
-# Harmless payloads only: they aim at a canary in the test's own temp dir, a socket this test
-# opens, a signal handler this test installs, an allocation under a small limit.
-
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import uuid
-
-from d3d.grading import Limits, isolation, run_python
-
-
-def alive_with(marker: str) -> list[int]:
-    """Host pids (zombies excluded) whose command line carries `marker`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
-            state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmd and state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-@pytest.mark.parametrize("early_exit", ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"])
-def test_exit_zero_before_the_tests_is_a_fail(early_exit):
-    ok, err = run_python(f"{early_exit}\nassert 1 == 2, 'wrong answer'\n", timeout_s=10)
-    assert not ok and "before its tests finished" in err
-    assert run_python("assert 1 == 1\n", timeout_s=10) == (True, "")  # the same shape, tests run: a pass
-
-
-def test_memory_is_limited():
-    grab = "buf = bytearray({} << 20)\n"
-    small = Limits(memory_mb=256)
-    ok, err = run_python(grab.format(512), timeout_s=10, limits=small)
-    assert not ok and "MemoryError" in err
-    assert run_python(grab.format(16), timeout_s=10, limits=small)[0]  # the limit leaves room to work
-
-
-def test_output_is_capped_and_only_its_tail_kept():
-    ok, err = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout_s=10,
-                         limits=Limits(file_mb=1))
-    assert not ok and "over 1 MB" in err and len(err) < 5000
-
-
-@pytest.mark.parametrize("detach", [False, True])
-def test_timeout_kills_the_whole_process_group(detach):
-    """A spawned grandchild (and, in a PID namespace, one that left the session) dies with the program."""
-    if detach and isolation()["pids"] != "namespace":
-        pytest.skip(f"no PID namespace here ({isolation()}): a setsid grandchild can escape")
-    marker = f"d3d-canary-{uuid.uuid4().hex}"
-    program = (f"import subprocess, sys\n"
-               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
-               f" start_new_session={detach})\n"
-               f"while True:\n    pass\n")
-    ok, err = run_python(program, timeout_s=2)
-    assert not ok and err == "timeout"
-    deadline = time.time() + 5  # the kernel reaps asynchronously
-    while alive_with(marker) and time.time() < deadline:
-        time.sleep(0.1)
-    assert alive_with(marker) == []
-
-
-def test_a_passing_program_leaves_nothing_running():
-    marker = f"d3d-canary-{uuid.uuid4().hex}"
-    program = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
-    assert run_python(program, timeout_s=10)[0]
-    deadline = time.time() + 5
-    while alive_with(marker) and time.time() < deadline:
-        time.sleep(0.1)
-    assert alive_with(marker) == []
-
-
-def test_stdin_is_closed(monkeypatch):
-    """The grader's stdin (here a pipe holding a secret) is not the program's."""
-    saved = os.dup(0)
-    r, w = os.pipe()
-    os.write(w, b"secret\n")
-    os.close(w)
-    os.dup2(r, 0)
-    try:
-        ok, err = run_python("import sys\nassert 'secret' not in sys.stdin.read(), 'read the grader stdin'\n", 10)
-    finally:
-        os.dup2(saved, 0)
-        os.close(saved)
-        os.close(r)
-    assert ok, err
-
-
-def test_files_outside_its_directory_are_untouched(tmp_path):
-    if isolation()["filesystem"] != "readonly":
-        pytest.skip(f"no private read-only mounts here ({isolation()})")
-    canary = tmp_path / "canary.txt"
-    canary.write_text("keep me")
-    program = (f"import os\n"
-               f"for attempt in (lambda: os.remove({str(canary)!r}), lambda: open({str(canary)!r}, 'w').write('gone')):\n"
-               f"    try:\n        attempt()\n    except OSError:\n        pass\n"
-               f"open('scratch.txt', 'w').write('its own directory is writable')\n")
-    assert run_python(program, timeout_s=10)[0]
-    assert canary.read_text() == "keep me"
-
-
-def test_no_network():
-    if isolation()["network"] != "unshared":
-        pytest.skip(f"no network namespace here ({isolation()})")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    try:
-        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-        ok, err = run_python(program, timeout_s=10)
-    finally:
-        server.close()
-    assert not ok and "Error" in err  # unreachable, not merely refused
-
-
-def test_cannot_signal_the_grader():
-    if isolation()["pids"] != "namespace":
-        pytest.skip(f"no PID namespace here ({isolation()})")
-    got = []
-    old = signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
-    try:
-        program = (f"import os, signal\n"
-                   f"for pid in ({os.getpid()}, os.getppid()):\n"
-                   f"    try:\n        os.kill(pid, signal.SIGUSR1)\n    except OSError:\n        pass\n")
-        run_python(program, timeout_s=10)
-        time.sleep(0.2)
-    finally:
-        signal.signal(signal.SIGUSR1, old)
-    assert got == []
-
-
 def test_the_grader_is_chosen_by_the_specs_kind():
     """`kind` in conf/benchmark/<name>.yaml picks the grader (d3d.grading.GRADERS): the same record and
     reply are checked as math, left unchecked as chat, and an unknown kind is refused by name."""
@@ -242,93 +102,334 @@ def test_the_grader_is_chosen_by_the_specs_kind():
     assert kinds <= set(GRADERS), kinds
 
 
-KILLED_GRADER = "import sys\nsys.path.insert(0, {src!r})\nfrom d3d.grading import run_python\nrun_python({program!r}, 120)\n"
+# ---------------------------------------------------------------------------- the sandbox (docs/design.md#contract-10)
+# Each probe is an answer that tries something hostile and a test that passes only if it was stopped:
+# `correct` is True when the sandbox held. Payloads aim at canaries this test makes (a 0600 file, a
+# Unix socket, a process with a marker), never at the machine's own files. docs/reliability.md lists
+# them. "user" runs the grader itself as an ordinary user (uid 65534, the system Python, only
+# d3d.grading loaded), so the non-root chain is tried too.
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from d3d.grading import Limits, isolation, run_tests
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+USER_PYTHON = "/usr/bin/python3"
+# The grader as an ordinary user: d3d.grading alone, its imports of the project stubbed.
+AS_USER = """import importlib.util, json, sys, types
+for name, attrs in {"d3d": {}, "d3d.config": {"ConfigError": type("ConfigError", (Exception,), {})},
+                    "d3d.data": {}, "d3d.data.benchmarks": {"Record": object}, "d3d.specs": {"BenchmarkSpec": object}}.items():
+    sys.modules[name] = types.SimpleNamespace(**attrs)
+spec = importlib.util.spec_from_file_location("grading", sys.argv[1])
+grading = sys.modules["grading"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grading)
+job = json.loads(sys.stdin.read())
+print(json.dumps(grading.run_tests(job["answer"], job["tests"], job["timeout_s"], grading.Limits(**job["limits"]))))
+"""
 
 
-def test_a_grader_killed_mid_grade_leaves_nothing_running_or_on_disk(tmp_path):
-    """SIGKILL the grading process while its program (and a child of it) runs: both used to live on,
-    reparented, with their temporary directory left behind."""
-    from tests.conftest import ROOT
+def graded(answer: str, tests: str, who: str = "root", limits: Limits = Limits(),
+           timeout_s: float = 20) -> tuple[bool, str]:
+    if who != "user":
+        return run_tests(answer, tests, timeout_s, limits)
+    from dataclasses import asdict
 
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", USER_PYTHON, "-I", "-c",
+                          AS_USER, str(SRC / "d3d" / "grading.py")], capture_output=True, text=True, timeout=60,
+                         input=json.dumps({"answer": answer, "tests": tests, "limits": asdict(limits), "timeout_s": timeout_s}), cwd="/")
+    assert out.returncode == 0, out.stderr
+    return tuple(json.loads(out.stdout))
+
+
+def who_params():
+    user_ok = os.geteuid() == 0 and os.path.exists(USER_PYTHON) and shutil.which("setpriv")
+    return ["root" if os.geteuid() == 0 else "self",
+            pytest.param("user", marks=pytest.mark.skipif(not user_ok, reason="needs root, setpriv and /usr/bin/python3"))]
+
+
+WHO = who_params()
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder both root and uid 65534 reach; its files belong to whoever grades (`owned`)."""
+    d = tempfile.mkdtemp(prefix="d3d-canary-", dir="/tmp")
+    os.chmod(d, 0o777)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def owned(path: Path, who: str) -> Path:
+    if who == "user":
+        os.chown(path, 65534, 65534)
+    return path
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_a_right_answer_passes_and_a_wrong_one_fails_in_the_sandbox(who):
+    assert graded("def add(a, b):\n    return a + b\n", "assert add(1, 2) == 3\n", who) == (True, "")
+    ok, why = graded("def add(a, b):\n    return a - b\n", "assert add(1, 2) == 3\n", who)
+    assert not ok and why.startswith("AssertionError")
+
+
+READ = ("def leaked(path):\n    try:\n        return open(path).read()\n    except OSError:\n        return None\n")
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_host_files_cannot_be_read(who, shared_dir):
+    """The grader's own 0600 files (in its home, in /tmp) were read and could be raised into rows.jsonl."""
+    secret = f"secret-{uuid.uuid4().hex}"
+    paths = [shared_dir / "private.txt"]
+    if who == "root":
+        paths.append(Path(tempfile.mkstemp(dir="/root")[1]))  # root's home is 0700
+    try:
+        for path in paths:
+            path.write_text(secret)
+            os.chmod(path, 0o600)
+            owned(path, who)
+        tests = "".join(f"assert leaked({str(p)!r}) is None\n" for p in paths) + "assert leaked('/etc/shadow') is None\n"
+        ok, why = graded(READ, tests, who)
+        assert ok and secret not in why, why
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_host_files_cannot_be_written(who, shared_dir):
+    canary = shared_dir / "canary.txt"
+    canary.write_text("keep me")
+    owned(canary, who)
+    answer = (f"import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+              f"for point in [line.split()[4] for line in open('/proc/self/mountinfo')]:\n"
+              f"    libc.mount(None, point.encode(), None, 32 | 4096, None)  # MS_REMOUNT | MS_BIND, read-write\n"
+              f"def wrote():\n    n = 0\n"
+              f"    for path in ({str(canary)!r}, {str(shared_dir / 'new.txt')!r}, '/tmp/x', '/x', '/dev/shm/x'):\n"
+              f"        try:\n            open(path, 'a').write('gone')\n            n += 1\n        except OSError:\n            pass\n"
+              f"    return n\n"
+              f"open('scratch.txt', 'w').write('its own scratch is writable')\n")
+    ok, why = graded(answer, "assert wrote() == 0, wrote()\nassert open('scratch.txt').read()\n", who)
+    assert ok, why
+    assert canary.read_text() == "keep me" and not (shared_dir / "new.txt").exists()
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_unix_sockets_of_the_host_are_out_of_reach(who, shared_dir):
+    path = str(shared_dir / "service.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen(1)
+    try:
+        answer = (f"import socket\ndef reached():\n    s = socket.socket(socket.AF_UNIX)\n    try:\n"
+                  f"        s.connect({path!r})\n        return True\n    except OSError:\n        return False\n")
+        ok, why = graded(answer, "assert not reached()\n", who)
+    finally:
+        server.close()
+    assert ok, why
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_host_processes_are_invisible(who):
+    marker = f"d3d-canary-{uuid.uuid4().hex}"
+    witness = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])
+    try:
+        answer = (f"import os\ndef seen():\n    found = []\n    for pid in os.listdir('/proc'):\n        try:\n"
+                  f"            if {marker!r}.encode() in open(f'/proc/{{pid}}/cmdline', 'rb').read():\n"
+                  f"                found.append(pid)\n        except OSError:\n            pass\n    return found\n")
+        ok, why = graded(answer, "assert seen() == [], seen()\nimport os\nassert os.getpid() < 10\n", who)
+    finally:
+        witness.kill()
+        witness.wait()
+    assert ok, why
+
+
+HOLD = """import os, time
+def held(mb, children=3):
+    r, w = os.pipe()
+    for _ in range(children):
+        try:
+            if os.fork() == 0:
+                try:
+                    buf = bytearray(mb << 20)
+                    os.write(w, b"1")
+                except MemoryError:
+                    pass
+                time.sleep(2)
+                os._exit(0)
+        except OSError:
+            pass
+    os.close(w)
+    time.sleep(1)
+    got = os.read(r, 64)
+    return len(got) * mb
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_process_tree_holds_no_more_memory_than_its_budget(who):
+    """Three children held 2.4 GB against a 2 GB cap (the address-space limit was per process)."""
+    limits = Limits(memory_mb=256, processes=6)  # room for the three children
+    ok, why = graded(HOLD, f"assert held(100) <= {limits.memory_mb}, held(100)\n", who, limits)
+    assert ok, why
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_scratch_disk_is_one_budget(who):
+    """Six files wrote 90 MB against a 16 MB per-file cap: no cap held their sum."""
+    limits = Limits(file_mb=4, disk_mb=8)
+    answer = ("def written():\n    total = 0\n    for i in range(6):\n        try:\n"
+              "            with open(f'f{i}', 'wb') as f:\n                f.write(b'x' * (3 << 20))\n            total += 3\n"
+              "        except OSError:\n            break\n    return total\n")
+    ok, why = graded(answer, f"assert written() <= {limits.disk_mb}, written()\n", who, limits)
+    assert ok, why
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_timeout(who):
+    marker = f"d3d-canary-{uuid.uuid4().hex}"
+    answer = (f"import os, subprocess, sys\nn = 0\nfor _ in range(30):\n    try:\n"
+              f"        subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}], start_new_session=True)\n"
+              f"        n += 1\n    except OSError:\n        break\nwhile True:\n    pass\n")
+    ok, why = graded(answer, "", who, Limits(processes=4), timeout_s=3)
+    assert not ok and why == "timeout"
+    forks = ("import os, time\ndef forked():\n    n = 0\n    for _ in range(30):\n        try:\n            pid = os.fork()\n"
+             "        except OSError:\n            break\n        if pid == 0:\n            time.sleep(3)\n            os._exit(0)\n"
+             "        n += 1\n    return n\n")
+    assert graded(forks, "assert forked() == 3\n", who, Limits(processes=4)) == (True, "")  # the harness and 3 more
+    deadline = time.time() + 5
+    while alive_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert alive_with(marker) == []
+
+
+KILLED_GRADER = "import sys\nsys.path.insert(0, {src!r})\nfrom d3d.grading import run_tests\nrun_tests({program!r}, '', 120)\n"
+
+
+def test_a_grader_killed_mid_grade_leaves_nothing_running():
+    """SIGKILL the grading process while its program (and a child that left its session) runs."""
     hexpart = uuid.uuid4().hex
     marker = f"d3d-canary-{hexpart}"  # only the grandchild's command line holds it whole
     program = (f"import subprocess, sys, time\n"
-               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', 'd3d-canary-' + {hexpart!r}])\n"
+               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', 'd3d-canary-' + {hexpart!r}],"
+               f" start_new_session=True)\n"
                f"time.sleep(120)\n")
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER.format(src=str(ROOT / "src"), program=program)],
-                              env={**os.environ, "TMPDIR": str(tmpdir)})
+    grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER.format(src=str(SRC), program=program)])
     deadline = time.time() + 60
     while not alive_with(marker) and time.time() < deadline:
         time.sleep(0.1)
     assert alive_with(marker), "the graded program never started"
     grader.kill()
     grader.wait()
-    left = lambda: alive_with(marker) + alive_with(str(tmpdir)) + [p.name for p in tmpdir.iterdir()]
     deadline = time.time() + 10
-    while left() and time.time() < deadline:
+    while alive_with(marker) and time.time() < deadline:
         time.sleep(0.1)
     try:
-        assert left() == []
+        assert alive_with(marker) == []
     finally:  # a failing run does not leave its canaries behind
-        for pid in alive_with(marker) + alive_with(str(tmpdir)):
+        for pid in alive_with(marker):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_the_process_count_is_limited_for_root_too():
-    """RLIMIT_NPROC does not bind root: a fork loop used to get every process it asked for."""
-    program = ("import os, time\nn = 0\nfor _ in range(30):\n    try:\n        pid = os.fork()\n"
-               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n"
-               "    n += 1\nassert n < 30, f'{n} processes forked under a limit of 4'\n")
-    ok, err = run_python(program, timeout_s=20, limits=Limits(processes=4))
-    assert ok, err
-    assert isolation()["processes"].startswith("RLIMIT_NPROC"), isolation()
+def alive_with(marker: str) -> list[int]:
+    """Host pids (zombies excluded) whose command line carries `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+                state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker.encode() in cmd and state != "Z":
+                pids.append(int(entry))
+    return pids
 
 
-def test_isolation_is_described_and_weaker_isolation_is_one_warning_line():
-    from d3d.grading import isolation_warning
+# ---------------------------------------------------------------------------- pass means the tests ran and passed
 
-    facts = isolation()
-    assert {"namespaces", "network", "pids", "filesystem", "processes", "limits"} <= set(facts)
-    fallback = {**facts, "namespaces": None, "network": "shared", "pids": "shared", "filesystem": "writable",
-                "effective_uid": os.geteuid()}  # a program that kept the grader's own user
-    line = isolation_warning(fallback)
-    user = "root" if os.geteuid() == 0 else "this user"
-    assert "\n" not in line and f"use the network, write files as {user}, signal the grader" in line
-    full = {**facts, "network": "unshared", "pids": "namespace", "filesystem": "readonly",
-            "processes": "RLIMIT_NPROC for real uid 65534"}
-    assert isolation_warning(full) is None
+HE = Record("humaneval/add", ["Write add."], {"prompt": "def add(a, b):\n", "entry_point": "add",
+                                               "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                                                       "    assert abs(candidate(2, 2) - 4) < 1e-9\n"})
+MBPP = Record("mbpp/add", ["Write add."], {"tests": ["import math", "assert math.isclose(add(2, 2), 4)",
+                                                     "assert abs(add(1, 2) - 3) < 1e-9"], "setup": ""})
+WRONG = "def add(a, b):\n    return 0\n"
+CHEATS = {  # record, answer: each answer is wrong, and each used to pass
+    "dangling decorator": (HE, WRONG + "def _skip(f):\n    return lambda *a: None\n@_skip\n"),
+    "evidence channel": (MBPP, "import os\nfor fd in range(3, 64):\n    try:\n        seen = os.read(fd, 64)\n"
+                               "    except OSError:\n        continue\n    if len(seen) == 32:\n"
+                               "        os.write(1, b'\\n' + seen + b'\\n')\n        os._exit(0)\n"),
+    "always-equal object": (HE, "class Yes(int):\n    __eq__ = lambda self, other: True\n    __sub__ = lambda self, other: 0\n"
+                                "def add(a, b):\n    return Yes()\n"),
+    "monkeypatched builtins": (MBPP, WRONG + "import builtins, math\nbuiltins.abs = lambda x: 0\n"
+                                     "math.isclose = lambda *a, **k: True\n"),
+    "tests read from its own file": (MBPP, "import re, sys\nknown = {}\n"
+                                           "for path in (globals().get('__file__'), sys.argv[0], 'check.py'):\n    try:\n"
+                                           "        text = open(path).read()\n    except (OSError, TypeError):\n        continue\n"
+                                           "    for a, b, c in re.findall(r'add\\((\\d+), (\\d+)\\)(?: - |, )(\\d+)', text):\n"
+                                           "        known[int(a), int(b)] = int(c)\n"
+                                           "def add(a, b):\n    return known.get((a, b), 0)\n"),
+}
 
 
-def test_without_unshare_roots_graded_code_runs_as_nobody(tmp_path, monkeypatch):
-    """Where unshare is missing, root's graded code used to keep effective uid 0: it could write
-    root's files and signal the grader (recorded and warned only). Now it runs as nobody."""
-    if os.geteuid() != 0:
-        pytest.skip("the grader is not root here: its programs already run as its own, unprivileged user")
-    import shutil
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("cheat", list(CHEATS))
+def test_a_wrong_answer_does_not_pass_by_a_trick(cheat, who):
+    """Each used to pass: `correct: True` without the tests having passed."""
+    from d3d.grading import PROGRAMS
 
+    record, answer = CHEATS[cheat]
+    loader = "humaneval" if record is HE else "mbpp"
+    right = "def add(a, b):\n    return a + b\n"
+    if who != "user":  # the grader's entry point, as eval calls it
+        spec = shipped_benchmark(loader)
+        assert grade(spec, record, f"```python\n{answer}```")["correct"] is False
+        assert grade(spec, record, f"```python\n{right}```")["correct"] is True  # the same record, honestly answered
+    else:
+        assert graded(*PROGRAMS[loader](record, answer), who)[0] is False
+        assert graded(*PROGRAMS[loader](record, right), who) == (True, "")
+
+
+@pytest.mark.parametrize("early_exit", ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"])
+def test_exit_zero_before_the_tests_is_a_fail(early_exit):
+    ok, why = run_tests(f"{early_exit}\n", "assert 1 == 2, 'wrong answer'\n", 10)
+    assert not ok and ("exited before its tests" in why or "no verdict" in why), why
+    assert run_tests("x = 1\n", "assert x == 1\n", 10) == (True, "")
+
+
+def test_output_is_capped_and_only_its_tail_kept():
+    ok, why = run_tests("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "", 10, Limits(file_mb=1))
+    assert not ok and "over 1 MB" in why and len(why) < 5000
+
+
+def test_where_bwrap_is_missing_grading_refuses_in_one_line_unless_told_unsafe(monkeypatch):
+    from d3d.config import ConfigError
     import d3d.grading as grading
 
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # no unshare on this machine
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real(name, *a, **k))
     grading.isolation.cache_clear()
     try:
-        canary = tmp_path / "root_owned.txt"
-        canary.write_text("keep me")
-        program = (f"import os, signal\n"
-                   f"assert os.geteuid() != 0 and os.getegid() != 0, (os.geteuid(), os.getegid())\n"
-                   f"for attempt in (lambda: open({str(canary)!r}, 'w').write('gone'), lambda: os.remove({str(canary)!r}),\n"
-                   f"                lambda: os.kill({os.getpid()}, signal.SIGKILL)):\n"
-                   f"    try:\n        attempt()\n    except PermissionError:\n        pass\n"
-                   f"    else:\n        raise AssertionError('allowed as root would be')\n"
-                   f"open('scratch.txt', 'w').write('its own directory is writable')\n"
-                   f"import json, decimal  # modules still load from wherever the interpreter lives\n")
-        ok, err = grading.run_python(program, timeout_s=10)
-        assert ok, err
-        assert canary.read_text() == "keep me"
-        facts = grading.isolation()  # what run.json records, and the warning that still comes (network)
-        assert facts["namespaces"] is None and facts["effective_uid"] == grading.NOBODY, facts
-        warning = grading.isolation_warning(facts)
-        assert "use the network, write files as uid 65534" in warning and "signal the grader" not in warning
+        with pytest.raises(ConfigError, match=r"eval.sandbox=bwrap: .*bwrap not found.*Fix: install bubblewrap.*"
+                                              r"eval.sandbox=unsafe_subprocess") as err:
+            grading.isolation("bwrap")
+        assert "\n" not in str(err.value)
+        facts = grading.isolation("unsafe_subprocess")
+        assert facts["sandbox"] == "unsafe_subprocess" and "unsandboxed" in grading.isolation_warning(facts)
+        assert run_tests("def f():\n    return 1\n", "assert f() == 1\n", 10, sandbox="unsafe_subprocess") == (True, "")
+        with pytest.raises(ConfigError, match=r"eval.sandbox='nope': no such sandbox. Fix: set eval.sandbox=bwrap"):
+            run_tests("x = 1\n", "", 10, sandbox="nope")
     finally:
+        monkeypatch.undo()
         grading.isolation.cache_clear()
+    assert isolation("bwrap")["sandbox"] == "bwrap" and grading.isolation_warning(isolation("bwrap")) is None
