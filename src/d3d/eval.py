@@ -385,7 +385,7 @@ def warm_up_calls(benchmarks, tok, ev: EvalSettings) -> list[tuple[int, int]]:
         return len(chat_prompt_ids(tok, messages, ev.enable_thinking))
 
     single, first = 0, 0
-    for spec, records in benchmarks:
+    for spec, records, _ in benchmarks:
         for rec in records:
             history = []
             for turn in range(len(rec.turns)):
