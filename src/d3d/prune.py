@@ -290,6 +290,9 @@ def _prune(cfg: PruneConfig) -> Path:
     acc = make_accelerator(tc, cpu=pick_device(pc.device).type == "cpu", precision="auto")
     main = acc.is_main_process
     device = str(acc.device)  # this process's GPU under accelerate launch
+    if main and acc.num_processes > 1:
+        print(f"[d3d.prune] {acc.num_processes} processes ({acc.distributed_type.value}): scoring split over them, "
+              f"recovery on a global batch of {tc.batch_size * tc.grad_accum * acc.num_processes}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
     train, val = split_examples(examples, tc.val_size, cfg.seed)

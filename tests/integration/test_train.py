@@ -154,7 +154,7 @@ def test_contract9_two_processes_equal_one_process_on_the_global_batch(root, tmp
 
 
 @pytest.mark.heavy  # torchrun: three two-process runs (gloo) and one single-process run, ~2 min on 2 cores
-def test_fsdp2_two_processes_equal_one_process_evaluate_and_resume_exactly(root, tmp_path):
+def test_fsdp2_two_processes_equal_one_process_evaluate_and_resume_exactly(root, tmp_path, fresh_accelerate_state):
     """conf/accelerate/fsdp.yaml (FSDP2, full shard) on two real processes: the drafter's parameters
     are DTensor shards (not DDP replicas); held-out τ is evaluated at steps 0, 2 and 4 (it died at
     step 0: the estimator called the sharded drafter outside the root's forward); the weights equal
