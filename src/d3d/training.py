@@ -327,6 +327,10 @@ def deepspeed_plugin(tc: TrainSettings, precision: str):
         device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none")
         if device != "none":
             config["zero_optimization"][f"offload_{kind}"] = {"device": device}
+    # accelerate launch lists the yaml's deepspeed fields (zero_stage, offload) in this variable, and a
+    # plugin built from a config dict then refuses to start ("... variables will be ignored"): those
+    # fields are carried into `config` above, so the check has nothing left to protect
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     return DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=tc.grad_accum,
                            gradient_clipping=tc.clip or 0.0, zero_stage=stage)
 
