@@ -115,7 +115,8 @@ def _last_layer(model, calib, s, pc, record, acc):
     return [float(i) for i in range(len(decoder_layers(model)))]  # the highest score is the last layer
 
 
-# prune.method -> a scorer: one score per current layer, the highest is removed. A new pruning
+# prune.method -> a scorer (model, calib, s, pc, record, acc): one score per current layer, the highest is
+# removed (acc: the run's Accelerator, for scorers that split the responses over processes). A new pruning
 # criterion is one function and one line here (docs/design.md, "Changes a researcher makes").
 SCORERS = {"acceptance": score_by_acceptance, "similarity": _by_similarity, "last": _last_layer}
 UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
@@ -132,7 +133,7 @@ def scorer(method: str):
 
 
 def choose_layers(model, calib, s: DrafterSettings, pc: PruneSettings, tau_now: float,
-                  record: Path | None, acc) -> tuple[list[int], list[float] | None]:
+                  record: Path | None = None, acc=None) -> tuple[list[int], list[float] | None]:
     """The layers (current indices) this step removes. By τ (acceptance): the best-scored one, and
     up to prune.layers_per_step of the next best whose removal alone keeps >= step_safe_retention of
     the current τ. A rule or a proxy (last, similarity) says nothing of τ: its layers_per_step best
