@@ -43,7 +43,7 @@ from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
 from d3d.training import (
-    RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, load_examples, make_accelerator,
+    BATCH_SPLIT_KEYS, RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, load_examples, make_accelerator,
     mixed_precision, my_share, recover, split_examples, sum_over_processes, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import (
@@ -212,7 +212,9 @@ def prune_resume_key(cfg: PruneConfig) -> dict:
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else asdict(cfg.drafter))
     return {"drafter": start, "seed": cfg.seed, "precision": mixed_precision("auto"),
-            "train": {k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS},
+            # the recovery's global batch, not its split over processes (d3d.training.train_resume_key)
+            "train": {**{k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
+                      "global_batch": cfg.train.batch_size * cfg.train.grad_accum * world_size()},
             "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
 
 
