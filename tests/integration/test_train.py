@@ -195,7 +195,10 @@ def test_fsdp2_two_processes_equal_one_process_evaluate_and_resume_exactly(root,
         torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
         torch.testing.assert_close(w0[k], one[k], rtol=1e-5, atol=2e-6)  # fp32: sums in another order
     lrs = lambda rows: [(r["step"], r["lr"]) for r in rows if "lr" in r]  # noqa: E731
-    assert lrs(rows) == lrs(read_jsonl(tmp_path / "one" / "metrics.jsonl"))
+    one_rows = list(read_jsonl(tmp_path / "one" / "metrics.jsonl"))
+    assert lrs(rows) == lrs(one_rows)
+    taus = lambda rows: [r["val_tau"] for r in rows if "val_tau" in r]  # noqa: E731
+    assert taus(rows) == pytest.approx(taus(one_rows), abs=1e-9)  # each rank's half of the responses, summed
     final, _ = load_drafter(tmp_path / "fsdp_run" / "final", dtype="float32")
     for k, v in final.state_dict().items():
         torch.testing.assert_close(v, w0[k], rtol=0, atol=0)
