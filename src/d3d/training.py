@@ -116,7 +116,7 @@ def train_resume_key(cfg: TrainConfig) -> dict:
             # on another CPU would be half one experiment and half another
             "precision": mixed_precision(tc.mixed_precision),
             # the batch an optimizer step takes, in sequences: the same on 8 processes x 4 micro-batches
-            # as on 32 x 1 (the data order is the same, docs/design.md#training); how it is split is not kept
+            # as on 32 x 1 (the data order is the same, docs/design.md, Training); how it is split is not kept
             "train": {**{k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
                       "global_batch": tc.batch_size * tc.grad_accum * world_size()}}
 
