@@ -21,7 +21,9 @@ from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import as_deployed, keep_layers, load_drafter
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
-from d3d.training import cut_responses, freeze_embeddings_except_mask, load_examples, recover, split_examples
+from d3d.training import (
+    cut_responses, freeze_embeddings_except_mask, load_examples, make_accelerator, recover, split_examples,
+)
 from d3d.utils.hardware import cpu_info
 
 
@@ -47,10 +49,11 @@ def main() -> None:
     train, val = split_examples(load_examples(resolve_path(tc.responses_dir), tc.max_len), tc.val_size, cfg.seed)
     calib = cut_responses(val[: pc.calib_size], tc.val_max_new_tokens)  # as d3d.prune splits them
     holdout = cut_responses(val[pc.calib_size : pc.calib_size + pc.holdout_size], tc.val_max_new_tokens)
+    accelerator = make_accelerator(tc, precision="auto")
     start, tok = load_drafter(args.drafter, dtype="float32")
     teacher = as_deployed(start).eval()
     results = {"cpu": cpu_info(), "drafter": args.drafter, "removed": args.remove, "steps": args.steps,
-               "lr": tc.lr, "whole": measure(start, calib, holdout, DrafterSettings.of(start)), "runs": {}}
+               "lr": pc.recovery_lr, "whole": measure(start, calib, holdout, DrafterSettings.of(start)), "runs": {}}
     print("whole drafter", results["whole"], flush=True)
     for loss in args.losses:
         model = copy.deepcopy(start)
@@ -60,7 +63,9 @@ def main() -> None:
             freeze_embeddings_except_mask(model, s.mask_token_id)
         row = measure(model, calib, holdout, s, "_before_recovery")
         t = time.perf_counter()
-        recover(model, train, tc, s, args.steps, cfg.seed + 1, tok.pad_token_id, teacher if loss == "distill" else None)
+        model = recover(accelerator, model, train, tc, s, args.steps, cfg.seed + 1, tok.pad_token_id,
+                        teacher if loss == "distill" else None, pc.recovery_lr, pc.recovery_warmup_steps,
+                        pc.recovery_schedule)
         row |= {"recovery_s": round(time.perf_counter() - t, 1), **measure(model, calib, holdout, s)}
         results["runs"][loss] = row
         print(loss, row, flush=True)

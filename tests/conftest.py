@@ -59,13 +59,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(nproc: int, script, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, script, *args, timeout: int = 600, env: dict | None = None,
+             module: bool = False) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N` on this machine: N real processes (gloo on CPU). `accelerate
-    launch --cpu --num_processes 2` starts only one here (docs/design.md, Models)."""
+    launch --cpu --num_processes 2` starts only one here (docs/design.md, Models). `env`: more
+    variables (an accelerate config's, `accelerate_env`); `module`: `script` is a module (`-m`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+           "127.0.0.1", "--master_port", str(free_port()), *(["-m"] if module else []), str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path),
+           **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def accelerate_env(config_file: str | Path, nproc: int) -> dict[str, str]:
+    """The variables `accelerate launch --config_file F --num_processes N` gives each process, made by
+    accelerate's own launcher code from the shipped yaml (so the test runs that file, not a copy of
+    it); torchrun then starts the N processes, which `accelerate launch` does not do on a CPU."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--num_processes", str(nproc), "x"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
 
 
 class Killed(Exception):

@@ -100,22 +100,26 @@ def _upper(model, h: torch.Tensor, first: int, mask, pos: torch.Tensor) -> torch
 @torch.no_grad()
 def score_layers(model, examples, block_size: int, mask_id: int, vocab_size: int | None = None,
                  drafts: Drafts | None = None, anchor_fraction: float = 1.0, seed: int = 0,
-                 progress=None) -> LayerScores:
+                 progress=None, share: tuple[int, int] = (0, 1)) -> LayerScores:
     """τ of the drafter without each layer (and, last, with all of them) on target greedy responses.
 
     `progress(i)` is called after each response (a progress bar). With anchor_fraction = 1 the τ are
     the estimator's walk; below 1 the sampled estimator of the module docstring. `drafts`: the shape
-    whose τ scores (the chain when None; d3d.decoding.methods.drafts_of for another)."""
+    whose τ scores (the chain when None; d3d.decoding.methods.drafts_of for another). `share`:
+    (rank, processes): this process scores every processes-th response from its rank, each with the
+    anchors it would get in the whole set, so the counts of all shares add up to the whole set's
+    (`LayerScores.add`; d3d.prune sums them over processes)."""
     was_training = model.training
     model.eval()
     dev = next(model.parameters()).device
     B, n_layers = block_size, len(decoder_layers(model))
     drafts = shape_of(drafts, B)
     head = lambda h: logits_at(model, h, vocab_size)  # noqa: E731
-    total = LayerScores()
+    total = LayerScores([0.0] * (n_layers + 1), [0] * (n_layers + 1))  # a share with no response adds zeros
+    rank, processes = share
     for i, ex in enumerate(examples):
         L = len(ex.ids)
-        if L - ex.prompt_len < 1:
+        if i % processes != rank or L - ex.prompt_len < 1:
             continue
         seq = torch.tensor(ex.ids, dtype=torch.long, device=dev)
         anc = anchors_of(L, ex.prompt_len, anchor_fraction, seed * 1_000_003 + i).to(dev)

@@ -20,6 +20,7 @@ after recovery, and the retention — the stopping rule — is measured on them.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -32,7 +33,7 @@ from tqdm.auto import tqdm
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
 from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
-from d3d.layer_scores import score_layers
+from d3d.layer_scores import LayerScores, score_layers
 from d3d.models.drafter import (
     as_deployed, build_drafter, decoder_layers, drafter_attention, drafter_folder, keep_layers, load_drafter,
     save_drafter, weights_fingerprint,
@@ -42,8 +43,8 @@ from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
 from d3d.training import (
-    RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, load_examples, mixed_precision, recover,
-    split_examples,
+    BATCH_SPLIT_KEYS, RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, load_examples, make_accelerator,
+    mixed_precision, my_share, recover, split_examples, sum_over_processes, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import (
     MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
@@ -55,28 +56,39 @@ from d3d.utils.plotting import pyplot, save_figure
 log = logging.getLogger("d3d.prune")
 
 
-def tau_of(model, calib, s: DrafterSettings, tree_nodes: int | None = None) -> float:
+def tau_of(model, calib, s: DrafterSettings, tree_nodes: int | None, acc) -> float:
     """Exact greedy τ (the chain's, or a tree of `tree_nodes` drafts') of the drafter as it decodes on
-    this device: a bf16 copy on CUDA and native-bf16 CPUs, where it is also 2-3x faster than fp32."""
-    return estimate_acceptance(as_deployed(model), calib, s.block_size, s.mask_token_id, s.vocab_size,
-                               drafts=scored_drafts(s.block_size, tree_nodes)).tau
+    this device: a bf16 copy on CUDA and native-bf16 CPUs, where it is also 2-3x faster than fp32.
+    Each process of `acc` (the run's Accelerator) estimates its share of the responses; the token and
+    round counts are summed, so the τ is one process's on all of them."""
+    stats = estimate_acceptance(as_deployed(model), my_share(calib, acc), s.block_size, s.mask_token_id, s.vocab_size,
+                                drafts=scored_drafts(s.block_size, tree_nodes))
+    tokens, rounds = sum_over_processes(acc, [sum(stats.taus), len(stats.taus)])
+    return tokens / max(rounds, 1)
 
 
-def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, record: Path | None = None) -> list[float]:
+def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, record: Path | None, acc) -> list[float]:
     """τ of the drafter without each of its current layers, all in one sweep (d3d.layer_scores: the
     layers below a candidate are shared, exact unless prune.anchor_fraction < 1), on the deployed
-    dtype. With `record`, the scores are appended to that jsonl keyed by the kept layers, so a run
-    killed after scoring does not score again."""
+    dtype. Each process of `acc` sweeps its share of the responses and the exact counts are summed
+    (all_reduce): the scores, and so the layer chosen, are one process's. With `record`, the scores
+    are appended to that jsonl keyed by the kept layers, so a run killed after scoring does not
+    score again."""
+    acc.wait_for_everyone()  # every process sees the record the main process wrote, or none does
     done = [r for r in (read_jsonl(record) if record else []) if r["kept_layers"] == s.kept_layers and "taus" in r]
     if done:
         return done[0]["taus"][:-1]
-    bar = tqdm(total=len(calib), desc="scoring layers (responses)", unit="resp", disable=not pc.progress)
+    mine = len(my_share(calib, acc))
+    bar = tqdm(total=mine, desc="scoring layers (responses)", unit="resp", disable=not pc.progress or not acc.is_main_process)
     start = time.perf_counter()
     scores = score_layers(as_deployed(model), calib, s.block_size, s.mask_token_id, s.vocab_size,
                           drafts=scored_drafts(s.block_size, pc.tree_nodes), anchor_fraction=pc.anchor_fraction, seed=len(s.kept_layers),
-                          progress=lambda i: bar.update(1))
+                          progress=lambda i: bar.update(1), share=(acc.process_index, acc.num_processes))
     bar.close()
-    if record:
+    n = len(scores.tokens)
+    counts = sum_over_processes(acc, scores.tokens + scores.rounds)
+    scores = LayerScores(counts[:n], [int(r) for r in counts[n:]])
+    if record and acc.is_main_process:
         with JsonlWriter(record) as writer:
             writer.write([{"kept_layers": s.kept_layers, "taus": scores.taus,
                            "seconds": round(time.perf_counter() - start, 1)}])
@@ -95,15 +107,16 @@ def score_by_similarity(model, calib, s: DrafterSettings) -> list[float]:
     return sims
 
 
-def _by_similarity(model, calib, s, pc, record):
-    return score_by_similarity(model, calib, s)
+def _by_similarity(model, calib, s, pc, record, acc):
+    return score_by_similarity(model, calib, s)  # cheap: every process computes it whole, alike
 
 
-def _last_layer(model, calib, s, pc, record):
+def _last_layer(model, calib, s, pc, record, acc):
     return [float(i) for i in range(len(decoder_layers(model)))]  # the highest score is the last layer
 
 
-# prune.method -> a scorer: one score per current layer, the highest is removed. A new pruning
+# prune.method -> a scorer (model, calib, s, pc, record, acc): one score per current layer, the highest is
+# removed (acc: the run's Accelerator, for scorers that split the responses over processes). A new pruning
 # criterion is one function and one line here (docs/design.md, "Changes a researcher makes").
 SCORERS = {"acceptance": score_by_acceptance, "similarity": _by_similarity, "last": _last_layer}
 UNRECORDED = {"last"}  # a rule, not a measurement: no scores are reported for it
@@ -120,13 +133,13 @@ def scorer(method: str):
 
 
 def choose_layers(model, calib, s: DrafterSettings, pc: PruneSettings, tau_now: float,
-                  record: Path | None = None) -> tuple[list[int], list[float] | None]:
+                  record: Path | None = None, acc=None) -> tuple[list[int], list[float] | None]:
     """The layers (current indices) this step removes. By τ (acceptance): the best-scored one, and
     up to prune.layers_per_step of the next best whose removal alone keeps >= step_safe_retention of
     the current τ. A rule or a proxy (last, similarity) says nothing of τ: its layers_per_step best
     go together, so a baseline removes as many layers a step, with as much recovery, as the
     acceptance-guided step may (the comparison at equal layer counts)."""
-    scores = scorer(pc.method)(model, calib, s, pc, record)
+    scores = scorer(pc.method)(model, calib, s, pc, record, acc)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if pc.method in TAU_SCORES:
         safe = [i for i in order[1:] if scores[i] >= pc.step_safe_retention * tau_now]
@@ -165,13 +178,13 @@ def calibration_and_holdout(val: list, pc: PruneSettings, val_max_new_tokens: in
     return cut[0], cut[1]
 
 
-def measure(model, calib, holdout, s: DrafterSettings, tree_nodes: int | None, suffix: str = "") -> dict:
+def measure(model, calib, holdout, s: DrafterSettings, tree_nodes: int | None, acc, suffix: str = "") -> dict:
     """τ on the calibration responses and, when there is a hold-out, on it; `suffix` names the
     moment in the row's keys ("" = after recovery, "_before_recovery")."""
     deployed = as_deployed(model)
-    row = {f"tau{suffix}": tau_of(deployed, calib, s, tree_nodes)}
+    row = {f"tau{suffix}": tau_of(deployed, calib, s, tree_nodes, acc)}
     if holdout:
-        row[f"holdout_tau{suffix}"] = tau_of(deployed, holdout, s, tree_nodes)
+        row[f"holdout_tau{suffix}"] = tau_of(deployed, holdout, s, tree_nodes, acc)
     return row
 
 
@@ -199,14 +212,19 @@ def prune_resume_key(cfg: PruneConfig) -> dict:
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else asdict(cfg.drafter))
     return {"drafter": start, "seed": cfg.seed, "precision": mixed_precision("auto"),
-            "train": {k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS},
+            # the recovery's global batch, not its split over processes (d3d.training.train_resume_key)
+            "train": {**{k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
+                      "global_batch": cfg.train.batch_size * cfg.train.grad_accum * world_size()},
             "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
 
 
 def run_prune(cfg: DictConfig) -> Path:
-    """Prune into prune.out_dir, one run at a time per folder (two would both remove layers)."""
+    """Prune into prune.out_dir, one run at a time per folder (two would both remove layers). Under
+    `accelerate launch` every process runs this: they score shares of the responses, recover the
+    drafter together (DDP, FSDP2 or ZeRO, as the launch config says) and the main process writes."""
     typed = bind_config(cfg, "prune")  # the typed boundary: unknown keys fail
-    with lock_folder(resolve_path(typed.prune.out_dir), "d3d.prune"):
+    typed.train = with_global_batch(typed.train, world_size())  # grad_accum from train.global_batch_size
+    with lock_folder(resolve_path(typed.prune.out_dir), "d3d.prune", int(os.environ.get("RANK", 0))):
         return _prune(typed)
 
 
@@ -270,12 +288,19 @@ def _prune(cfg: PruneConfig) -> Path:
     scorer(pc.method)
     torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
+    # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
+    # with fp32 weights on CUDA and native-bf16 CPUs, fp32 on AVX2-only CPUs.
+    acc = make_accelerator(tc, cpu=pick_device(pc.device).type == "cpu", precision="auto")
+    main = acc.is_main_process
+    device = str(acc.device)  # this process's GPU under accelerate launch
+    if main and acc.num_processes > 1:
+        print(f"[d3d.prune] {acc.num_processes} processes ({acc.distributed_type.value}): scoring split over them, "
+              f"recovery on a global batch of {tc.batch_size * tc.grad_accum * acc.num_processes}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
     train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
-    device = str(pick_device(pc.device))
     history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
     key = prune_resume_key(cfg)
     if history:  # a run from before resume keys has none: resumes as it did
@@ -284,7 +309,8 @@ def _prune(cfg: PruneConfig) -> Path:
                          also=["prune.holdout_size"] if ("holdout_tau" in history[0]) != bool(holdout) else [])
     last = None
     if history:
-        history, last = resume_point(out_dir, history)
+        with acc.main_process_first():  # the main process repairs the folder; the others then find it whole
+            history, last = resume_point(out_dir, history)
     if last is not None:
         model, tok = load_drafter(last, device=device, dtype="float32",
                                   attn_implementation=drafter_attention(cfg.drafter, cfg.target))
@@ -303,18 +329,20 @@ def _prune(cfg: PruneConfig) -> Path:
     s = DrafterSettings.of(model)
     if tc.freeze_embeddings:
         freeze_embeddings_except_mask(model, s.mask_token_id)
-    writer = JsonlWriter(out_dir / "steps.jsonl")
+    writer = JsonlWriter(out_dir / "steps.jsonl") if main else None
     scores_file = out_dir / "scores.jsonl"  # acceptance scores as they are made (mid-step resume)
     if not history:
-        scores_file.unlink(missing_ok=True)  # a fresh run: scores of another run's drafter do not apply
-        full = measure(model, calib, holdout, s, pc.tree_nodes)
+        if main:
+            scores_file.unlink(missing_ok=True)  # a fresh run: scores of another run's drafter do not apply
+        full = measure(model, calib, holdout, s, pc.tree_nodes, acc)
         row = {"step": 0, "tau_of": tau_name(pc.tree_nodes), "resume_key": key, "removed": None, "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers,
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
-        publish_drafter(model, tok, out_dir, "final", 0)  # before the row: a recorded step 0 has its final/
-        writer.write([row])
+        if main:
+            publish_drafter(model, tok, out_dir, "final", 0)  # before the row: a recorded step 0 has its final/
+            writer.write([row])
         history.append(row)
-    else:
+    elif main:
         ensure_final(out_dir, model, tok, history, pc.min_retention)
     tau_full = history[0]["tau"]
     step = history[-1]["step"]
@@ -330,33 +358,38 @@ def _prune(cfg: PruneConfig) -> Path:
     while layers - history[-1]["layers"] < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
         step += 1
         start = time.perf_counter()
-        chosen, scores = choose_layers(model, calib, s, pc, history[-1]["tau"], scores_file)
+        chosen, scores = choose_layers(model, calib, s, pc, history[-1]["tau"], scores_file, acc)
         chosen = chosen[: pc.num_layers - (layers - history[-1]["layers"])]
         original = [DrafterSettings.of(model).kept_layers[i] for i in chosen]
         keep_layers(model, [i for i in range(len(decoder_layers(model))) if i not in chosen])
         s = DrafterSettings.of(model)
         scored_s = time.perf_counter() - start
-        before = measure(model, calib, holdout, s, pc.tree_nodes, "_before_recovery")
-        recover(model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher, pc.recovery_lr)
-        after = measure(model, calib, holdout, s, pc.tree_nodes)
+        before = measure(model, calib, holdout, s, pc.tree_nodes, acc, "_before_recovery")
+        model = recover(acc, model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher,
+                        pc.recovery_lr, pc.recovery_warmup_steps, pc.recovery_schedule)
+        after = measure(model, calib, holdout, s, pc.tree_nodes, acc)
         row = {"step": step, "removed": original[0] if len(original) == 1 else original,
                "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers, "tau_of": tau_name(pc.tree_nodes),
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc), "choose_s": round(scored_s, 1), "step_s": round(time.perf_counter() - start, 1)}
-        publish_drafter(model, tok, out_dir, f"step_{step}", step)
-        if row["retention"] >= pc.min_retention:
-            publish_drafter(model, tok, out_dir, "final", step)
-        shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
-        save_drafter(model, tok, out_dir / "last.partial")
-        mark_complete(out_dir / "last.partial", step)
-        writer.write([row])  # after the complete checkpoint, before promoting it (see resume_point)
+        if main:
+            publish_drafter(model, tok, out_dir, f"step_{step}", step)
+            if row["retention"] >= pc.min_retention:
+                publish_drafter(model, tok, out_dir, "final", step)
+            shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
+            save_drafter(model, tok, out_dir / "last.partial")
+            mark_complete(out_dir / "last.partial", step)
+            writer.write([row])  # after the complete checkpoint, before promoting it (see resume_point)
+            promote(out_dir)
+            held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
+            print(f"[d3d.prune] step {step}: removed layer(s) {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
+                  f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
         history.append(row)
-        promote(out_dir)
-        held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
-        print(f"[d3d.prune] step {step}: removed layer(s) {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
-              f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)
         if pc.stop_at_step and step >= pc.stop_at_step:
             break
+    acc.wait_for_everyone()
+    if not main:
+        return out_dir
     writer.close()
     write_json(out_dir / "summary.json", {"method": pc.method, "tau_full": tau_full,
                                           "holdout_tau_full": history[0].get("holdout_tau"), "steps": history,

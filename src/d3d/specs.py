@@ -320,7 +320,10 @@ class StepSettings(ObjectiveKnobs):
     lr: float
     weight_decay: float
     betas: list[float]
-    batch_size: int
+    batch_size: int  # sequences per micro-batch on one process
+    grad_accum: int  # micro-batches per optimizer step (derived when global_batch_size is set)
+    global_batch_size: Optional[int]  # sequences per optimizer step over all processes, whatever their number
+    gradient_checkpointing: bool
     clip: Optional[float]
     freeze_embeddings: bool
     loss_chunk_rows: int
@@ -328,7 +331,7 @@ class StepSettings(ObjectiveKnobs):
 
     def __post_init__(self) -> None:
         at_least("train", self, anchors_per_seq=1, val_size=0, val_max_new_tokens=1, max_len=2, batch_size=1,
-                 loss_chunk_rows=1)
+                 loss_chunk_rows=1, grad_accum=1, global_batch_size=1)
         # a negative λ or decay turned the loss or the decay around, silently; clip 0 (or null) is off
         at_least("train", self, partial_mask=0.0, ar_weight=0.0, weight_decay=0.0, clip=0.0)
         positive("train", self, "lr", "gamma")
@@ -348,9 +351,7 @@ class TrainSettings(StepSettings):
     warmup_steps: int
     max_steps: int
     max_minutes: Optional[float]
-    grad_accum: int
     trainable_from_layer: Optional[int]
-    gradient_checkpointing: bool
     mixed_precision: str  # auto | no | bf16 | fp16
     eval_every: int
     save_every: int
@@ -361,7 +362,7 @@ class TrainSettings(StepSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        at_least("train", self, warmup_steps=0, max_steps=1, grad_accum=1, trainable_from_layer=0, eval_every=0,
+        at_least("train", self, warmup_steps=0, max_steps=1, trainable_from_layer=0, eval_every=0,
                  save_every=1, log_every=1, stop_at_step=0)
         positive("train", self, "max_minutes")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
@@ -388,13 +389,18 @@ class PruneSettings:
     anchor_fraction: float  # 1 = exact scores; < 1 = the sampled estimator on that share of anchors (d3d.layer_scores)
     layers_per_step: int  # at most this many layers removed per step (the best-scored ones)
     step_safe_retention: float  # ... each of which alone keeps >= this share of the current τ
-    recovery_lr: Optional[float]  # recovery's learning rate (null: train.lr)
+    recovery_lr: float  # recovery's own peak learning rate (not train.lr: a training peak undoes the drafter)
+    recovery_warmup_steps: int  # linear warm-up of each recovery's fresh AdamW
+    recovery_schedule: str  # constant | cosine (to 0 at the last recovery step), after the warm-up
     recovery_loss: str  # objective (the D3D loss) | distill (KL to the unpruned drafter's block laws + λ·AR)
 
     def __post_init__(self) -> None:
         # the layer count's upper bound needs the drafter: d3d.prune checks it before loading weights
         at_least("prune", self, num_layers=1, calib_size=1, holdout_size=0, recovery_steps=0, packed_blocks=1,
-                 stop_at_step=0, tree_nodes=1, layers_per_step=1)
+                 stop_at_step=0, tree_nodes=1, layers_per_step=1, recovery_warmup_steps=0)
+        if self.recovery_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"prune.recovery_schedule={self.recovery_schedule!r}: no such schedule. Fix: constant or "
+                              f"cosine.")
         at_least("prune", self, min_retention=0.0, step_safe_retention=0.0)
         positive("prune", self, "recovery_lr")  # 0 = keep removing to num_layers
         if not 0.0 < self.anchor_fraction <= 1.0:

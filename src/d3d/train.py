@@ -29,7 +29,8 @@ from d3d.objective import ObjectiveConfig, pack
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
     D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
-    make_accelerator, make_optimizer, make_scheduler, optimizer_step, split_examples, train_resume_key,
+    make_accelerator, make_optimizer, make_scheduler, my_share, optimizer_step, plain_drafter, split_examples,
+    sum_over_processes, train_resume_key, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
@@ -44,15 +45,23 @@ log = logging.getLogger("d3d.train")
 # ---------------------------------------------------------------------------- the loop
 
 
-def evaluate(model, val: list, settings: DrafterSettings, precision: str = "no") -> dict:
-    """Held-out exact greedy τ, in the training's precision (bf16 where the drafter will decode in
-    bf16: the τ it reports is the deployed drafter's, and the estimate is faster)."""
+def evaluate(accelerator, step_module, val: list, settings: DrafterSettings) -> dict:
+    """Held-out exact greedy τ of the drafter being trained, in the training's precision (bf16 where
+    the drafter will decode in bf16: the τ it reports is the deployed drafter's, and the estimate is
+    faster). Every process takes part: it estimates its share of the responses on the plain drafter
+    (`plain_drafter`: gathered under FSDP2 / ZeRO-3) and the counts are summed, so the τ is the one
+    a single process computes on all of them. The step module is left in train mode."""
+    B = settings.block_size
+    model = plain_drafter(accelerator, step_module)
     model.eval()  # the estimator fills a KV cache, which gradient checkpointing turns off in train mode
-    with autocast(precision, next(model.parameters()).device):
-        stats = estimate_acceptance(model, val, settings.block_size, settings.mask_token_id, settings.vocab_size)
-    out = stats.as_dict(settings.block_size)
-    return {"val_tau": out["tau"], "val_slot_accuracy": [round(a, 4) for a in out["slot_accuracy"]],
-            "val_tau_histogram": out["tau_histogram"]}
+    with autocast(accelerator.mixed_precision, accelerator.device):
+        stats = estimate_acceptance(model, my_share(val, accelerator), B, settings.mask_token_id, settings.vocab_size)
+    counts = sum_over_processes(accelerator, [sum(stats.taus), len(stats.taus), stats.anchors, *stats.slot_hits,
+                                              *stats.histogram(B)])
+    tokens, rounds, anchors, hits, histogram = counts[0], counts[1], counts[2], counts[3 : 2 + B], counts[2 + B :]
+    step_module.train()
+    return {"val_tau": tokens / max(rounds, 1), "val_slot_accuracy": [round(h / max(anchors, 1), 4) for h in hits],
+            "val_tau_histogram": [int(n) for n in histogram]}
 
 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
@@ -89,9 +98,9 @@ class TrainRecipe:
 
         self.raw = raw
         self.cfg = cfg = cfg or bind_config(raw, "train")  # the typed boundary: unknown keys fail
+        cfg.train = with_global_batch(cfg.train, world_size())  # grad_accum from train.global_batch_size
         tc = self.tc = cfg.train
         self.accelerator = accelerator = make_accelerator(tc)
-        self.precision = accelerator.mixed_precision  # what accelerate autocasts the step in (auto resolved)
         set_seed(cfg.seed)
         self.out_dir = out_dir = resolve_path(tc.out_dir)
         resume_dir = out_dir / "last"
@@ -176,7 +185,7 @@ class TrainRecipe:
                 wandb_run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
         if step == 0 and tc.eval_every:
-            log_row({"step": 0, **evaluate(self.drafter(), val, settings, self.precision)})
+            log_row({"step": 0, **evaluate(accelerator, model, val, settings)})
         start = time.perf_counter() - float(self.state["elapsed_s"])
         model.train()
         # A resumed run whose time budget is already spent is finished: rerunning it trains no more.
@@ -199,8 +208,7 @@ class TrainRecipe:
                             **({"min": f"{(now - start) / 60:.1f}/{tc.max_minutes:g}"} if budget_s else {}))
             out_of_time = budget_s is not None and now - start > budget_s
             if tc.eval_every and (step % tc.eval_every == 0 or step == max_steps or out_of_time):
-                row.update(evaluate(self.drafter(), val, settings, self.precision))
-                model.train()
+                row.update(evaluate(accelerator, model, val, settings))
             if step % tc.log_every == 0 or "val_tau" in row or step == max_steps:
                 log_row(row)
             self.state = {"step": step, "elapsed_s": time.perf_counter() - start, "resume_key": self.key,

@@ -13,6 +13,8 @@ machines that have neither.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import math
 import os
 import random
@@ -108,11 +110,43 @@ def train_resume_key(cfg: TrainConfig) -> dict:
     GGUF's `parts`) are None here: keys only one side of a comparison has are skipped, so a key
     written from the raw config before the specs were typed still matches."""
     target = {k: v for k, v in asdict(cfg.target).items() if k not in ("device", "dtype", "attn_implementation")}
+    tc = cfg.train
     return {"target": target, "drafter": asdict(cfg.drafter), "data": asdict(cfg.data), "seed": cfg.seed,
             # what `auto` resolved to on this machine: an fp32 run resumed in bf16
             # on another CPU would be half one experiment and half another
-            "precision": mixed_precision(cfg.train.mixed_precision),
-            "train": {k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS}}
+            "precision": mixed_precision(tc.mixed_precision),
+            # the batch an optimizer step takes, in sequences: the same on 8 processes x 4 micro-batches
+            # as on 32 x 1 (the data order is the same, docs/design.md, Training); how it is split is not kept
+            "train": {**{k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
+                      "global_batch": tc.batch_size * tc.grad_accum * world_size()}}
+
+
+# How the global batch is split over micro-batches: the resume key keeps the global batch instead.
+BATCH_SPLIT_KEYS = {"grad_accum", "global_batch_size"}
+
+
+# ---------------------------------------------------------------------------- the global batch
+
+
+def world_size() -> int:
+    """The number of processes of this job, as its launcher (torchrun, accelerate launch, the
+    deepspeed launcher, a scheduler's srun) says, before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def with_global_batch(tc: StepSettings, world: int) -> StepSettings:
+    """`tc` with grad_accum derived from train.global_batch_size (sequences per optimizer step):
+    global_batch_size / (batch_size x world), so a run keeps its batch, and with it its lr, warm-up
+    and epochs per step, on 1 GPU, 8 or 4 nodes of 8. Unchanged when global_batch_size is null."""
+    if tc.global_batch_size is None:
+        return tc
+    per_pass = tc.batch_size * world
+    if tc.global_batch_size % per_pass:
+        fits = ", ".join(str(n) for n in range(per_pass, 4 * per_pass + 1, per_pass))
+        raise ConfigError(f"train.global_batch_size={tc.global_batch_size} is not a multiple of train.batch_size="
+                          f"{tc.batch_size} x {world} processes = {per_pass}. Fix: set train.global_batch_size to a "
+                          f"multiple of {per_pass} ({fits}, ...), or change train.batch_size.")
+    return dataclasses.replace(tc, grad_accum=tc.global_batch_size // per_pass)
 
 
 # ---------------------------------------------------------------------------- the step
@@ -159,33 +193,23 @@ class D3DTrainingStep(nn.Module):
                                 self.vocab_size, self.loss_chunk_rows)
 
 
-def optimizer_step(step_module, optimizer, batches, clip: float | None, accelerator=None) -> dict[str, float]:
-    """One optimizer step over the micro-batches (gradient accumulation); returns the metrics
-    averaged over them, read from the device once. With an accelerator the backward, clipping and
-    accumulation go through it (DDP no_sync between micro-batches, DeepSpeed's engine); without
-    one (prune's recovery on one device) it is a plain loop."""
+def optimizer_step(step_module, optimizer, batches, clip: float | None, accelerator) -> dict[str, float]:
+    """One optimizer step over the micro-batches (gradient accumulation) of a prepared step module;
+    returns the metrics averaged over them, read from the device once. The backward, clipping and
+    accumulation go through the accelerator (DDP no_sync between micro-batches, FSDP2's
+    reduce-scatter, DeepSpeed's engine)."""
     batches = list(batches)
     sums: dict[str, torch.Tensor] = {}
     for batch in batches:
-        if accelerator is None:
+        with accelerator.accumulate(step_module):
             loss, m = step_module(batch)
-            (loss / len(batches)).backward()
-            last = batch is batches[-1]
-            if last and clip:
-                m["grad_norm"] = torch.nn.utils.clip_grad_norm_(step_module.parameters(), clip).detach()
-            if last:
-                optimizer.step()
-                optimizer.zero_grad()
-        else:
-            with accelerator.accumulate(step_module):
-                loss, m = step_module(batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and clip:
-                    norm = accelerator.clip_grad_norm_(step_module.parameters(), clip)
-                    if norm is not None:  # DeepSpeed clips inside its engine and may not report it
-                        m["grad_norm"] = torch.as_tensor(norm).detach()
-                optimizer.step()
-                optimizer.zero_grad()
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and clip:
+                norm = accelerator.clip_grad_norm_(step_module.parameters(), clip)
+                if norm is not None:  # DeepSpeed clips inside its engine and may not report it
+                    m["grad_norm"] = torch.as_tensor(norm).detach()
+            optimizer.step()
+            optimizer.zero_grad()
         for k, v in m.items():
             # grad_norm is taken once per step; everything else is a mean over the micro-batches
             sums[k] = sums.get(k, 0) + (v if k == "grad_norm" else v / len(batches))
@@ -234,12 +258,15 @@ def make_optimizer(model, lr: float, weight_decay: float, betas: list[float]):
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
 
 
-def make_scheduler(optimizer, warmup: int, total: int):
-    """Linear warm-up over `warmup` steps, then cosine decay to 0 at step `total`."""
+def make_scheduler(optimizer, warmup: int, total: int, shape: str = "cosine"):
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at step `total` (or, `constant`,
+    the peak lr to the end: pruning's short recoveries)."""
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / max(warmup, 1)
+        if shape == "constant":
+            return 1.0
         progress = (step - warmup) / max(total - warmup, 1)
         return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -300,25 +327,125 @@ def deepspeed_plugin(tc: TrainSettings, precision: str):
         device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none")
         if device != "none":
             config["zero_optimization"][f"offload_{kind}"] = {"device": device}
+    # accelerate launch lists the yaml's deepspeed fields (zero_stage, offload) in this variable, and a
+    # plugin built from a config dict then refuses to start ("... variables will be ignored"): those
+    # fields are carried into `config` above, so the check has nothing left to protect
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     return DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=tc.grad_accum,
                            gradient_clipping=tc.clip or 0.0, zero_stage=stage)
 
 
-def make_accelerator(tc: TrainSettings, cpu: bool | None = None):
-    """The Accelerator of a training run, configured from train.* (micro-batch, accumulation,
-    clipping, precision). The scheduler is stepped by hand once per optimizer step: accelerate would
+def make_accelerator(tc: StepSettings, cpu: bool | None = None, precision: str | None = None):
+    """The Accelerator of a training run (d3d.train) or of pruning's recoveries, configured from
+    train.* (micro-batch, accumulation, clipping; the precision is train.mixed_precision unless
+    `precision` is given). The scheduler is stepped by hand once per optimizer step: accelerate would
     otherwise step it once per process (it assumes a sharded dataloader shortened the epoch)."""
     from accelerate import Accelerator
 
-    precision = mixed_precision(tc.mixed_precision)
+    precision = mixed_precision(precision or tc.mixed_precision)
     if torch.cuda.is_available():
         # TF32 for the fp32 matmuls that remain (loss, fp32 master copies): ~8x faster on H100/H200.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return Accelerator(mixed_precision=precision, step_scheduler_with_optimizer=False,
-                       gradient_accumulation_steps=tc.grad_accum,
-                       deepspeed_plugin=deepspeed_plugin(tc, precision),
-                       cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
+    accelerator = Accelerator(mixed_precision=precision, step_scheduler_with_optimizer=False,
+                              gradient_accumulation_steps=tc.grad_accum,
+                              deepspeed_plugin=deepspeed_plugin(tc, precision),
+                              cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
+    _fsdp_on_cpu(accelerator)
+    check_sharding(accelerator, tc)
+    return accelerator
+
+
+def _fsdp_on_cpu(accelerator) -> None:
+    """accelerate turns an FSDP launch into plain DDP on CPU processes (MULTI_CPU), silently. FSDP2
+    runs on CPU with gloo (docs/design.md, Training), so the launch's FSDP is honoured there too:
+    the multi-process tests then shard as a GPU node does. Both shared states are set, as an
+    AcceleratorState made later copies the PartialState's type."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU or \
+            os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # read from the launch's FSDP_* variables
+    for state in (PartialState(), accelerator.state):
+        state.distributed_type = DistributedType.FSDP
+
+
+def check_sharding(accelerator, tc: StepSettings) -> None:
+    """What the sharded backends cannot do, refused in one line before the drafter loads."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    if not accelerator.is_fsdp2:
+        raise ConfigError("the accelerate config asks for FSDP version 1; d3d shards with FSDP2 (DTensor parameters). "
+                          "Fix: set fsdp_config.fsdp_version: 2 (conf/accelerate/fsdp.yaml).")
+    if tc.freeze_embeddings:
+        # the mask-row gradient hook sits on the unsharded parameter; FSDP2 writes the sharded
+        # gradient by reduce-scatter, past any hook, so the embeddings would train in full
+        raise ConfigError("train.freeze_embeddings=true cannot be honoured under FSDP2 (its gradient hook never sees "
+                          "the sharded gradient). Fix: train.freeze_embeddings=false (the Qwen overlays' setting), or "
+                          "launch with conf/accelerate/ddp.yaml or deepspeed_zero2.yaml.")
+
+
+def is_zero3(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return (accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
+def plain_drafter(accelerator, step_module) -> nn.Module:
+    """The drafter with whole, ordinary tensors on every process, for the work outside the training
+    forward (held-out τ, pruning's scores, latencies and its next removal). Under one process, DDP
+    and ZeRO-1/2 that is the trained module itself. Under FSDP2 and ZeRO-3 a process holds shards
+    (FSDP2's root-owned embeddings are DTensors: calling the drafter outside the root's forward fails
+    with "mixed torch.Tensor and DTensor"), so every process gathers the weights, in the same order,
+    into a copy of its own: no collective runs inside it afterwards, so processes may then work on
+    different responses. Every process must call this."""
+    from torch.distributed.tensor import DTensor
+
+    drafter = accelerator.unwrap_model(step_module).drafter
+    if is_zero3(accelerator):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
+            return _twin(drafter, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
+    state = drafter.state_dict()
+    if not any(isinstance(v, DTensor) for v in state.values()):
+        return drafter
+    return _twin(drafter, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()})
+
+
+def _twin(drafter: nn.Module, state: dict) -> nn.Module:
+    """A new module of the drafter's class and config holding `state` (allocated by the gather, not
+    twice), with the drafter's buffers (rotary tables are not in a state dict) and ties."""
+    with torch.device("meta"):
+        twin = type(drafter)._from_config(copy.deepcopy(drafter.config),
+                                          attn_implementation=drafter.config._attn_implementation)
+    twin.load_state_dict(state, assign=True)
+    for name, buf in drafter.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._buffers[leaf] = buf.detach()
+    if getattr(twin.config, "tie_word_embeddings", False):
+        twin.tie_weights()
+    return twin.eval()
+
+
+def my_share(items: list, accelerator) -> list:
+    """This process's share of `items` (every world-th, from its rank): work each process does on
+    its own responses, whose counts `sum_over_processes` then adds up."""
+    return items[accelerator.process_index :: accelerator.num_processes]
+
+
+def sum_over_processes(accelerator, counts: list[float]) -> list[float]:
+    """Counts summed over every process (all_reduce), in float64: a τ made of summed token and round
+    counts is the one a single process computes on all the responses, exactly."""
+    if accelerator.num_processes == 1:
+        return list(counts)
+    total = accelerator.reduce(torch.tensor(counts, dtype=torch.float64, device=accelerator.device), "sum")
+    return total.tolist()
 
 
 def drafter_state_dict(accelerator, step_module) -> dict:
@@ -333,30 +460,44 @@ def drafter_state_dict(accelerator, step_module) -> dict:
 # ---------------------------------------------------------------------------- recovery (d3d.prune)
 
 
-def recover(model, train, tc: StepSettings, s, steps: int, seed: int, pad_id: int, teacher=None,
-            lr: float | None = None) -> None:
-    """d3d.prune's recovery of a drafter `s` (its DrafterSettings) after a removal: a short
-    continuation of the training objective (same loss, constant LR); with a `teacher`
-    (prune.recovery_loss=distill) the block slots learn the teacher's laws instead of the tokens."""
+def recover(accelerator, model, train, tc: StepSettings, s, steps: int, seed: int, pad_id: int, teacher=None,
+            lr: float = 1e-5, warmup: int = 0, schedule: str = "constant") -> nn.Module:
+    """d3d.prune's recovery of a drafter `s` (its DrafterSettings) after a removal: `steps` optimizer
+    steps of the training objective through the same prepared step as d3d.train (`accelerator`:
+    DDP, FSDP2 or ZeRO shard it as they shard training; batch, accumulation and gradient checkpointing
+    from train.*), with its own fresh AdamW and schedule (`lr`, `warmup`, constant or cosine); with a
+    `teacher` (prune.recovery_loss=distill) the block slots learn the teacher's laws instead of the
+    tokens. Every process calls it; each reads its own slice of each step's global batch, seeded by
+    (seed, step, slice), so N processes train on what one process with N x the micro-batches does.
+    Returns the recovered drafter, plain (`plain_drafter`), in eval mode."""
     if steps <= 0:
-        return
+        return model
     objective = ObjectiveConfig.from_cfg(tc, s.block_size)
+    if tc.gradient_checkpointing:
+        enable_activation_checkpointing(model)
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
     step_module = (D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows) if teacher is None
                    else DistillStep(model, teacher, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows))
-    optimizer = make_optimizer(model, lr or tc.lr, tc.weight_decay, tc.betas)
-    model.train()
-    device = next(model.parameters()).device
-    # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
-    # with fp32 weights on CUDA and native-bf16 CPUs, fp32 on AVX2-only CPUs.
-    precision = mixed_precision("auto")
+    optimizer = make_optimizer(step_module, lr, tc.weight_decay, tc.betas)
+    scheduler = make_scheduler(optimizer, warmup, steps, schedule)
+    step_module, optimizer, scheduler = accelerator.prepare(step_module, optimizer, scheduler)
+    step_module.train()
+    rank, ranks = accelerator.process_index, accelerator.num_processes
+    per_step = tc.batch_size * tc.grad_accum * ranks  # the global batch of one optimizer step
     for step in range(steps):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        batch = pack(batch_at(train, step, 0, tc.batch_size, tc.batch_size, seed), objective,
-                     s.mask_token_id, pad_id, gen)
-        with autocast(precision, device):
-            optimizer_step(step_module, optimizer, [batch], tc.clip)
-    model.eval()
+        batches = []
+        for micro in range(tc.grad_accum):
+            piece = micro * ranks + rank
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 4_099 + piece)
+            batches.append(pack(batch_at(train, step, micro, per_step, tc.batch_size, seed, rank, ranks), objective,
+                                s.mask_token_id, pad_id, gen))
+        optimizer_step(step_module, optimizer, batches, tc.clip, accelerator)
+        scheduler.step()
+    recovered = plain_drafter(accelerator, step_module)
+    accelerator.free_memory()  # the prepared module, optimizer and engine of this recovery go
+    if next(recovered.parameters()).dtype != torch.float32:  # DeepSpeed's bf16 mode cast the module itself
+        recovered.float()
+    return recovered.eval()
 
 
 class DistillStep(D3DTrainingStep):

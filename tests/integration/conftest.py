@@ -13,6 +13,18 @@ from d3d.models.drafter import build_drafter
 from tests.conftest import compose
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; a test that picks another precision resets it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target with lively random weights and a drafter copied from it, slightly perturbed."""

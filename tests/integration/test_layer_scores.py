@@ -83,3 +83,24 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, abs=1e-6)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_shares_of_the_responses_add_up_to_the_whole(tmp_path, fraction):
+    """What each process of a multi-process d3d.prune scores (every 3rd response from its rank, each
+    with the anchors it has in the whole set): the token and round counts of the three shares sum to
+    the whole set's exactly, so the summed scores choose the layer one process does."""
+    from d3d.layer_scores import LayerScores
+
+    model, _, _ = tiny_drafter(tmp_path, layers=4, block=4)
+    s = DrafterSettings.of(model)
+    examples = lively_examples(model, s, seed=1, n=5)
+    score = lambda share: score_layers(model, examples, s.block_size, s.mask_token_id, s.vocab_size,  # noqa: E731
+                                       anchor_fraction=fraction, seed=2, share=share)
+    whole = score((0, 1))
+    summed = LayerScores()
+    parts = [score((rank, 3)) for rank in range(3)]
+    for part in parts:
+        summed.add(part)
+    assert summed.tokens == whole.tokens and summed.rounds == whole.rounds
+    assert all(0 < sum(p.rounds) < sum(whole.rounds) for p in parts)  # each share scored some, none all

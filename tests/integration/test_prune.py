@@ -15,7 +15,7 @@ from d3d.prune import run_prune
 from d3d.train import load_examples, split_examples
 from d3d.utils.io import read_jsonl
 from d3d.settings import bind_config
-from tests.conftest import Killed, compose, kill_on
+from tests.conftest import CACHE_DIR, ROOT, Killed, accelerate_env, compose, kill_on, torchrun
 
 TINY4 = ["+experiment=smoke", "target.tiny.num_hidden_layers=4", "target.name=tiny4", "data.limit=10",
          "generate.max_new_tokens=24", "train.val_size=3"]
@@ -165,7 +165,7 @@ def test_holdout_measures_the_retention_on_responses_the_choice_did_not_see(root
 
     seen = []
 
-    def tau_of(model, examples, s, tree_nodes=None):
+    def tau_of(model, examples, s, tree_nodes, acc):
         seen.append(tuple(tuple(e.ids) for e in examples))
         return 10.0 * len(examples) + len(s.kept_layers)
 
@@ -320,3 +320,37 @@ def test_recovery_lr_is_recoverys_own(root):
         weights[name] = load_file(str(out / "final" / "model.safetensors"))
     near = lambda a, b: all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     assert near(weights["lr_tiny"], weights["lr_none"]) and not near(weights["lr_default"], weights["lr_none"])
+
+
+@pytest.mark.heavy  # torchrun: two processes pruning three steps, and one process doing the same: ~2 min on 2 cores
+def test_two_processes_choose_the_layers_one_process_does(root, tmp_path, monkeypatch, fresh_accelerate_state):
+    """`accelerate launch --config_file conf/accelerate/fsdp.yaml -m d3d.prune` on two processes (the
+    yaml's own variables, torchrun starting them): each scores its half of the calibration responses
+    and the exact τ counts are summed, so the scores equal one process's and the same layers go;
+    recovery runs through the prepared FSDP2 step on the same global batch (train.global_batch_size:
+    2 x 1 micro-batch against 1 x 2), so the later steps' scores and choices are the same too. In fp32: bf16
+    recoveries on 1 and 2 processes round differently."""
+    import json
+
+    monkeypatch.setenv("D3D_CPU_BF16", "0")
+    common = TINY4 + ["prune.num_layers=3", "prune.recovery_steps=2", "prune.min_retention=0", "prune.calib_size=3",
+                      "train.freeze_embeddings=false", "train.batch_size=1", "train.global_batch_size=2",
+                      "prune.progress=false", "prune.recovery_lr=1e-3", f"paths.root_dir={root}",
+                      f"paths.cache_dir={CACHE_DIR}"]
+    env = {**accelerate_env(ROOT / "conf" / "accelerate" / "fsdp.yaml", 2), "ACCELERATE_MIXED_PRECISION": "no"}
+    proc = torchrun(2, "d3d.prune", *common, f"prune.out_dir={tmp_path}/two", env=env, module=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[d3d.prune] 2 processes (FSDP): scoring split over them, recovery on a global batch of 2" in proc.stdout
+    two = list(read_jsonl(tmp_path / "two" / "steps.jsonl"))
+    one = list(read_jsonl(run_prune(compose("prune", common + [f"prune.out_dir={tmp_path}/one"])) / "steps.jsonl"))
+    assert [r["removed"] for r in two] == [r["removed"] for r in one] and len(one) == 4
+    # On this 4-layer copy every candidate scores alike (ties go to the lowest layer), so the choice
+    # alone says little; the τ do: each is a sum over the two halves, and they move with recovery
+    # (2 -> 7 -> 11.2). Shares that add up to the whole on responses whose scores differ:
+    # tests/integration/test_layer_scores.py.
+    for a, b in zip(two[1:], one[1:]):
+        assert a["scores"] == pytest.approx(b["scores"], abs=1e-9)
+    assert len({r["tau"] for r in one}) > 2
+    for a, b in zip(two, one):  # the same counts; recovered drafters equal up to fp32 reduction order
+        assert (a["tau_before_recovery"], a["tau"]) == pytest.approx((b["tau_before_recovery"], b["tau"]), abs=1e-6)
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["final_step"] == 3

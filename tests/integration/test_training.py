@@ -16,18 +16,6 @@ from d3d.settings import bind_config
 from tests.conftest import compose
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    """accelerate keeps one process-wide state; a test that picks another precision resets it."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def tiny(tmp_path, *overrides):
     cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_size=4", *overrides], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")

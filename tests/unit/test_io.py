@@ -40,6 +40,48 @@ def test_the_lock_goes_with_its_holder(tmp_path):
     lock_folder(tmp_path, "b").release()  # released on exit; a killed holder's flock dies with it too
 
 
+@pytest.fixture
+def no_flock(monkeypatch):
+    """A filesystem without flock (Lustre mounted without `flock`, NFS without lockd): ENOLCK."""
+    import errno
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_without_flock_a_lock_file_holds_the_folder(tmp_path, no_flock):
+    """flock raised ENOLCK there and every job died at start: the O_EXCL lock file takes its place,
+    names its holder, refuses a second writer and goes with its release."""
+    import os
+    import socket
+
+    lock = lock_folder(tmp_path, "d3d.train", 1)
+    held = tmp_path / ".lock.1.held"
+    assert held.read_text().startswith(f"pid {os.getpid()} on {socket.gethostname()}, d3d.train")
+    with pytest.raises(FolderBusy, match=rf"pid {os.getpid()} .*if that run is dead, delete {held}"):
+        lock_folder(tmp_path, "d3d.train", 1)
+    lock.release()
+    assert not held.exists()
+    lock_folder(tmp_path, "d3d.train", 1).release()
+
+
+def test_without_flock_a_dead_holders_file_is_taken_over_only_on_its_host(tmp_path, no_flock):
+    import socket
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that held the folder and died (killed: its file stayed)
+    held = tmp_path / ".lock.0.held"
+    held.write_text(f"pid {gone.pid} on {socket.gethostname()}, d3d.prune since then\n")
+    lock_folder(tmp_path, "d3d.prune").release()  # taken over, then released
+    assert not held.exists()
+    held.write_text(f"pid {gone.pid} on another-node-17, d3d.prune since then\n")  # cannot be checked from here
+    with pytest.raises(FolderBusy, match=rf"another-node-17.*delete {held}"):
+        lock_folder(tmp_path, "d3d.prune")
+
+
 @pytest.mark.parametrize("job, key", [("generate", "generate.out_dir"), ("eval", "eval.out_dir"),
                                       ("train", "train.out_dir"), ("prune", "prune.out_dir")])
 def test_every_job_refuses_a_folder_in_use_before_writing(held, tmp_path, job, key):

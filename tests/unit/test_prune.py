@@ -14,7 +14,7 @@ def test_a_new_pruning_criterion_is_one_registry_entry(tmp_path, monkeypatch):
 
     from types import SimpleNamespace
 
-    monkeypatch.setitem(p.SCORERS, "first", lambda model, calib, s, pc, record: [1.0] + [0.0] * 9)
+    monkeypatch.setitem(p.SCORERS, "first", lambda model, calib, s, pc, record, acc: [1.0] + [0.0] * 9)
     pc = SimpleNamespace(method="first", layers_per_step=1, step_safe_retention=0.99)
     layers, scores = p.choose_layers(None, [], None, pc, 1.0)
     assert layers == [0] and scores[0] == 1.0

@@ -1,12 +1,17 @@
-"""d3d.training without a model: the DeepSpeed plugin carries train.*, and the flex_attention mask
-rule equals build_mask. The prepared step on a tiny drafter is in tests/integration/test_training.py."""
+"""d3d.training without a model: the DeepSpeed plugin carries train.*, the global batch keeps its size
+over process counts, and the flex_attention mask rule equals build_mask. The prepared step on a tiny drafter is in tests/integration/test_training.py."""
 
 from __future__ import annotations
 
 import torch
 
 from d3d.models.masks import block_layout, build_mask, clean_layout, concat, mask_mod_for, pad_layout
-from d3d.training import deepspeed_plugin
+import dataclasses
+
+import pytest
+
+from d3d.errors import ConfigError
+from d3d.training import deepspeed_plugin, train_resume_key, with_global_batch
 from d3d.settings import bind_config
 from tests.conftest import compose
 
@@ -46,3 +51,38 @@ def test_mask_mod_equals_build_mask():
         mod = mask_mod_for(layout, cache_len)
         bi, qi, ki = torch.meshgrid(torch.arange(b), torch.arange(t), torch.arange(k), indexing="ij")
         assert torch.equal(mod(bi, torch.zeros_like(bi), qi, ki), dense)
+
+
+def test_the_global_batch_derives_the_accumulation_on_any_process_count():
+    """train.global_batch_size=256 with 8-sequence micro-batches: 32 micro-batches on 1 process, 4 on
+    a node of 8, 1 on 4 nodes of 8: the same 256 sequences an optimizer step, so max_steps, lr and
+    warm-up mean the same (the global batch used to grow with the processes)."""
+    tc = bind_config(compose("train", ["+experiment=qwen3_8b", "train.global_batch_size=256"]), "train").train
+    assert [with_global_batch(tc, world).grad_accum for world in (1, 8, 32)] == [32, 4, 1]
+    unset = dataclasses.replace(tc, global_batch_size=None)
+    assert with_global_batch(unset, 32) is unset  # null: today's behaviour, grad_accum as given (4)
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size=256 is not a multiple of train.batch_size=8 x "
+                                          r"24 processes = 192. Fix: set train.global_batch_size to a multiple of 192"):
+        with_global_batch(tc, 24)
+
+
+def test_the_resume_key_holds_the_global_batch_not_its_split(monkeypatch):
+    """A run resumed on another process count with the same global batch is the same experiment; one
+    whose global batch changed with the process count (global_batch_size null) is not."""
+    cfg = bind_config(compose("train", ["+experiment=qwen3_8b", "train.global_batch_size=64"]), "train")
+    keys = []
+    for world in ("8", "2"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        keys.append(train_resume_key(dataclasses.replace(cfg, train=with_global_batch(cfg.train, int(world)))))
+    assert keys[0] == keys[1] and keys[0]["train"]["global_batch"] == 64
+    grown = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=None))
+    assert train_resume_key(grown)["train"]["global_batch"] == 8 * 4 * 2  # batch x grad_accum x processes
+
+
+def test_an_indivisible_global_batch_is_refused_before_the_drafter_loads(tmp_path, monkeypatch):
+    import d3d.train
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(d3d.train, "load_examples", lambda *a, **k: pytest.fail("data loaded before the check"))
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=4 is not a multiple of train.batch_size=2 x 3"):
+        d3d.train.run_train(compose("train", ["+experiment=smoke", "train.global_batch_size=4"], tmp_path))

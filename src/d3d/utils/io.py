@@ -4,6 +4,7 @@ One writer per output folder (`lock_folder`); readers drop duplicate keys anyway
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -54,33 +55,77 @@ class FolderBusy(ConfigError):
     """Another live process writes into this output folder."""
 
 
+# flock's errors where the filesystem cannot lock (Lustre mounted without `flock`, NFS without lockd)
+NO_FLOCK = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
+
+
 class FolderLock:
-    """An exclusive flock on `<folder>/.lock.<rank>`, held while this object lives (the kernel
-    drops it when the process dies, so a killed run never leaves a stale lock). Each process of a
-    multi-process job holds its own rank's lock; a second job into the folder meets rank 0's."""
+    """One writer per output folder, held while this object lives. Each process of a multi-process
+    job holds its own rank's lock; a second job into the folder meets rank 0's.
+
+    What it guarantees. Where the filesystem has flock: an exclusive flock on `<folder>/.lock.<rank>`;
+    the kernel drops it when the process dies, so a killed run never leaves a stale lock. Where flock
+    fails for want of support (NO_FLOCK), a lock file `<folder>/.lock.<rank>.held` made with
+    O_CREAT|O_EXCL (atomic on local disks, NFSv3+ and Lustre) holding this host and pid, removed on
+    release: exclusive among jobs that lock the folder; a holder that died on this host (its pid is
+    gone) is recognised and its file taken over; one that died on another host cannot be checked
+    from here, so the refusal names the file to delete. Two jobs taking over the same dead holder's
+    file at the same instant could both start: the one race it leaves."""
 
     def __init__(self, folder: str | Path, job: str, rank: int = 0):
-        folder = Path(folder)
+        self.folder = folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        self.job = job
         self.path = folder / f".lock.{rank}"
+        self.held_file: Path | None = None  # the O_EXCL lock file, when flock is not there
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self._fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
-            os.close(self._fd)
-            self._fd = None
-            raise FolderBusy(f"{folder} is in use by another {job or 'd3d'} run ({holder}); two writers would "
-                             f"duplicate or interleave its rows. Fix: wait for it, stop it, or choose another "
-                             f"output folder.") from None
+            self.release()
+            raise self._busy(holder) from None
+        except OSError as err:
+            if err.errno not in NO_FLOCK:
+                raise
+            self.release()
+            self._lock_file(folder / f".lock.{rank}.held")
+            return
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, {job} since "
-                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        os.pwrite(self._fd, self._me().encode(), 0)
+
+    def _me(self) -> str:
+        return (f"pid {os.getpid()} on {socket.gethostname()}, {self.job} since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+    def _busy(self, holder: str, fix: str = "") -> FolderBusy:
+        return FolderBusy(f"{self.folder} is in use by another {self.job or 'd3d'} run ({holder}); two writers would "
+                          f"duplicate or interleave its rows. Fix: wait for it, stop it, or choose another output "
+                          f"folder{fix}.")
+
+    def _lock_file(self, path: Path) -> None:
+        for _ in range(2):  # a second try after removing a dead holder's file
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = path.read_text(encoding="utf-8", errors="replace").strip() if path.exists() else ""
+                if holder and _dead_here(holder):
+                    path.unlink(missing_ok=True)
+                    continue
+                raise self._busy(holder or "unknown", f" (if that run is dead, delete {path})") from None
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self._me())
+            self.held_file = path
+            return
+        raise self._busy("a run that keeps re-creating its lock", f" (delete {path})")
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+        if self.held_file is not None:
+            self.held_file.unlink(missing_ok=True)
+            self.held_file = None
 
     def __del__(self) -> None:
         self.release()
@@ -90,6 +135,20 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _dead_here(holder: str) -> bool:
+    """Whether a lock file's holder ("pid N on HOST, ...") was a process of this host that is gone."""
+    words = holder.split()
+    if len(words) < 4 or words[0] != "pid" or words[3].rstrip(",") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError):  # alive under another user, or not a pid: not ours to judge
+        return False
+    return False
 
 
 def lock_folder(folder: str | Path, job: str, rank: int = 0) -> FolderLock:
