@@ -109,6 +109,9 @@ def open_cache(responses_dir: Path):
         table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
         if (table.schema.metadata or {}).get(b"d3d_key", b"").decode() == key:
             return table
+    if not os.access(responses_dir, os.W_OK):
+        raise ConfigError(f"{responses_dir} is read-only and its training cache ({CACHE_FILE}) is missing or older than "
+                          "its responses. Fix: copy the folder somewhere writable and set train.responses_dir there.")
     return pa.ipc.open_file(pa.memory_map(str(build_cache(responses_dir, key)))).read_all()
 
 
