@@ -101,18 +101,17 @@ def bench_size(n: int, work: Path, before, steps: int, workers: int) -> dict:
     o = OVERLAY
     objective = ObjectiveConfig.shipped(o["block_size"], anchors_per_seq=o["anchors_per_seq"])
     per_step = o["ranks"] * o["batch_size"] * o["grad_accum"]
-    out: dict = {"responses": n}
+    out: dict = {"responses": n, "load_average_start": os.getloadavg()[0]}
 
     # reading the folder
     (folder / "examples.arrow").unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    load_examples(folder, o["max_len"])
+    out["load_new_first_s"] = time.perf_counter() - t0  # builds the Arrow cache
     gc.collect()
     rss0, t0 = rss_gib(), time.perf_counter()
     train = load_examples(folder, o["max_len"])
-    out["load_new_first_s"] = time.perf_counter() - t0  # builds the Arrow cache
-    t0 = time.perf_counter()
-    train = load_examples(folder, o["max_len"])
-    out["load_new_s"] = time.perf_counter() - t0
-    out["rss_new_gib"] = rss_gib() - rss0
+    out["load_new_s"], out["rss_new_gib"] = time.perf_counter() - t0, rss_gib() - rss0
     if n <= 200_000:  # the lists of ints before: ~36 bytes a token, too many for this machine at 800k
         gc.collect()
         rss0, t0 = rss_gib(), time.perf_counter()
@@ -158,6 +157,7 @@ def bench_size(n: int, work: Path, before, steps: int, workers: int) -> dict:
     out["workers"], out["wait_new_s"] = workers, statistics.mean(waits)
     out["wait_share_of_h100_step"] = out["wait_new_s"] / out["h100_step_s"]
     out["before_share_of_h100_step"] = out["step_before_s"] / out["h100_step_s"]
+    out["load_average_end"] = os.getloadavg()[0]
     return out
 
 
@@ -176,18 +176,21 @@ def write_report(rows: list[dict], args, path: Path) -> None:
                                 "formula": "6 x params x padded tokens of one rank's step"},
               "before": args.before, "rows": rows}
     path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    load = ", ".join(f"{r['load_average_start']:.0f}-{r['load_average_end']:.0f}" for r in rows)
     lines = [f"# Input pipeline: data time per step and padding ({cpu}, {os.cpu_count()} cores)", "",
              f"`python scripts/bench_data.py --sizes {' '.join(map(str, args.sizes))} --steps {args.steps}`; before = "
              f"d3d.training at `{args.before}`. One rank's step of the qwen3_8b overlay (8 ranks x batch 8 x accumulation 4, "
              f"max_len 3072, 32 anchors, block 16) on synthetic responses: prompt ~ lognormal(median {PROMPT[0]}, σ {PROMPT[1]}), "
              f"reply ~ lognormal(median {REPLY[0]}, σ {REPLY[1]}) capped at {MAX_NEW}. H100 step = 6 x {DRAFTER_PARAMS:.1e} params x "
-             f"padded tokens per rank / {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s.", "",
+             f"padded tokens per rank / {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s. Memory: anonymous resident memory the set adds "
+             f"(the mapped file's pages are the shared page cache). Load average during the rows: {load} "
+             f"(a shared machine: the workers' wait is the figure contention moves most).", "",
              "| responses | read before | read now (first: build cache) | memory before | memory now | data time / step before | "
              "now, in the loop (first step) | now, waited with workers | H100 step (est.) | share before | share now | padding before | padding now |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         before_read = f"{r['load_before_s']:.1f} s" if "load_before_s" in r else "not run (memory)"
-        before_mem = f"{r['rss_before_gib']:.2f} GiB" if "rss_before_gib" in r else "-"
+        before_mem = f"{r['rss_before_gib']:.2f} GiB" if "rss_before_gib" in r else "~8x the 100k row"
         lines.append(f"| {r['responses']:,} | {before_read} | {r['load_new_s']:.2f} s ({r['load_new_first_s']:.0f} s) | {before_mem} | "
                      f"{r['rss_new_gib']:.2f} GiB | {r['step_before_s']:.2f} s | {r['step_new_s'] * 1e3:.0f} ms "
                      f"({r['step_new_first_s']:.2f} s) | {r['wait_new_s'] * 1e3:.1f} ms ({r['workers']} workers) | "

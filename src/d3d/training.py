@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from torch import nn

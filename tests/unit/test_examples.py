@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 
-import numpy as np
 import pytest
 import torch
 

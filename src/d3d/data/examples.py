@@ -299,8 +299,7 @@ class StepLoader:
 
     def __init__(self, batches: StepBatches, start: int, num_workers: int):
         loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, len(batches)),
-                                             num_workers=num_workers, collate_fn=_as_is,
-                                             prefetch_factor=4 if num_workers else None)
+                                             num_workers=num_workers, collate_fn=_as_is)
         self._it, self.next_step = iter(loader), start
 
     def __next__(self) -> list[PackedBatch]:
