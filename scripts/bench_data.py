@@ -183,7 +183,7 @@ def write_report(rows: list[dict], args, path: Path) -> None:
              f"max_len 3072, 32 anchors, block 16) on synthetic responses: prompt ~ lognormal(median {PROMPT[0]}, σ {PROMPT[1]}), "
              f"reply ~ lognormal(median {REPLY[0]}, σ {REPLY[1]}) capped at {MAX_NEW}. H100 step = 6 x {DRAFTER_PARAMS:.1e} params x "
              f"padded tokens per rank / {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s. Memory: anonymous resident memory the set adds "
-             f"(the mapped file's pages are the shared page cache). Load average during the rows: {load} "
+             f"(the mapped file's pages are the shared page cache; 0.00 = below the noise of a few MB). Load average during the rows: {load} "
              f"(a shared machine: the workers' wait is the figure contention moves most).", "",
              "| responses | read before | read now (first: build cache) | memory before | memory now | data time / step before | "
              "now, in the loop (first step) | now, waited with workers | H100 step (est.) | share before | share now | padding before | padding now |",
@@ -192,7 +192,7 @@ def write_report(rows: list[dict], args, path: Path) -> None:
         before_read = f"{r['load_before_s']:.1f} s" if "load_before_s" in r else "not run (memory)"
         before_mem = f"{r['rss_before_gib']:.2f} GiB" if "rss_before_gib" in r else "~8x the 100k row"
         lines.append(f"| {r['responses']:,} | {before_read} | {r['load_new_s']:.2f} s ({r['load_new_first_s']:.0f} s) | {before_mem} | "
-                     f"{r['rss_new_gib']:.2f} GiB | {r['step_before_s']:.2f} s | {r['step_new_s'] * 1e3:.0f} ms "
+                     f"{max(r['rss_new_gib'], 0):.2f} GiB | {r['step_before_s']:.2f} s | {r['step_new_s'] * 1e3:.0f} ms "
                      f"({r['step_new_first_s']:.2f} s) | {r['wait_new_s'] * 1e3:.1f} ms ({r['workers']} workers) | "
                      f"{r['h100_step_s']:.2f} s | {r['before_share_of_h100_step']:.0%} | {r['wait_share_of_h100_step']:.1%} | "
                      f"{r['padding_before']:.0%} | {r['padding_new']:.1%} |")

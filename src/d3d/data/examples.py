@@ -3,7 +3,7 @@
 - On disk: the responses folder's jsonl shards are converted once into `examples.arrow` beside them
   (token ids, prompt length, id, backend; keyed by the shards' names, sizes and mtimes, rebuilt when
   one changes). Every rank memory-maps that file: no rank parses the folder or holds the set in
-  Python objects (~36 bytes a token as lists of ints; 4 here, shared through the page cache).
+  Python objects (~45 bytes a token as lists of ints; 4 here, shared through the page cache).
 - The order: a pure function of (seed, epoch), computed once per epoch and cached; with
   `train.length_grouping` each window of that many global batches is sorted by length and cut
   into steps, so a micro-batch pads to a width its rows nearly share.
