@@ -36,8 +36,20 @@ def test_the_set_is_each_id_once_in_id_order_cut_to_max_len(tmp_path):
         (tmp_path / f"responses.rank{r}.jsonl").write_text("".join(
             json.dumps({"id": i, "prompt_ids": p, "response_ids": q}) + "\n" for i, p, q in part))
     examples = load_examples(tmp_path, 4)
+    assert (tmp_path / "examples.arrow").is_file()
     assert [(e.ids, e.prompt_len) for e in examples] == [([6, 7], 1), ([1, 2, 3, 4], 2)]  # c: no reply within 4
     assert [(e.ids, e.prompt_len) for e in load_examples(tmp_path, 8)] == [([6, 7], 1), ([1, 2, 3, 4, 5], 2), ([1, 2, 3, 4, 5], 4)]
+
+
+def test_a_prompt_two_shards_answer_differently_is_refused(tmp_path):
+    from d3d.data.responses import ConflictingShards
+
+    for r, reply in enumerate(([3], [3], [4])):
+        (tmp_path / f"responses.rank{r}.jsonl").write_text(json.dumps({"id": "p", "prompt_ids": [1], "response_ids": reply}) + "\n")
+    with pytest.raises(ConflictingShards, match=r"'p' has different responses in responses.rank0.jsonl and responses.rank2.jsonl"):
+        load_examples(tmp_path, 8)
+    (tmp_path / "responses.rank2.jsonl").unlink()  # the same answer in two shards is one row
+    assert [e.ids for e in load_examples(tmp_path, 8)] == [[1, 3]]
 
 
 def test_the_cache_is_rebuilt_when_a_shard_changes_and_kept_when_none_does(responses, tmp_path):

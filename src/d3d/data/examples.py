@@ -64,35 +64,45 @@ def _write_rows(writer, rows: list[dict]) -> None:
 
 
 def build_cache(responses_dir: Path, key: str) -> Path:
-    """Convert the shards into one Arrow file sorted by id, each id once (the first row of it, as
-    read_responses keeps), in two streaming passes: rows in file order into a scratch file, then
-    that file taken in id order. Written aside and renamed: a kill leaves no half cache."""
+    """Convert the shards into one Arrow file sorted by id, each id once, as read_responses reads
+    them: a shard's repeated row counts once, and a prompt two shards answer differently is
+    refused (ConflictingShards). Two streaming passes: rows in file order into a scratch file,
+    then that file taken in id order. Written aside and renamed: a kill leaves no half cache."""
     import pyarrow as pa
 
+    from d3d.data.responses import ConflictingShards
     from d3d.utils.io import read_jsonl
 
     out = responses_dir / CACHE_FILE
     scratch, tmp = out.with_suffix(f".scratch.{os.getpid()}"), out.with_suffix(f".partial.{os.getpid()}")
+    names = [p.name for p in shards(responses_dir)]
     try:
+        shard_of = []  # the shard of each scratch row
         with pa.OSFile(str(scratch), "wb") as sink, pa.ipc.new_file(sink, _schema()) as writer:
             rows = []
-            for shard in shards(responses_dir):
-                for row in read_jsonl(shard):
+            for s, name in enumerate(names):
+                for row in read_jsonl(responses_dir / name):
                     rows.append(row)
+                    shard_of.append(s)
                     if len(rows) == ROWS_PER_BATCH:
                         _write_rows(writer, rows)
                         rows = []
             if rows:
                 _write_rows(writer, rows)
         raw = pa.ipc.open_file(pa.memory_map(str(scratch))).read_all()
-        first: dict[str, int] = {}
+        ids, first = raw.column("ids"), {}
         for i, row_id in enumerate(raw.column("id").to_pylist()):
-            first.setdefault(row_id, i)
+            j = first.setdefault(row_id, i)
+            if shard_of[j] != shard_of[i] and ids[j] != ids[i]:
+                raise ConflictingShards(
+                    f"{responses_dir}: prompt {row_id!r} has different responses in {names[shard_of[j]]} and "
+                    f"{names[shard_of[i]]} (two generation runs overlapped on this folder). Fix: delete the shard "
+                    "files of one run, or generate into a new folder.")
         order = np.array([first[k] for k in sorted(first)], dtype=np.int64)
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, _schema(key)) as writer:
             for s in range(0, len(order), ROWS_PER_BATCH):
                 writer.write_table(raw.take(order[s : s + ROWS_PER_BATCH]))
-        del raw
+        del raw, ids
         os.replace(tmp, out)
     finally:
         scratch.unlink(missing_ok=True)
