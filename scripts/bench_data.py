@@ -7,8 +7,8 @@ once into --work: per size, the time to read the responses folder (jsonl parsed 
 before; the Arrow cache built once, then memory-mapped), the resident memory that adds, the data
 time of one rank's optimizer step at the qwen3_8b overlay's batch (8 ranks x batch 8 x accumulation
 4, max_len 3072, 32 anchors, block 16) and the padding share of its packed micro-batches. The
-"before" functions are the main branch's (`git show <--before>:src/d3d/training.py`), run over the
-same set. The goal (docs/design.md, Training): data time <= 5 % of an estimated H100 step,
+"before" functions are the main branch's (`git show <--before>:src/d3d/training.py` and its
+objective.pack), run over the same set. The goal (docs/design.md, Training): data time <= 5 % of an estimated H100 step,
 padding <= 15 %. Writes docs/results/data_pipeline_<cpu>.json and .md.
 """
 
@@ -22,6 +22,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,13 +80,15 @@ def rss_gib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 2**20
 
 
-def main_branch_module(ref: str):
-    """d3d.training as it is at git `ref`: the functions before this change."""
-    source = subprocess.run(["git", "show", f"{ref}:src/d3d/training.py"], check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "training_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("training_before", path)
+def module_at(ref: str, path: str):
+    """A module of d3d as it is at git `ref` (the functions before this change), by its file path."""
+    source = subprocess.run(["git", "show", f"{ref}:{path}"], check=True, capture_output=True, text=True).stdout
+    name = Path(path).stem + "_before"
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -96,7 +99,7 @@ def h100_step_s(tokens_per_rank: float) -> float:
     return 6 * DRAFTER_PARAMS * tokens_per_rank / H100_BF16_FLOPS
 
 
-def bench_size(n: int, work: Path, before, steps: int, workers: int) -> dict:
+def bench_size(n: int, work: Path, before, before_pack, steps: int, workers: int) -> dict:
     folder = write_synthetic_responses(work / f"n{n}", n)
     o = OVERLAY
     objective = ObjectiveConfig.shipped(o["block_size"], anchors_per_seq=o["anchors_per_seq"])
@@ -121,7 +124,7 @@ def bench_size(n: int, work: Path, before, steps: int, workers: int) -> dict:
         gc.collect()
 
     def rank0_step_before(step: int) -> list[PackedBatch]:  # main's TrainRecipe.micro_batches on rank 0
-        return [pack(before.batch_at(train, step, m, per_step, o["batch_size"], 0, 0, o["ranks"]), objective, 1, 0,
+        return [before_pack(before.batch_at(train, step, m, per_step, o["batch_size"], 0, 0, o["ranks"]), objective, 1, 0,
                      torch.Generator().manual_seed(step * 4_099 + m * o["ranks"])) for m in range(o["grad_accum"])]
 
     def timed_steps(make, count: int) -> tuple[list[float], list[PackedBatch]]:
@@ -205,13 +208,14 @@ def main() -> None:
     ap.add_argument("--work", default="outputs/bench/data", help="where the synthetic responses are written (kept)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--before", default="main", help="git ref of the pipeline to compare against")
+    ap.add_argument("--before", default="9fcb4df", help="git ref of the pipeline to compare against (the last commit before this one)")
     ap.add_argument("--out", default=None, help="default docs/results/data_pipeline_<cpu>")
     args = ap.parse_args()
-    before = main_branch_module(args.before)
+    before = module_at(args.before, "src/d3d/training.py")
+    before_pack = module_at(args.before, "src/d3d/objective.py").pack
     rows = []
     for n in args.sizes:
-        rows.append(bench_size(n, Path(args.work), before, args.steps, args.workers))
+        rows.append(bench_size(n, Path(args.work), before, before_pack, args.steps, args.workers))
         print(json.dumps(rows[-1]), flush=True)
     slug = "".join(c if c.isalnum() else "_" for c in cpu_name().lower()).strip("_")
     write_report(rows, args, Path(args.out or f"docs/results/data_pipeline_{slug}"))
