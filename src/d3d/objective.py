@@ -115,14 +115,17 @@ def pack(examples: list[Example], cfg: ObjectiveConfig, mask_id: int, pad_id: in
         src = torch.arange(ex.prompt_len - 1, L - 1)
         ar_rows.append(r * width + src)
         ar_t.append(ids[src + 1])
-        # Denoising loss: block b slot j predicts x_{a_b+j+1} while that position exists.
+        # Denoising loss: block b slot j predicts x_{a_b+j+1} while that position exists (all of a
+        # row's blocks at once: a loop over anchors was most of the data time of a step).
         slots = B if cfg.predict_bonus else B - 1
-        for b, a in enumerate(anc.tolist()):
-            j = torch.arange(min(slots, L - 1 - a))
-            dn_rows.append(r * width + L + b * B + j)
-            dn_t.append(ids[a + 1 + j])
-            dn_w.append(w[j])
-            dn_s.append(j)
+        j = torch.arange(slots).expand(n, slots)
+        exists = j < (L - 1 - anc)[:, None]
+        j = j[exists]
+        block = torch.arange(n)[:, None].expand(n, slots)[exists]
+        dn_rows.append(r * width + L + block * B + j)
+        dn_t.append(ids[anc[block] + 1 + j])
+        dn_w.append(w[j])
+        dn_s.append(j)
     cat = lambda xs, dtype=torch.long: torch.cat(xs) if xs else torch.empty(0, dtype=dtype)
     return PackedBatch(
         torch.stack(rows_ids), Layout(*(torch.cat([getattr(l, f) for l in layouts]) .reshape(len(examples), width)

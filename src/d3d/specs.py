@@ -351,6 +351,8 @@ class TrainSettings(StepSettings):
     warmup_steps: int
     max_steps: int
     max_minutes: Optional[float]
+    length_grouping: int  # windows of this many global batches sorted by length (0 = a plain shuffle)
+    num_workers: int  # DataLoader workers packing batches ahead of the step (0 = in the loop)
     trainable_from_layer: Optional[int]
     mixed_precision: str  # auto | no | bf16 | fp16
     eval_every: int
@@ -362,8 +364,8 @@ class TrainSettings(StepSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        at_least("train", self, warmup_steps=0, max_steps=1, trainable_from_layer=0, eval_every=0,
-                 save_every=1, log_every=1, stop_at_step=0)
+        at_least("train", self, warmup_steps=0, max_steps=1, length_grouping=0, num_workers=0,
+                 trainable_from_layer=0, eval_every=0, save_every=1, log_every=1, stop_at_step=0)
         positive("train", self, "max_minutes")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ConfigError(f"train.mixed_precision={self.mixed_precision!r}: not a precision. Fix: use auto, no, "

@@ -17,15 +17,15 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.data.examples import StepBatches, StepLoader
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import build_drafter, save_drafter
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.objective import ObjectiveConfig, pack
+from d3d.objective import ObjectiveConfig
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
     D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
@@ -114,7 +114,8 @@ class TrainRecipe:
             self.state = json.loads((resume_dir / "trainer_state.json").read_text())
             check_same_run(resume_dir, self.state, self.key)
 
-        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
+        with accelerator.main_process_first():  # one process builds the Arrow cache; the others map it
+            examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
         self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),
@@ -153,18 +154,21 @@ class TrainRecipe:
     def drafter(self):
         return self.accelerator.unwrap_model(self.step_module).drafter
 
-    def micro_batches(self, step: int):
-        """This process's micro-batches of one optimizer step. Each slice of the step's global batch
-        draws its anchors from a generator seeded by (seed, step, slice), so a resumed run draws what
-        the uninterrupted one did, and N processes x 1 micro-batch train on exactly the batches that
-        1 process x N micro-batches does (contract 9, docs/design.md#contract-9)."""
-        tc, cfg, rank, ranks = self.tc, self.cfg, self.accelerator.process_index, self.accelerator.num_processes
-        per_step = tc.batch_size * tc.grad_accum * ranks  # the global batch of one optimizer step
-        for micro in range(tc.grad_accum):
-            piece = micro * ranks + rank  # batch_at's slice index within the step
-            gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 4_099 + piece)
-            yield pack(batch_at(self.train_set, step, micro, per_step, tc.batch_size, cfg.seed, rank, ranks),
-                       self.objective, self.settings.mask_token_id, self.tokenizer.pad_token_id, gen)
+    def micro_batches(self, step: int) -> list:
+        """This process's micro-batches of one optimizer step, packed ahead by train.num_workers
+        DataLoader workers (d3d.data.examples.StepLoader; restarted where the loop asks for another
+        step than the next). Each slice of the step's global batch draws its anchors from a
+        generator seeded by (seed, step, slice), so a resumed run draws what the uninterrupted one
+        did, and N processes x 1 micro-batch train on exactly the batches that 1 process x N
+        micro-batches does (contract 9, docs/design.md#contract-9)."""
+        loader = getattr(self, "_loader", None)
+        if loader is None or loader.next_step != step:
+            tc, accelerator = self.tc, self.accelerator
+            batches = StepBatches(self.train_set, self.objective, self.settings.mask_token_id, self.tokenizer.pad_token_id,
+                                  self.cfg.seed, tc.batch_size, tc.grad_accum, tc.length_grouping, tc.max_steps,
+                                  accelerator.process_index, accelerator.num_processes)
+            loader = self._loader = StepLoader(batches, step, tc.num_workers)
+        return next(loader)
 
     def train(self) -> Path:
         cfg, tc, accelerator, out_dir = self.cfg, self.tc, self.accelerator, self.out_dir

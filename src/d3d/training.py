@@ -17,71 +17,20 @@ import copy
 import dataclasses
 import math
 import os
-import random
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaConf)
+from d3d.data.examples import batch_at, load_examples, split_examples  # noqa: F401  (this module's API too)
 from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.masks import Layout
 from d3d.objective import Example, ObjectiveConfig, PackedBatch, loss_from_hidden, metrics_to_floats, pack
 from d3d.specs import StepSettings, TrainConfig, TrainSettings
 
 # ---------------------------------------------------------------------------- data
-
-
-def load_examples(responses_dir: Path, max_len: int, allow_mixed_backends: bool = False) -> list[Example]:
-    """(prompt + response) token ids of every response row, cut to max_len, sorted by id."""
-    from d3d.data.responses import read_responses, row_backends
-
-    rows = read_responses(responses_dir)
-    if not rows:
-        raise ConfigError(
-            f"no target responses in {responses_dir}. Fix: run `python -m d3d.generate` with the same "
-            "target and data first (or set train.responses_dir)."
-        )
-    backends = row_backends(rows)
-    if len(backends) > 1 and not allow_mixed_backends:  # an engine's bf16 rows are another distribution
-        counts = ", ".join(f"{n} rows from {b}" for b, n in sorted(backends.items()))
-        raise ConfigError(f"{responses_dir} mixes responses of several generation backends ({counts}). Fix: "
-                          "train on one backend's folder, or set train.allow_mixed_backends=true to use them all.")
-    out = []
-    for row in sorted(rows, key=lambda r: r["id"]):
-        ids = (row["prompt_ids"] + row["response_ids"])[:max_len]
-        if len(ids) > len(row["prompt_ids"]):
-            out.append(Example(ids, len(row["prompt_ids"])))
-    return out
-
-
-def split_examples(examples: list[Example], val_size: int, seed: int) -> tuple[list[Example], list[Example]]:
-
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    val = [examples[i] for i in sorted(order[:val_size])]
-    train = [examples[i] for i in sorted(order[val_size:])]
-    if not train:
-        raise ConfigError(f"only {len(examples)} responses: none left for training after val_size={val_size}")
-    return train, val
-
-
-def batch_at(train: list[Example], step: int, micro: int, per_step: int, batch_size: int, seed: int,
-             rank: int = 0, ranks: int = 1) -> list[Example]:
-    """The micro-batch of a given step on one process: data order is a pure function of (seed,
-    position), so a resumed run reads exactly what the uninterrupted run would have read. A step
-    reads per_step = batch_size * grad_accum * ranks examples; each (micro, rank) its own slice."""
-    start = step * per_step + (micro * ranks + rank) * batch_size
-    orders: dict[int, list[int]] = {}  # one seeded shuffle per epoch the batch touches
-    out = []
-    for i in range(start, start + batch_size):
-        epoch, idx = divmod(i, len(train))
-        if epoch not in orders:
-            orders[epoch] = list(range(len(train)))
-            random.Random(seed * 7919 + epoch).shuffle(orders[epoch])
-        out.append(train[orders[epoch][idx]])
-    return out
+# The training set, its order and its packed batches live in d3d.data.examples (the Arrow cache, the
+# length-grouped epoch order, the DataLoader's StepBatches); imported here as this module's API.
 
 
 def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[Example]:
@@ -96,7 +45,8 @@ def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[E
 # experiment, and a run resumed with it would be half one experiment and half another.
 RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every", "progress", "resume",
                         "stop_at_step", "out_dir", "responses_dir", "val_max_new_tokens",
-                        "gradient_checkpointing", "loss_chunk_rows"}  # memory knobs: same numbers either way
+                        "gradient_checkpointing", "loss_chunk_rows",  # memory knobs: same numbers either way
+                        "num_workers"}  # who packs the batches, not which
 
 
 # train resume-key entries that hold sets which may grow: adding a benchmark file adds its name to

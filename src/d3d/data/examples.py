@@ -1,0 +1,320 @@
+"""The training set as d3d.train and d3d.prune read it (docs/design.md, Training: the input pipeline).
+
+- On disk: the responses folder's jsonl shards are converted once into `examples.arrow` beside them
+  (token ids, prompt length, id, backend; keyed by the shards' names, sizes and mtimes, rebuilt when
+  one changes). Every rank memory-maps that file: no rank parses the folder or holds the set in
+  Python objects (~45 bytes a token as lists of ints; 4 here, shared through the page cache).
+- The order: a pure function of (seed, epoch), computed once per epoch and cached; with
+  `train.length_grouping` each window of that many global batches is sorted by length and cut
+  into steps, so a micro-batch pads to a width its rows nearly share.
+- The batches: `StepBatches[step]` is one process's packed micro-batches of a step, so a DataLoader's
+  workers pack ahead of the training loop (`StepLoader`); anchors come from a generator seeded by
+  (seed, step, slice of the global batch), whichever process or worker packs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from d3d.errors import ConfigError
+from d3d.objective import Example, ObjectiveConfig, PackedBatch, pack
+
+CACHE_FILE = "examples.arrow"
+CACHE_FORMAT = 1  # bump when the columns change: an older cache is then rebuilt
+ROWS_PER_BATCH = 8192  # rows per Arrow record batch while converting: bounds the converter's memory
+
+
+# ---------------------------------------------------------------------------- the Arrow cache
+
+
+def shards(responses_dir: Path) -> list[Path]:
+    """The folder's response files (one per generating process; d3d.data.responses)."""
+    return sorted(responses_dir.glob("responses.rank*.jsonl"))
+
+
+def shards_key(responses_dir: Path) -> str:
+    """What the cache was built from: each shard's name, size and mtime. A generate run that appended
+    rows, or a shard replaced by another, changes it."""
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards(responses_dir)]
+    return json.dumps({"format": CACHE_FORMAT, "shards": stats})
+
+
+def _schema(key: str | None = None):
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.string()), ("ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()),
+                      ("backend", pa.string())], metadata={"d3d_key": key} if key else None)
+
+
+def _write_rows(writer, rows: list[dict]) -> None:
+    import pyarrow as pa
+
+    columns = {"id": [r["id"] for r in rows], "ids": [r["prompt_ids"] + r["response_ids"] for r in rows],
+               "prompt_len": [len(r["prompt_ids"]) for r in rows],
+               # rows from before backends existed are hf rows (d3d.data.responses.row_backends)
+               "backend": [(r.get("settings") or {}).get("backend", "hf") for r in rows]}
+    writer.write_batch(pa.record_batch(columns, schema=_schema()))
+
+
+def build_cache(responses_dir: Path, key: str) -> Path:
+    """Convert the shards into one Arrow file sorted by id, each id once, as read_responses reads
+    them: a shard's repeated row counts once, and a prompt two shards answer differently is
+    refused (ConflictingShards). Two streaming passes: rows in file order into a scratch file,
+    then that file taken in id order. Written aside and renamed: a kill leaves no half cache."""
+    import pyarrow as pa
+
+    from d3d.data.responses import ConflictingShards
+    from d3d.utils.io import read_jsonl
+
+    out = responses_dir / CACHE_FILE
+    scratch, tmp = out.with_suffix(f".scratch.{os.getpid()}"), out.with_suffix(f".partial.{os.getpid()}")
+    names = [p.name for p in shards(responses_dir)]
+    try:
+        shard_of = []  # the shard of each scratch row
+        with pa.OSFile(str(scratch), "wb") as sink, pa.ipc.new_file(sink, _schema()) as writer:
+            rows = []
+            for s, name in enumerate(names):
+                for row in read_jsonl(responses_dir / name):
+                    rows.append(row)
+                    shard_of.append(s)
+                    if len(rows) == ROWS_PER_BATCH:
+                        _write_rows(writer, rows)
+                        rows = []
+            if rows:
+                _write_rows(writer, rows)
+        raw = pa.ipc.open_file(pa.memory_map(str(scratch))).read_all()
+        ids, first = raw.column("ids"), {}
+        for i, row_id in enumerate(raw.column("id").to_pylist()):
+            j = first.setdefault(row_id, i)
+            if shard_of[j] != shard_of[i] and ids[j] != ids[i]:
+                raise ConflictingShards(
+                    f"{responses_dir}: prompt {row_id!r} has different responses in {names[shard_of[j]]} and "
+                    f"{names[shard_of[i]]} (two generation runs overlapped on this folder). Fix: delete the shard "
+                    "files of one run, or generate into a new folder.")
+        order = np.array([first[k] for k in sorted(first)], dtype=np.int64)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, _schema(key)) as writer:
+            for s in range(0, len(order), ROWS_PER_BATCH):
+                writer.write_table(raw.take(order[s : s + ROWS_PER_BATCH]))
+        del raw, ids
+        os.replace(tmp, out)
+    finally:
+        scratch.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def open_cache(responses_dir: Path):
+    """The folder's Arrow table, memory-mapped; (re)built first when it is missing or stale."""
+    import pyarrow as pa
+
+    key, path = shards_key(responses_dir), responses_dir / CACHE_FILE
+    if path.is_file():
+        table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        if (table.schema.metadata or {}).get(b"d3d_key", b"").decode() == key:
+            return table
+    if not os.access(responses_dir, os.W_OK):
+        raise ConfigError(f"{responses_dir} is read-only and its training cache ({CACHE_FILE}) is missing or older than "
+                          "its responses. Fix: copy the folder somewhere writable and set train.responses_dir there.")
+    return pa.ipc.open_file(pa.memory_map(str(build_cache(responses_dir, key)))).read_all()
+
+
+# ---------------------------------------------------------------------------- the set
+
+
+class ExampleSet(Sequence):
+    """Examples (prompt + response ids cut to max_len) read from the memory-mapped cache on access.
+
+    `rows` are the table rows it holds (sorted by id); `lengths` their token counts. Slicing gives
+    another ExampleSet over the same file; pickling carries the path, not the tokens (DataLoader
+    workers started by spawn reopen the map). `orders` caches the epoch orders batch_at computed."""
+
+    def __init__(self, path: Path, rows: np.ndarray, max_len: int, table=None):
+        self.path, self.rows, self.max_len = Path(path), np.asarray(rows, dtype=np.int64), max_len
+        self._open(table)
+
+    def _open(self, table=None) -> None:
+        import pyarrow as pa
+
+        table = table if table is not None else pa.ipc.open_file(pa.memory_map(str(self.path))).read_all()
+        # one (values, offsets) pair per record batch, as numpy views of the mapped file (no copy)
+        chunks = table.column("ids").chunks
+        self._values = [c.values.to_numpy(zero_copy_only=True) for c in chunks]
+        offsets = [c.offsets.to_numpy(zero_copy_only=True) for c in chunks]
+        # per table row: its record batch, and where its ids begin and end in that batch's values
+        chunk = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
+        begin = np.concatenate([o[:-1] for o in offsets]).astype(np.int64)
+        end = np.concatenate([o[1:] for o in offsets]).astype(np.int64)
+        self._chunk, self._begin = chunk[self.rows], begin[self.rows]
+        self.lengths = np.minimum(end[self.rows] - self._begin, self.max_len)
+        self.prompt_lens = table.column("prompt_len").to_numpy()[self.rows]
+        self.orders: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.subset(np.arange(len(self))[i])
+        if i < 0:
+            i += len(self)
+        b = self._begin[i]
+        ids = self._values[self._chunk[i]][b : b + self.lengths[i]].tolist()
+        return Example(ids, int(self.prompt_lens[i]))
+
+    def subset(self, positions: np.ndarray) -> "ExampleSet":
+        """The examples at these positions (of this set), as a set over the same file."""
+        return ExampleSet(self.path, self.rows[positions], self.max_len)
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "rows": self.rows, "max_len": self.max_len}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.rows, self.max_len = state["path"], state["rows"], state["max_len"]
+        self._open()
+
+
+def load_examples(responses_dir: Path, max_len: int, allow_mixed_backends: bool = False) -> ExampleSet:
+    """(prompt + response) token ids of every response row, cut to max_len, sorted by id: rows with
+    no response token left after the cut are dropped."""
+    responses_dir = Path(responses_dir)
+    if not shards(responses_dir):
+        raise ConfigError(
+            f"no target responses in {responses_dir}. Fix: run `python -m d3d.generate` with the same "
+            "target and data first (or set train.responses_dir)."
+        )
+    table = open_cache(responses_dir)
+    counts = table.column("backend").value_counts().to_pylist()
+    backends = {c["values"]: c["counts"] for c in counts}
+    if len(backends) > 1 and not allow_mixed_backends:  # an engine's bf16 rows are another distribution
+        listed = ", ".join(f"{n} rows from {b}" for b, n in sorted(backends.items()))
+        raise ConfigError(f"{responses_dir} mixes responses of several generation backends ({listed}). Fix: "
+                          "train on one backend's folder, or set train.allow_mixed_backends=true to use them all.")
+    every = ExampleSet(responses_dir / CACHE_FILE, np.arange(table.num_rows), max_len, table)
+    keep = np.nonzero(every.lengths > every.prompt_lens)[0]
+    if not len(keep):
+        raise ConfigError(f"no response in {responses_dir} has a token left within train.max_len={max_len}. "
+                          "Fix: raise train.max_len.")
+    return every.subset(keep)
+
+
+def split_examples(examples: ExampleSet, val_size: int, seed: int) -> tuple[ExampleSet, ExampleSet]:
+    """A seeded held-out split, each part in id order. The shuffle is the one d3d has always used, so
+    a drafter trained before keeps its held-out responses held out (prune's calibration reads them)."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    val, train = (np.sort(np.array(part, dtype=np.int64)) for part in (order[:val_size], order[val_size:]))
+    if not len(train):
+        raise ConfigError(f"only {len(examples)} responses: none left for training after val_size={val_size}")
+    return examples.subset(train), examples.subset(val)
+
+
+# ---------------------------------------------------------------------------- the order
+
+
+def epoch_order(n: int, seed: int, epoch: int, lengths: np.ndarray | None = None, per_step: int = 1,
+                grouping: int = 0) -> np.ndarray:
+    """The examples' order in one epoch: a seeded permutation. With `grouping` (windows of that many
+    global batches of `per_step` examples), each window is sorted by length and cut into steps whose
+    order is shuffled: a step's micro-batches hold neighbours in length (little padding) and every
+    rank of a step gets a similar length (no straggler). Windows start at step boundaries of the
+    global position (`epoch * n` need not be one): the step an epoch's end leaves unfinished is
+    completed by the next epoch's sorted head."""
+    shuffled = list(range(n))  # the shuffle d3d has always used: a run started before resumes on its order
+    random.Random(seed * 7919 + epoch).shuffle(shuffled)
+    order = np.array(shuffled, dtype=np.int64)
+    if not grouping:
+        return order
+    rng = np.random.default_rng([seed, epoch])
+    by_length = lambda idx: idx[np.argsort(lengths[idx], kind="stable")]
+    head = (-epoch * n) % per_step
+    parts = [by_length(order[:head])]
+    window = grouping * per_step
+    for s in range(head, n, window):
+        sorted_window = by_length(order[s : s + window])
+        full = len(sorted_window) // per_step
+        parts += [sorted_window[k * per_step : (k + 1) * per_step] for k in rng.permutation(full)]
+        parts.append(sorted_window[full * per_step :])  # a partial step stays last: it meets the next epoch's head
+    return np.concatenate(parts)
+
+
+def lengths_of(train: Sequence) -> np.ndarray:
+    return train.lengths if isinstance(train, ExampleSet) else np.array([len(e.ids) for e in train])
+
+
+def batch_at(train: Sequence, step: int, micro: int, per_step: int, batch_size: int, seed: int,
+             rank: int = 0, ranks: int = 1, grouping: int = 0) -> list:
+    """The micro-batch of a given step on one process: data order is a pure function of (seed,
+    position), so a resumed run reads exactly what the uninterrupted run would have read. A step
+    reads per_step = batch_size * grad_accum * ranks examples; each (micro, rank) its own slice.
+    An ExampleSet keeps the epoch orders it needed (the last few), so each is computed once."""
+    start = step * per_step + (micro * ranks + rank) * batch_size
+    cache = train.orders if isinstance(train, ExampleSet) else {}
+    out = []
+    for i in range(start, start + batch_size):
+        epoch, idx = divmod(i, len(train))
+        key = (seed, epoch, per_step, grouping)
+        if key not in cache:
+            while len(cache) >= 3:  # a batch touches at most two epochs
+                cache.pop(next(iter(cache)))
+            cache[key] = epoch_order(len(train), seed, epoch, lengths_of(train) if grouping else None,
+                                     per_step, grouping)
+        out.append(train[int(cache[key][idx])])
+    return out
+
+
+# ---------------------------------------------------------------------------- the batches
+
+
+def anchor_generator(seed: int, step: int, piece: int) -> torch.Generator:
+    """The generator of one slice (`piece` = micro * ranks + rank) of a step's global batch: the
+    anchors of that slice are the same whichever process, micro-batch or worker packs it."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4_099 + piece)
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Item `step`: this process's packed micro-batches of that optimizer step (grad_accum of them)."""
+
+    def __init__(self, train: Sequence, objective: ObjectiveConfig, mask_id: int, pad_id: int, seed: int,
+                 batch_size: int, grad_accum: int, grouping: int, steps: int, rank: int = 0, ranks: int = 1):
+        self.train, self.objective, self.mask_id, self.pad_id, self.seed = train, objective, mask_id, pad_id, seed
+        self.batch_size, self.grad_accum, self.grouping, self.steps = batch_size, grad_accum, grouping, steps
+        self.rank, self.ranks = rank, ranks
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> list[PackedBatch]:
+        per_step = self.batch_size * self.grad_accum * self.ranks  # the global batch of one optimizer step
+        return [pack(batch_at(self.train, step, micro, per_step, self.batch_size, self.seed, self.rank, self.ranks,
+                              self.grouping),
+                     self.objective, self.mask_id, self.pad_id, anchor_generator(self.seed, step, micro * self.ranks + self.rank))
+                for micro in range(self.grad_accum)]
+
+
+def _as_is(item):
+    return item
+
+
+class StepLoader:
+    """The steps of a StepBatches from `start` on, packed by `num_workers` DataLoader workers ahead
+    of the loop (0: in the loop's process, as a check of determinism reads them). `next_step` is
+    the step the next `next()` returns."""
+
+    def __init__(self, batches: StepBatches, start: int, num_workers: int):
+        loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, len(batches)),
+                                             num_workers=num_workers, collate_fn=_as_is)
+        self._it, self.next_step = iter(loader), start
+
+    def __next__(self) -> list[PackedBatch]:
+        self.next_step += 1
+        return next(self._it)
+
+    def __iter__(self):
+        return self
