@@ -297,7 +297,7 @@ def _prune(cfg: PruneConfig) -> Path:
         print(f"[d3d.prune] {acc.num_processes} processes ({acc.distributed_type.value}): scoring split over them, "
               f"recovery on a global batch of {tc.batch_size * tc.grad_accum * acc.num_processes}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
+    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
     train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 

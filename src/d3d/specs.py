@@ -327,6 +327,7 @@ class StepSettings(ObjectiveKnobs):
     clip: Optional[float]
     freeze_embeddings: bool
     loss_chunk_rows: int
+    drop_looping: bool  # leave out responses caught in a repetition loop (d3d.data.responses.is_looping)
     allow_mixed_backends: bool  # train on a folder whose rows come from several generate.backend
 
     def __post_init__(self) -> None:

@@ -115,7 +115,7 @@ class TrainRecipe:
             check_same_run(resume_dir, self.state, self.key)
 
         with accelerator.main_process_first():  # one process builds the Arrow cache; the others map it
-            examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends)
+            examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
         self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),

@@ -27,7 +27,7 @@ from d3d.errors import ConfigError
 from d3d.objective import Example, ObjectiveConfig, PackedBatch, pack
 
 CACHE_FILE = "examples.arrow"
-CACHE_FORMAT = 1  # bump when the columns change: an older cache is then rebuilt
+CACHE_FORMAT = 2  # bump when the columns change: an older cache is then rebuilt
 ROWS_PER_BATCH = 8192  # rows per Arrow record batch while converting: bounds the converter's memory
 
 
@@ -50,16 +50,19 @@ def _schema(key: str | None = None):
     import pyarrow as pa
 
     return pa.schema([("id", pa.string()), ("ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()),
-                      ("backend", pa.string())], metadata={"d3d_key": key} if key else None)
+                      ("backend", pa.string()), ("looping", pa.bool_())], metadata={"d3d_key": key} if key else None)
 
 
 def _write_rows(writer, rows: list[dict]) -> None:
     import pyarrow as pa
 
+    from d3d.data.responses import is_looping
+
     columns = {"id": [r["id"] for r in rows], "ids": [r["prompt_ids"] + r["response_ids"] for r in rows],
                "prompt_len": [len(r["prompt_ids"]) for r in rows],
                # rows from before backends existed are hf rows (d3d.data.responses.row_backends)
-               "backend": [(r.get("settings") or {}).get("backend", "hf") for r in rows]}
+               "backend": [(r.get("settings") or {}).get("backend", "hf") for r in rows],
+               "looping": [is_looping(r) for r in rows]}  # train.drop_looping reads it
     writer.write_batch(pa.record_batch(columns, schema=_schema()))
 
 
@@ -180,9 +183,11 @@ class ExampleSet(Sequence):
         self._open()
 
 
-def load_examples(responses_dir: Path, max_len: int, allow_mixed_backends: bool = False) -> ExampleSet:
+def load_examples(responses_dir: Path, max_len: int, allow_mixed_backends: bool = False,
+                  drop_looping: bool = False) -> ExampleSet:
     """(prompt + response) token ids of every response row, cut to max_len, sorted by id: rows with
-    no response token left after the cut are dropped."""
+    no response token left after the cut are dropped, and with `drop_looping` the rows whose
+    response ends in a repetition loop (d3d.data.responses.is_looping)."""
     responses_dir = Path(responses_dir)
     if not shards(responses_dir):
         raise ConfigError(
@@ -197,7 +202,10 @@ def load_examples(responses_dir: Path, max_len: int, allow_mixed_backends: bool 
         raise ConfigError(f"{responses_dir} mixes responses of several generation backends ({listed}). Fix: "
                           "train on one backend's folder, or set train.allow_mixed_backends=true to use them all.")
     every = ExampleSet(responses_dir / CACHE_FILE, np.arange(table.num_rows), max_len, table)
-    keep = np.nonzero(every.lengths > every.prompt_lens)[0]
+    kept = every.lengths > every.prompt_lens
+    if drop_looping:
+        kept &= ~table.column("looping").to_numpy(zero_copy_only=False)
+    keep = np.nonzero(kept)[0]
     if not len(keep):
         raise ConfigError(f"no response in {responses_dir} has a token left within train.max_len={max_len}. "
                           "Fix: raise train.max_len.")
