@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from d3d.data.examples import StepBatches, StepLoader, load_examples
+from d3d.examples import StepBatches, StepLoader, load_examples
 from d3d.objective import ObjectiveConfig, PackedBatch, pack
 
 # the qwen3_8b overlay (conf/experiment/qwen3_8b.yaml; drafter qwen3_1p7b, block 16) on one 8-GPU node

@@ -256,7 +256,7 @@ def decode_plan(overrides: list[str], batch: int) -> list[dict]:
     """Decoding rows of an overlay's eval methods (d3d.eval's config) at `batch` requests at once:
     the need on one device and split the way target.device_map would (the target over k GPUs, the
     drafter on its own)."""
-    from d3d.eval import method_configs
+    from d3d.settings import method_configs
     from d3d.decoding.methods import method_row
 
     raw, cfg = compose_overlay("eval", overrides)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from d3d.config import ConfigError, config_dir
 from d3d.specs import (
-    BenchmarkSpec, DrafterSpec, EvalConfig, GenerateConfig, ModelSpec, PruneConfig, StepSettings, TargetSpec, TrainConfig,
+    BenchmarkSpec, DrafterSpec, EvalConfig, EvalSettings, GenerateConfig, ModelSpec, PruneConfig, StepSettings, TargetSpec, TrainConfig,
     TrainSettings,
 )
 
@@ -289,3 +289,96 @@ def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, ta
     if drafter.init == "target_layers" and drafter.layers:
         return target_shape.with_layers(len(drafter.layers))
     return target_shape
+
+
+# ---------------------------------------------------------------------------- eval's methods
+# Bound here, not in d3d.eval, because scripts that plan a run (scripts/memory_plan.py) need the
+# methods an eval config runs without importing a recipe.
+
+# What the composed `decode` group lends to every method that reads the key: every method takes the
+# run's sampling and backend (the AR baseline decodes as the others do, so a speedup is never the
+# backend's), a method that verifies blocks takes a block-verifying group's block size. A method's
+# other keys (async's tray budget) stay its own.
+LENT_KEYS = ("temperature", "top_p", "top_k", "backend", "block_size")
+
+
+def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]:
+    """Each method's decode config. The composed `decode` group replaces its own method's file and
+    lends the shared keys to the others: `decode.temperature=1` samples every method (AR too),
+    `decode.backend=compiled` compiles every method, and `decode.block_size=4` drafts 4-token blocks
+    in sync and async alike.
+    `eval.async_budgets: [4x1, 8x2, 16]` turns each method with trays into one method per entry that
+    sets its Drafts' tray knobs (C x F: the chain's, 4x1 and 8x2; tree_trays: the tree's, 16), and
+    `auto` into one whose budget is chosen on this device."""
+    from d3d.decoding.methods import method_row  # torch: imported where used (see DecodeConfig above)
+    from d3d.report import BASELINE
+
+    check_eval_settings(ev)
+    composed = bind_decode(cfg.decode, "decode")
+    out = {}
+    for name in ev.methods:
+        if name not in cfg.methods:  # Hydra composed them from conf/decode/ (conf/eval.yaml's defaults)
+            raise ConfigError(f"eval.methods names {name!r} but conf/decode/{name}.yaml is not composed under "
+                              f"`methods` (add it there, and `- decode@methods.{name}: {name}` to conf/eval.yaml)")
+        own = bind_decode(cfg.methods[name], f"methods.{name}")
+        if composed.method == own.method:
+            dc = replace(composed)
+        else:  # lent: LENT_KEYS both methods read
+            keys = [k for k in LENT_KEYS if k in decode_keys(own.method) and k in decode_keys(composed.method)]
+            dc = replace(own, **{k: getattr(composed, k) for k in keys})
+        dc = replace(dc, max_new_tokens=ev.max_new_tokens)  # replace() re-validates
+        # the budget study: a method with trays gets one per entry that sets its tray knobs (as many
+        # values as it has knobs), and `auto` one whose budget is chosen once the models are loaded
+        # (resolve_auto_budget)
+        row = method_row(dc.method)
+        knobs = tuple(row.drafts.tray_grid[0]) if row.trays else ()
+        entries = [AUTO if str(b).lower() == AUTO else parse_budget(b) for b in ev.async_budgets or []] if knobs else []
+        budgets = [e for e in entries if e == AUTO or len(e) == len(knobs)]
+        if budgets:
+            for values in budgets:
+                if values == AUTO:
+                    out[f"{name}_{AUTO}"] = dc
+                    continue
+                setting = dict(zip(knobs, values))  # e.g. async_c4_f1, async_tree_tree_trays16
+                out[f"{name}_" + "_".join(f"{k.lower()}{v}" for k, v in setting.items())] = replace(dc, **setting)
+        else:
+            out[name] = dc
+    if BASELINE not in out or method_row(out[BASELINE].method).needs_drafter:
+        raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it")
+    return {BASELINE: out.pop(BASELINE), **out}
+
+
+AUTO = "auto"
+
+
+def check_eval_settings(ev: EvalSettings) -> None:
+    """eval.* values of the right type that still cannot work, refused before any model loads
+    (max_new_tokens=0 used to write empty rows and an empty table). Types are EvalSettings' job."""
+    if not ev.concurrency:  # max() of no batch sizes used to be a traceback
+        raise ConfigError("eval.concurrency=[]: no batch size to run. Fix: set eval.concurrency=[1] (or e.g. [1,4,16]).")
+    for key, least, value in [("max_new_tokens", 1, ev.max_new_tokens), ("warmup", 0, ev.warmup),
+                              ("auto_budget_prompts", 1, ev.auto_budget_prompts),
+                              *([("n", 1, ev.n)] if ev.n is not None else []),
+                              *(("concurrency", 1, c) for c in ev.concurrency)]:
+        if value < least:
+            raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}. Fix: set eval.{key} to {least} or more.")
+    if ev.exec_timeout_s <= 0:
+        raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0. Fix: set eval.exec_timeout_s=10.")
+    from d3d.grading import check_sandbox
+
+    check_sandbox(ev.sandbox)
+    for label in ev.also_drafters:  # its rows are named <method>@<label>
+        if not label or "@" in label or "/" in label:
+            raise ConfigError(f"eval.also_drafters.{label}: a label names rows <method>@<label>. Fix: use a plain "
+                              f"name such as `unpruned` (no '@' or '/').")
+
+
+def parse_budget(text) -> tuple[int, ...]:
+    """An eval.async_budgets entry: the values of a Drafts kind's tray knobs joined by x."""
+    if str(text).lower() != AUTO:
+        try:
+            return tuple(int(x) for x in str(text).lower().split("x"))
+        except ValueError:
+            pass
+    raise ConfigError(f"eval.async_budgets entry {text!r}: write CxF for a chain's trays (e.g. 8x2: C covered slots + 1, "
+                      f"F alternatives), T for a tree's (e.g. 16 trays), or auto. Fix: e.g. eval.async_budgets=[4x1,8x2,16].")

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
-from d3d.data.examples import StepBatches, StepLoader
+from d3d.examples import StepBatches, StepLoader
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import build_drafter, save_drafter
 from d3d.models.drafter_settings import DrafterSettings
@@ -156,7 +156,7 @@ class TrainRecipe:
 
     def micro_batches(self, step: int) -> list:
         """This process's micro-batches of one optimizer step, packed ahead by train.num_workers
-        DataLoader workers (d3d.data.examples.StepLoader; restarted where the loop asks for another
+        DataLoader workers (d3d.examples.StepLoader; restarted where the loop asks for another
         step than the next). Each slice of the step's global batch draws its anchors from a
         generator seeded by (seed, step, slice), so a resumed run draws what the uninterrupted one
         did, and N processes x 1 micro-batch train on exactly the batches that 1 process x N

@@ -1,4 +1,4 @@
-"""The training input pipeline (d3d.data.examples) on small synthetic response folders, no model:
+"""The training input pipeline (d3d.examples) on small synthetic response folders, no model:
 the Arrow cache, the cached length-grouped order (exact resume, N ranks = one process), the padding
 it leaves, and DataLoader workers packing the batches one process would."""
 
@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from d3d.data.examples import StepBatches, StepLoader, batch_at, load_examples, split_examples
+from d3d.examples import StepBatches, StepLoader, batch_at, load_examples, split_examples
 from d3d.objective import ObjectiveConfig
 from tests.conftest import load_script
 
