@@ -10,6 +10,7 @@ installed: d3d reads their data files only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -109,6 +110,22 @@ def hub_offline() -> bool:
     """HF_HUB_OFFLINE is on: read only what the HF cache already holds, never the network. Read from
     the environment at each call (huggingface_hub's own constant is fixed when it is imported)."""
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES
+
+
+@contextlib.contextmanager
+def libraries_offline():
+    """huggingface_hub and datasets fix HF_HUB_OFFLINE when they are imported; d3d reads it at each call
+    (hub_offline). Inside this block both libraries see offline mode whenever d3d does, so a process
+    that imported them before the variable was set still reads only the cache (no network retries)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -18,6 +18,7 @@ spec's `template` then turns the first turn into the user message (math suffix, 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from d3d.errors import ConfigError, UserError
-from d3d.fetch import hub_endpoint, hub_offline, hub_reachable, package_file
+from d3d.fetch import hub_endpoint, hub_offline, hub_reachable, libraries_offline, package_file
 from d3d.specs import BenchmarkSpec, BenchmarkSuite, HubSource
 
 
@@ -248,7 +249,9 @@ def _load_hub(spec: BenchmarkSpec) -> Located:
         import datasets
 
         try:
-            ds = datasets.load_dataset(hub.path, hub.name, split=hub.split, revision=hub.revision, **(hub.kwargs or {}))
+            with libraries_offline() if offline else contextlib.nullcontext():
+                ds = datasets.load_dataset(hub.path, hub.name, split=hub.split, revision=hub.revision,
+                                           **(hub.kwargs or {}))
         except (ConnectionError, FileNotFoundError):
             if not offline:
                 raise

@@ -19,7 +19,7 @@ from d3d.data.benchmarks import (
     read_located,
 )
 from d3d.errors import ConfigError
-from d3d.fetch import hub_offline, hub_reachable
+from d3d.fetch import hub_offline, hub_reachable, libraries_offline
 from d3d.specs import BenchmarkSpec, PromptSetSpec
 
 
@@ -119,7 +119,16 @@ def _from_hub(cfg: PromptSetSpec) -> list[Prompt]:
     import datasets
 
     hub = cfg.hub
-    ds = datasets.load_dataset(hub.path, hub.name, split=hub.split)
+    if hub_offline():  # the datasets cache only, whenever datasets was imported
+        try:
+            with libraries_offline():
+                ds = datasets.load_dataset(hub.path, hub.name, split=hub.split)
+        except (ConnectionError, FileNotFoundError):
+            raise BenchmarkUnavailable(
+                f"HF_HUB_OFFLINE is on and prompt set {cfg.name!r} ({hub.path}) is not in the datasets cache. Fix: "
+                "load it once on a networked node with the same HF_HOME, or use data=cpu_math (offline)") from None
+    else:
+        ds = datasets.load_dataset(hub.path, hub.name, split=hub.split)
     if cfg.limit:  # avoid materialising 200k rows to keep 10k
         ds = ds.shuffle(seed=cfg.seed).select(range(min(len(ds), 2 * cfg.limit)))
     return _rows_to_prompts([(f"{hub.path} row {i}", dict(r)) for i, r in enumerate(ds)], cfg.name,
