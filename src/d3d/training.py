@@ -22,6 +22,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
+from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaConf)
 from d3d.examples import batch_at, load_examples, split_examples  # noqa: F401  (this module's API too)
 from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.masks import Layout
