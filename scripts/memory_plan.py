@@ -319,7 +319,7 @@ def toy_step(engine: str, checkpointing: bool, batch: int, bf16: bool = False) -
 
     from d3d.models.random_models import SHAPES, random_model
     from d3d.objective import Example, ObjectiveConfig, pack
-    from d3d.training import D3DTrainingStep, enable_activation_checkpointing, optimizer_step
+    from d3d.training import D3DTrainingStep, enable_activation_checkpointing
 
     s = shape_of_config(SHAPES["memory_plan"])
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -348,7 +348,12 @@ def toy_step(engine: str, checkpointing: bool, batch: int, bf16: bool = False) -
             fully_shard(step, mp_policy=policy)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
         for _ in range(2):  # the second step's forward runs beside AdamW's state: the steady peak
-            optimizer_step(module, opt, [packed], clip=None)  # (no clip: FSDP2's norm is a DTensor here)
+            # the ops of training.optimizer_step at one micro-batch, without its accelerator (the
+            # wrappers are applied here, as accelerate would); no clip: FSDP2's norm is a DTensor here
+            loss, _ = module(packed)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
 
     measured = weights + measured_peak(run)
     rows = len(packed.dn_rows) + len(packed.ar_rows)
