@@ -623,7 +623,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         return out_dir
     summary = write_report(out_dir, {"config": to_plain(raw), "warmup": warmup})
     print(summary_markdown(summary))
-    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)), row_key)
+    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f, ("benchmark", "id", "method"))), row_key)
     if skips:
         print(f"[d3d.eval] {len(skips)} requests skipped, their prompts too long for the context "
               f"(listed with the reason in {out_dir}/skipped*.jsonl)", flush=True)

@@ -75,7 +75,8 @@ def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, rec
     are appended to that jsonl keyed by the kept layers, so a run killed after scoring does not
     score again."""
     acc.wait_for_everyone()  # every process sees the record the main process wrote, or none does
-    done = [r for r in (read_jsonl(record) if record else []) if r["kept_layers"] == s.kept_layers and "taus" in r]
+    rows = read_jsonl(record, ("kept_layers",)) if record else []
+    done = [r for r in rows if r["kept_layers"] == s.kept_layers and "taus" in r]
     if done:
         return done[0]["taus"][:-1]
     mine = len(my_share(calib, acc))
@@ -301,7 +302,7 @@ def _prune(cfg: PruneConfig) -> Path:
     train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
-    history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
+    history = unique(read_jsonl(out_dir / "steps.jsonl", ("step",)), lambda r: r["step"])
     key = prune_resume_key(cfg)
     if history:  # a run from before resume keys has none: resumes as it did
         refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",

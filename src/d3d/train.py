@@ -227,7 +227,7 @@ class TrainRecipe:
         if accelerator.is_main_process:
             # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
             final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
-            history = unique(read_jsonl(out_dir / "metrics.jsonl"), lambda r: r["step"])
+            history = unique(read_jsonl(out_dir / "metrics.jsonl", ("step",)), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {
                 "steps": step, "max_steps": max_steps, "elapsed_s": round(time.perf_counter() - start, 1),

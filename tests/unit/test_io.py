@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -187,3 +188,37 @@ def test_a_file_size_limit_mid_write_leaves_nothing_half_written_that_a_reader_t
     assert json.loads((tmp_path / "summary.json").read_text()) == {"rows": 2}
     assert recover(tmp_path, "final") == tmp_path / "final" and saved_step(tmp_path / "final") == 1
     assert not (tmp_path / "final.partial").exists()
+
+
+@pytest.mark.parametrize("line, problem", [
+    (b'{"id": "caf\xe9"}\n', "is not UTF-8 text"),  # a Latin-1 byte in a complete line
+    (b'[1, 2]\n', "is a JSON list, not an object"),
+    (b'null\n', "is a JSON null, not an object"),
+    (b'{"id": "p2", "prompt_ids": [1]}\n', "lacks the field(s) response_ids"),
+])
+def test_a_line_that_is_not_a_row_is_named_not_a_traceback(tmp_path, line, problem):
+    """Responses, rows, steps and metrics files: each reader names the fields it indexes, so a bad
+    complete line fails as one CorruptFile at its line (it was a UnicodeDecodeError, KeyError or
+    TypeError). A bad torn tail is still a kill, and skipped."""
+    from d3d.data.examples import load_examples
+    from d3d.data.responses import read_responses
+
+    good = json.dumps({"id": "p1", "prompt_ids": [1], "response_ids": [2]}).encode() + b"\n"
+    path = tmp_path / "responses.rank0.jsonl"
+    path.write_bytes(good + line + good)
+    for read in (read_responses, lambda folder: load_examples(folder, max_len=8)):  # the jsonl and the Arrow cache
+        with pytest.raises(CorruptFile, match=rf"{path}:2 {re.escape(problem)}.*Fix: repair or delete that line"):
+            read(tmp_path)
+    path.write_bytes(good + line.rstrip(b"\n"))  # the same bytes as a torn last line: a killed writer
+    assert [r["id"] for r in read_responses(tmp_path)] == ["p1"]
+
+
+def test_the_report_names_a_damaged_rows_file_in_one_line(tmp_path):
+    from tests.unit.test_report import one_error_line, report, result_folder
+
+    folder = result_folder(tmp_path / "run")
+    with open(folder / "rows.jsonl", "ab") as f:
+        f.write(b'{"benchmark": "gsm8k", "id": "\xff"}\n')
+    one_error_line(report(folder), f"{folder / 'rows.jsonl'}:3 is not UTF-8", "Fix:")
+    (folder / "rows.jsonl").write_text('{"benchmark": "gsm8k", "id": "gsm8k/0"}\n')
+    one_error_line(report(folder), "rows.jsonl:1 lacks the field(s) method", "Fix:")

@@ -73,7 +73,7 @@ def build_cache(responses_dir: Path, key: str) -> Path:
     then that file taken in id order. Written aside and renamed: a kill leaves no half cache."""
     import pyarrow as pa
 
-    from d3d.data.responses import ConflictingShards
+    from d3d.data.responses import RESPONSE_KEYS, ConflictingShards
     from d3d.utils.io import read_jsonl
 
     out = responses_dir / CACHE_FILE
@@ -84,7 +84,7 @@ def build_cache(responses_dir: Path, key: str) -> Path:
         with pa.OSFile(str(scratch), "wb") as sink, pa.ipc.new_file(sink, _schema()) as writer:
             rows = []
             for s, name in enumerate(names):
-                for row in read_jsonl(responses_dir / name):
+                for row in read_jsonl(responses_dir / name, RESPONSE_KEYS):
                     rows.append(row)
                     shard_of.append(s)
                     if len(rows) == ROWS_PER_BATCH:

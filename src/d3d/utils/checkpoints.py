@@ -156,9 +156,9 @@ def check_record_reaches(checkpoint: Path, needed: int | None, recorded: int | N
 
 
 def trim_rows(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
-    """Rewrite a jsonl file (atomically) keeping the rows `keep` accepts; returns them."""
+    """Rewrite a jsonl file of steps (atomically) keeping the rows `keep` accepts; returns them."""
     path = Path(path)
-    rows = list(read_jsonl(path))
+    rows = list(read_jsonl(path, ("step",)))
     kept = [r for r in rows if keep(r)]
     if len(kept) != len(rows):
         with published(path) as tmp:

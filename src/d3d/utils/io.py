@@ -21,22 +21,35 @@ class CorruptFile(ConfigError):
     """A results or weights file that cannot be read; the message names the file (and line)."""
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
+def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> Iterator[dict]:
     """Complete rows of a jsonl file; a torn final line (killed writer) is skipped. A bad line
-    anywhere else is not a kill but damage: it fails naming the file and the line."""
+    anywhere else is not a kill but damage: it fails naming the file and the line. A complete line
+    that is not UTF-8, not a JSON object, or lacks one of `keys` (the fields its reader indexes) is
+    damage too: it fails here, with the line, not later as a KeyError far from the file."""
     path = Path(path)
     if not path.is_file():
         return
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
                 break  # written partially when the process died
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise CorruptFile(f"{path}:{number} is not a JSON row ({err.msg}). Fix: repair or delete that "
-                                      f"line (rows after it are kept), or delete the file to redo its rows.") from None
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                problem = f"is not UTF-8 text (byte {err.start + 1} of the line)"
+            except json.JSONDecodeError as err:
+                problem = f"is not a JSON row ({err.msg})"
+            else:
+                missing = [k for k in keys if k not in row] if isinstance(row, dict) else None
+                if missing == []:
+                    yield row
+                    continue
+                problem = (f"is a JSON {'null' if row is None else type(row).__name__}, not an object" if missing is None
+                           else f"lacks the field(s) {', '.join(missing)}")
+            raise CorruptFile(f"{path}:{number} {problem}. Fix: repair or delete that line (rows after it are "
+                              f"kept), or delete the file to redo its rows.")
 
 
 def unique(rows: Iterable[dict], key: Callable[[dict], Hashable]) -> list[dict]:
