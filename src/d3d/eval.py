@@ -46,7 +46,7 @@ from d3d.grading import check_sandbox, grade, isolation, isolation_warning
 from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -549,7 +549,7 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
         grading_isolation(list(iter_specs(typed.benchmark)), typed.eval.sandbox)  # a sandbox that cannot run here
         return None
-    with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
+    with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir", process_state().process_index):
         return _evaluate(cfg, typed)
 
 

@@ -50,7 +50,7 @@ from d3d.utils.checkpoints import (
     MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import CorruptFile, JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import CorruptFile, JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
 log = logging.getLogger("d3d.prune")
@@ -225,7 +225,7 @@ def run_prune(cfg: DictConfig) -> Path:
     drafter together (DDP, FSDP2 or ZeRO, as the launch config says) and the main process writes."""
     typed = bind_config(cfg, "prune")  # the typed boundary: unknown keys fail
     typed.train = with_global_batch(typed.train, world_size())  # grad_accum from train.global_batch_size
-    with lock_folder(resolve_path(typed.prune.out_dir), "d3d.prune", int(os.environ.get("RANK", 0))):
+    with job_folder(resolve_path(typed.prune.out_dir), "prune", "prune.out_dir", int(os.environ.get("RANK", 0))):
         return _prune(typed)
 
 

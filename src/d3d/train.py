@@ -34,7 +34,7 @@ from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_
 )
 from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.settings import bind_config
 from d3d.specs import TrainConfig
 from d3d.utils.runinfo import run_info
@@ -251,7 +251,7 @@ def run_train(cfg: DictConfig) -> Path:
     import os
 
     typed = bind_config(cfg, "train")
-    with lock_folder(resolve_path(typed.train.out_dir), "d3d.train", int(os.environ.get("RANK", 0))):
+    with job_folder(resolve_path(typed.train.out_dir), "train", "train.out_dir", int(os.environ.get("RANK", 0))):
         return TrainRecipe(cfg, typed).train()
 
 

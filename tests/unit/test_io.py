@@ -222,3 +222,33 @@ def test_the_report_names_a_damaged_rows_file_in_one_line(tmp_path):
     one_error_line(report(folder), f"{folder / 'rows.jsonl'}:3 is not UTF-8", "Fix:")
     (folder / "rows.jsonl").write_text('{"benchmark": "gsm8k", "id": "gsm8k/0"}\n')
     one_error_line(report(folder), "rows.jsonl:1 lacks the field(s) method", "Fix:")
+
+
+@pytest.mark.parametrize("job, key", [("generate", "generate.out_dir"), ("eval", "eval.out_dir"),
+                                      ("train", "train.out_dir"), ("prune", "prune.out_dir")])
+def test_every_job_refuses_another_kinds_folder(tmp_path, job, key):
+    """train.out_dir at a finished prune folder replaced the pruned final/ with no word. A folder
+    marked by another kind of job, or (from before the mark) holding its records, is refused
+    before anything is written or loaded; its own kind's folder and an empty one are marked."""
+    import importlib
+
+    from d3d.utils.io import KIND_FILE, WrongFolder, job_folder
+
+    run = getattr(importlib.import_module(f"d3d.{job}"), f"run_{job}")
+    other = "eval" if job == "prune" else "prune"
+    marked, old = tmp_path / "marked", tmp_path / "old"
+    marked.mkdir()
+    (marked / KIND_FILE).write_text(other + "\n")
+    old.mkdir()
+    (old / ("rows.jsonl" if other == "eval" else "steps.jsonl")).write_text("")
+    for folder in (marked, old):
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(WrongFolder, match=rf"{key}=.*output folder of a d3d.{other} run.*Fix: set {key}"):
+            run(compose(job, ["+experiment=smoke", f"{key}={folder}"], tmp_path))
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".lock")) == before
+    fresh = tmp_path / "fresh"
+    with job_folder(fresh, job, key):
+        pass
+    assert (fresh / KIND_FILE).read_text() == job + "\n"
+    with job_folder(fresh, job, key):  # its own kind resumes
+        pass

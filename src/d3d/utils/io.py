@@ -168,6 +168,44 @@ def lock_folder(folder: str | Path, job: str, rank: int = 0) -> FolderLock:
     return FolderLock(folder, job, rank)
 
 
+# Each job marks its output folder with its kind, so that another job's output key pointed there
+# (train.out_dir at a finished prune folder) is refused before it replaces that job's `final/`. A
+# folder from before the mark is known by the record file only its kind writes.
+KIND_FILE = ".d3d-job"
+KIND_RECORDS = {"train": "metrics.jsonl", "prune": "steps.jsonl", "eval": "rows*.jsonl",
+                "generate": "responses.rank*.jsonl"}
+
+
+def folder_kind(folder: Path) -> str | None:
+    """The kind of job whose output `folder` is (its mark, else its record file), or None."""
+    mark = folder / KIND_FILE
+    if mark.is_file():
+        return mark.read_text(encoding="utf-8", errors="replace").strip() or None
+    return next((kind for kind, pattern in KIND_RECORDS.items() if any(folder.glob(pattern))), None)
+
+
+class WrongFolder(ConfigError):
+    """An output folder that another kind of job made."""
+
+
+@contextlib.contextmanager
+def job_folder(folder: str | Path, kind: str, key: str, rank: int = 0) -> Iterator[FolderLock]:
+    """The output folder of a `kind` job ("train", "prune", "eval", "generate"), set by config `key`:
+    locked (one writer), refused when another kind of job made it, marked with `kind` by rank 0."""
+    folder = Path(folder)
+    with lock_folder(folder, f"d3d.{kind}", rank) as lock:
+        found = folder_kind(folder)
+        if found not in (None, kind):
+            raise WrongFolder(f"{key}={folder} is the output folder of a d3d.{found} run ({KIND_FILE} or its "
+                              f"records say so); d3d.{kind} would write over its results. Fix: set {key} to "
+                              f"another folder.")
+        if rank == 0 and not (folder / KIND_FILE).is_file():
+            tmp = folder / f"{KIND_FILE}.tmp"
+            tmp.write_text(kind + "\n", encoding="utf-8")
+            tmp.replace(folder / KIND_FILE)
+        yield lock
+
+
 def repair_tail(path: str | Path) -> None:
     """Cut a torn final line so that appending continues on a clean row boundary."""
     path = Path(path)
