@@ -67,7 +67,8 @@ def evaluate(accelerator, step_module, val: list, settings: DrafterSettings) -> 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
     old = state.get("resume_key")  # None: a checkpoint from before keys, no check
     refuse_mixed_run(resume_dir, old, key, "was trained",
-                     "pass a new train.out_dir, or train.resume=false to start over there.", grows=GROWING_TRAIN_KEYS)
+                     "resume with the settings and responses it was trained on, pass a new train.out_dir, or "
+                     "train.resume=false to start over there.", grows=GROWING_TRAIN_KEYS)
 
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:
@@ -116,6 +117,9 @@ class TrainRecipe:
 
         with accelerator.main_process_first():  # one process builds the Arrow cache; the others map it
             examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+        self.key = train_resume_key(cfg, examples.fingerprint())
+        if resuming:  # and on the same responses, before the drafter loads
+            check_same_run(resume_dir, self.state, self.key)
         self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -174,6 +175,15 @@ class ExampleSet(Sequence):
     def subset(self, positions: np.ndarray) -> "ExampleSet":
         """The examples at these positions (of this set), as a set over the same file."""
         return ExampleSet(self.path, self.rows[positions], self.max_len)
+
+    def fingerprint(self) -> str:
+        """A hash of what training reads from this set: each example's tokens (cut to max_len) and
+        prompt length, in order. It does not change when the folder is copied (unlike
+        shards_key's mtimes), and changes when any response, or the set of responses, does."""
+        digest = hashlib.sha256(np.stack([self.lengths, self.prompt_lens]).astype(np.int64).tobytes())
+        for chunk, begin, length in zip(self._chunk, self._begin, self.lengths):
+            digest.update(self._values[chunk][begin : begin + length].tobytes())
+        return digest.hexdigest()[:32]
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "rows": self.rows, "max_len": self.max_len}
