@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from d3d.errors import ConfigError
 from d3d.utils.io import CorruptFile, FolderBusy, lock_folder, read_jsonl
 from tests.conftest import ROOT, compose
 
@@ -252,3 +253,50 @@ def test_every_job_refuses_another_kinds_folder(tmp_path, job, key):
     assert (fresh / KIND_FILE).read_text() == job + "\n"
     with job_folder(fresh, job, key):  # its own kind resumes
         pass
+
+
+@pytest.mark.parametrize("job, key", [("generate", "generate.out_dir"), ("eval", "eval.out_dir"),
+                                      ("train", "train.out_dir"), ("prune", "prune.out_dir")])
+def test_every_job_refuses_an_output_path_that_is_a_file_in_one_line(tmp_path, job, key):
+    """It was a FileExistsError / NotADirectoryError traceback from mkdir."""
+    import importlib
+
+    run = getattr(importlib.import_module(f"d3d.{job}"), f"run_{job}")
+    file = tmp_path / "results"
+    file.write_text("not a folder")
+    for out in (file, file / "run"):
+        with pytest.raises(ConfigError, match=rf"^{key}={out}: {file} is a file, not a folder. Fix: set {key}"):
+            run(compose(job, ["+experiment=smoke", f"{key}={out}"], tmp_path))
+
+
+READ_ONLY = ("import sys\nsys.path.insert(0, {src!r})\nfrom d3d.errors import ConfigError\n"
+             "from d3d.utils.io import job_folder\n"
+             "for out in ({folder!r}, {folder!r} + '/new'):\n"
+             "    try:\n        with job_folder(out, 'train', 'train.out_dir'): print('written')\n"
+             "    except ConfigError as err: print(err)\n")
+
+
+def test_a_read_only_output_folder_is_one_line(tmp_path):
+    """A read-only folder (permission bits for a user, a read-only mount for root, whom the bits do
+    not stop: bubblewrap binds it read-only) was a PermissionError / OSError traceback."""
+    import os
+    import shutil
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    (folder / ".lock.0").write_text("")  # an earlier run's lock file, which opens even in a read-only folder
+    code = [sys.executable, "-c", READ_ONLY.format(src=str(ROOT / "src"), folder=str(folder))]
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    elif shutil.which("bwrap"):
+        code = ["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(folder), str(folder), *code]
+    else:
+        pytest.skip("root without bubblewrap: no read-only folder to try")
+    try:
+        out = subprocess.run(code, capture_output=True, text=True, timeout=60)
+    finally:
+        folder.chmod(0o755)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2, (out.stdout, out.stderr)
+    assert lines[0].startswith(f"train.out_dir={folder} cannot be written") and "Fix: set train.out_dir" in lines[0]
+    assert lines[1].startswith(f"train.out_dir={folder}/new cannot be written") and "Fix:" in lines[1]

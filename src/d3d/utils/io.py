@@ -188,14 +188,41 @@ class WrongFolder(ConfigError):
     """An output folder that another kind of job made."""
 
 
+def output_folder(folder: Path, key: str) -> None:
+    """Make `folder` (config `key`), or fail in one line where it cannot be an output folder: a file
+    stands at its path (or above it), or it cannot be written (permissions, a read-only mount)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(folder))
+    except (FileExistsError, NotADirectoryError):
+        file = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise ConfigError(f"{key}={folder}: {file} is a file, not a folder. Fix: set {key} to a folder, or move "
+                          f"that file.") from None
+    except OSError as err:
+        raise _not_writable(folder, key, err) from None
+    if not os.access(folder, os.W_OK | os.X_OK):  # checked: an existing lock file would open anyway
+        raise _not_writable(folder, key, None)
+
+
+def _not_writable(folder: Path, key: str, err: OSError | None) -> ConfigError:
+    why = f" ({err.strerror}: {err.filename})" if err else ""
+    return ConfigError(f"{key}={folder} cannot be written{why}. Fix: set {key} to a folder you can write, or make "
+                       f"{folder} writable.")
+
+
 @contextlib.contextmanager
 def job_folder(folder: str | Path, kind: str, key: str, rank: int = 0) -> Iterator[FolderLock]:
     """The output folder of a `kind` job ("train", "prune", "eval", "generate"), set by config `key`:
-    locked (one writer), refused when another kind of job made it, marked with `kind` by rank 0."""
+    made (output_folder), locked (one writer), refused when another kind of job made it, marked with
+    `kind` by rank 0. All before the job loads anything."""
     folder = Path(folder)
-    with lock_folder(folder, f"d3d.{kind}", rank) as lock:
+    output_folder(folder, key)
+    try:
+        lock = lock_folder(folder, f"d3d.{kind}", rank)
         found = folder_kind(folder)
         if found not in (None, kind):
+            lock.release()
             raise WrongFolder(f"{key}={folder} is the output folder of a d3d.{found} run ({KIND_FILE} or its "
                               f"records say so); d3d.{kind} would write over its results. Fix: set {key} to "
                               f"another folder.")
@@ -203,6 +230,11 @@ def job_folder(folder: str | Path, kind: str, key: str, rank: int = 0) -> Iterat
             tmp = folder / f"{KIND_FILE}.tmp"
             tmp.write_text(kind + "\n", encoding="utf-8")
             tmp.replace(folder / KIND_FILE)
+    except OSError as err:  # a filesystem may refuse what os.access allowed (NFS squashing root)
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise _not_writable(folder, key, err) from None
+    with lock:
         yield lock
 
 
