@@ -59,6 +59,15 @@ class TinySpec:
         at_least("target.tiny", self, hidden_size=1, intermediate_size=1, num_hidden_layers=1, num_attention_heads=1,
                  num_key_value_heads=1, max_position_embeddings=2)
         seeds("target.tiny", self, "seed")
+        # the attention's shape: a width the heads do not divide, or query heads the key/value heads do not
+        # divide, failed in transformers while the model was built; rotary embeddings rotate pairs of dimensions
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if self.hidden_size % heads or (self.hidden_size // heads) % 2 or heads % kv:
+            raise ConfigError(f"target.tiny: hidden_size={self.hidden_size}, num_attention_heads={heads}, "
+                              f"num_key_value_heads={kv}: hidden_size must be an even multiple of num_attention_heads "
+                              f"(an even head width), itself a multiple of num_key_value_heads. Fix: e.g. "
+                              f"hidden_size={max(2 * heads, self.hidden_size - self.hidden_size % (2 * heads))}, "
+                              f"num_key_value_heads={kv if heads % kv == 0 else 1}.")
 
 
 @dataclass

@@ -33,6 +33,10 @@ from tests.conftest import compose
     ("generate", "seed=-1", r"seed=-1: not a seed"),
     ("train", "drafter.seed=4294967296", r"drafter.seed=4294967296: not a seed"),
     ("generate", "data.seed=-1", r"data.seed=-1: not a seed"),
+    # a width the heads do not divide was a transformers traceback while the tiny target was built
+    ("train", "target.tiny.hidden_size=66", r"target.tiny: hidden_size=66, num_attention_heads=4, num_key_value_heads=2: "
+                                            r"hidden_size must be an even multiple .* Fix: e.g. hidden_size=64"),
+    ("train", "target.tiny.num_key_value_heads=3", r"target.tiny: .*num_key_value_heads=3: .* num_key_value_heads=1"),
 ])
 def test_a_setting_out_of_range_is_one_line_at_the_boundary(root, override, message):
     with pytest.raises(ConfigError, match=f"^{message}"):
