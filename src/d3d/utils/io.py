@@ -284,6 +284,28 @@ def write_json(path: str | Path, obj) -> None:
 
 
 @contextlib.contextmanager
+def cache_lock(dest: str | Path) -> Iterator[None]:
+    """`with cache_lock(dest): if dest is missing, build it (published)`: one builder of a cache entry
+    at a time, across the jobs sharing the cache. Jobs started together on a fresh cache all saw the
+    entry missing and built it at once into the one `.partial` sibling, each removing the others'
+    (two failed, a stale `.partial` stayed); now the others wait, then find it built. A blocking
+    flock on `<dest>.lock`, dropped by the kernel if the holder dies; where the filesystem has no
+    flock (NO_FLOCK) the build goes unlocked, as before."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest.with_name(dest.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            if err.errno not in NO_FLOCK:
+                raise
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def published(dest: str | Path) -> Iterator[Path]:
     """`with published(dest) as tmp:` write a file or folder at `tmp` (dest's `.partial` sibling);
     it is renamed to `dest` only when the block ends without an error, so a killed job never leaves
