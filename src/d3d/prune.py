@@ -202,11 +202,12 @@ def retention(row: dict, first: dict) -> float:
 RESUMABLE_PRUNE_KEYS = {"num_layers", "min_retention", "out_dir", "stop_at_step", "progress", "device", "packed_blocks"}
 
 
-def prune_resume_key(cfg: PruneConfig) -> dict:
+def prune_resume_key(cfg: PruneConfig, responses: str | None = None) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
     calibration/hold-out split and the recovery objective: the train.* keys prune reads (`tc`),
     those a resumed training may change aside, and never d3d.train's own (a key written when prune
-    composed them still matches: keys only one side has are not compared)."""
+    composed them still matches: keys only one side has are not compared); `responses`, the
+    fingerprint of the examples it reads (d3d.training.train_resume_key)."""
     checkpoint = cfg.drafter.checkpoint
     if checkpoint:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
@@ -216,7 +217,8 @@ def prune_resume_key(cfg: PruneConfig) -> dict:
             # the recovery's global batch, not its split over processes (d3d.training.train_resume_key)
             "train": {**{k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
                       "global_batch": cfg.train.batch_size * cfg.train.grad_accum * world_size()},
-            "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
+            "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS},
+            **({"responses": responses} if responses else {})}
 
 
 def run_prune(cfg: DictConfig) -> Path:
@@ -303,7 +305,7 @@ def _prune(cfg: PruneConfig) -> Path:
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
     history = unique(read_jsonl(out_dir / "steps.jsonl", ("step",)), lambda r: r["step"])
-    key = prune_resume_key(cfg)
+    key = prune_resume_key(cfg, examples.fingerprint())
     if history:  # a run from before resume keys has none: resumes as it did
         refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",
                          "pass a new prune.out_dir, or delete that one.",

@@ -3,6 +3,8 @@ end to end, resumes and two real processes are in tests/integration/test_train.p
 
 from __future__ import annotations
 
+import json
+
 from d3d.train import batch_at
 
 
@@ -23,8 +25,6 @@ def test_each_rank_and_micro_batch_reads_its_own_slice():
 
 
 def write_responses(folder, rows):
-    import json
-
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "responses.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -63,3 +63,30 @@ def test_a_run_resumed_on_other_responses_is_refused_before_the_drafter_loads(tm
         write_responses(data, other)
         with pytest.raises(ConfigError, match=r"was trained with other settings \(responses differ\).*Fix: resume"):
             TrainRecipe(raw)
+
+
+def test_a_prune_run_resumed_on_other_responses_is_refused_before_the_drafter_loads(tmp_path, monkeypatch):
+    """The same for d3d.prune: its calibration and hold-out split, and its recovery, read the responses."""
+    import pytest
+
+    from d3d.config import ConfigError
+    from d3d.prune import prune_resume_key, run_prune
+    from d3d.settings import bind_config
+    from d3d.train import load_examples
+    from d3d.training import with_global_batch
+    from tests.conftest import compose
+
+    rows = [{"id": f"p{i:02d}", "prompt_ids": [1, 2, 3], "response_ids": [4 + i, 5, 6, 7]} for i in range(8)]
+    data, out = tmp_path / "responses", tmp_path / "pruned"
+    write_responses(data, rows)
+    raw = compose("prune", ["+experiment=smoke", f"train.responses_dir={data}", f"prune.out_dir={out}"], tmp_path)
+    cfg = bind_config(raw, "prune")
+    cfg.train = with_global_batch(cfg.train, 1)
+    key = prune_resume_key(cfg, load_examples(data, cfg.train.max_len).fingerprint())
+    out.mkdir()
+    (out / "steps.jsonl").write_text(json.dumps({"step": 0, "resume_key": key}) + "\n")
+    for name in ("build_drafter", "load_drafter"):
+        monkeypatch.setattr(f"d3d.prune.{name}", lambda *a, **k: pytest.fail("the drafter loaded"))
+    write_responses(data, rows + [{**rows[0], "id": "p99"}])
+    with pytest.raises(ConfigError, match=r"was pruned with other settings \(responses differ\)"):
+        run_prune(raw)
