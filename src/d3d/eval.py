@@ -45,7 +45,7 @@ from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import check_sandbox, grade, isolation, isolation_warning
 from d3d.settings import bind_config, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
-from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
+from d3d.report import BASELINE, REFERENCE, ROW_FIELDS, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
@@ -623,7 +623,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         return out_dir
     summary = write_report(out_dir, {"config": to_plain(raw), "warmup": warmup})
     print(summary_markdown(summary))
-    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f, ("benchmark", "id", "method"))), row_key)
+    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f, ROW_FIELDS)), row_key)
     if skips:
         print(f"[d3d.eval] {len(skips)} requests skipped, their prompts too long for the context "
               f"(listed with the reason in {out_dir}/skipped*.jsonl)", flush=True)

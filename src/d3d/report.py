@@ -37,8 +37,11 @@ def read_rows(folder: str | Path) -> list[dict]:
     """Every row of a result folder: rows.jsonl, or one rows.rank<r>.jsonl per process; each key once."""
     rows = []
     for path in sorted(Path(folder).glob("rows*.jsonl")):
-        rows += list(read_jsonl(path, ("benchmark", "id", "method")))
+        rows += list(read_jsonl(path, ROW_FIELDS))
     return unique(rows, row_key)
+
+
+ROW_FIELDS = ("benchmark", "id", "method")  # what row_key indexes: a row without one is damage (read_jsonl)
 
 
 def row_key(row: dict) -> tuple:
