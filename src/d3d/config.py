@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -96,6 +97,15 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def quoted(value: str) -> str:
+    """`value` as a quoted value of Hydra's override grammar, read back as exactly `value`: a path
+    may hold `,` `=` quotes, brackets, spaces or `${` that the grammar would otherwise take as a
+    sweep, a key, a list or an interpolation. In a quoted value a backslash is literal except before
+    a quote or at the end, where it is doubled; a quote is escaped; `${` is escaped (OmegaConf)."""
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'").replace("${", "\\${") + "'"
 
 
 def resolve_path(value: str | os.PathLike) -> Path:

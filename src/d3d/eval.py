@@ -48,8 +48,8 @@ from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: 
     shipped_benchmark,
 )
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
-from d3d.report import BASELINE, REFERENCE, read_rows, row_key, summary_markdown, write_report
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.report import BASELINE, REFERENCE, ROW_FIELDS, read_rows, row_key, summary_markdown, write_report
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -470,7 +470,7 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
         grading_isolation(list(iter_specs(typed.benchmark)), typed.eval.sandbox)  # a sandbox that cannot run here
         return None
-    with lock_folder(output_dir(typed, typed.eval), "d3d.eval", process_state().process_index):
+    with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir", process_state().process_index):
         return _evaluate(cfg, typed)
 
 
@@ -544,7 +544,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         return out_dir
     summary = write_report(out_dir, {"config": to_plain(raw), "warmup": warmup})
     print(summary_markdown(summary))
-    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f)), row_key)
+    skips = unique((r for f in sorted(out_dir.glob("skipped*.jsonl")) for r in read_jsonl(f, ROW_FIELDS)), row_key)
     if skips:
         print(f"[d3d.eval] {len(skips)} requests skipped, their prompts too long for the context "
               f"(listed with the reason in {out_dir}/skipped*.jsonl)", flush=True)

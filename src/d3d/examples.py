@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -73,7 +74,7 @@ def build_cache(responses_dir: Path, key: str) -> Path:
     then that file taken in id order. Written aside and renamed: a kill leaves no half cache."""
     import pyarrow as pa
 
-    from d3d.data.responses import ConflictingShards
+    from d3d.data.responses import RESPONSE_KEYS, ConflictingShards
     from d3d.utils.io import read_jsonl
 
     out = responses_dir / CACHE_FILE
@@ -84,7 +85,7 @@ def build_cache(responses_dir: Path, key: str) -> Path:
         with pa.OSFile(str(scratch), "wb") as sink, pa.ipc.new_file(sink, _schema()) as writer:
             rows = []
             for s, name in enumerate(names):
-                for row in read_jsonl(responses_dir / name):
+                for row in read_jsonl(responses_dir / name, RESPONSE_KEYS):
                     rows.append(row)
                     shard_of.append(s)
                     if len(rows) == ROWS_PER_BATCH:
@@ -174,6 +175,15 @@ class ExampleSet(Sequence):
     def subset(self, positions: np.ndarray) -> "ExampleSet":
         """The examples at these positions (of this set), as a set over the same file."""
         return ExampleSet(self.path, self.rows[positions], self.max_len)
+
+    def fingerprint(self) -> str:
+        """A hash of what training reads from this set: each example's tokens (cut to max_len) and
+        prompt length, in order. It does not change when the folder is copied (unlike
+        shards_key's mtimes), and changes when any response, or the set of responses, does."""
+        digest = hashlib.sha256(np.stack([self.lengths, self.prompt_lens]).astype(np.int64).tobytes())
+        for chunk, begin, length in zip(self._chunk, self._begin, self.lengths):
+            digest.update(self._values[chunk][begin : begin + length].tobytes())
+        return digest.hexdigest()[:32]
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "rows": self.rows, "max_len": self.max_len}

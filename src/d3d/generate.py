@@ -33,7 +33,7 @@ from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, resolve_model_path,
                                torch_dtype)
-from d3d.utils.io import JsonlWriter, lock_folder, write_json
+from d3d.utils.io import JsonlWriter, job_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.generate")
@@ -192,7 +192,7 @@ def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
         return None
     isolate_rank(rank, engine_gpus(gen.backend, dict(getattr(gen, gen.backend, None) or {})), os.environ)
-    with lock_folder(resolve_path(gen.out_dir), "d3d.generate", rank.index):
+    with job_folder(resolve_path(gen.out_dir), "generate", "generate.out_dir", rank.index):
         return _generate(typed, rank)
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from d3d.config import USER_ERRORS, ConfigError, compose, resolve_path, stage_overrides, verbose
+from d3d.config import USER_ERRORS, ConfigError, compose, quoted, resolve_path, stage_overrides, verbose
 from d3d.settings import bind_config
 from d3d.utils.io import write_json
 
@@ -52,8 +52,25 @@ def demo_choice() -> dict:
 
 
 def stage_config(stage: str, overrides: list[str], wiring: dict[str, str]):
-    extra = [f"{k}={v}" for k, v in wiring.items()]
+    """One stage's config: the user's overrides that apply to it, then the paths that wire it to the
+    stages before it (quoted: a path may hold any character)."""
+    extra = [f"{k}={quoted(v)}" for k, v in wiring.items()]
     return compose(stage, stage_overrides(stage, overrides) + extra)
+
+
+def wire_stages(overrides: list[str], stages: list[str]):
+    """The bound train config and each stage's wiring: prune reads train's final drafter, eval the
+    pruned one where there is or will be one (beside the one it was pruned from), else the trained one."""
+    # bound (d3d.settings) as the stages will bind them: a bad key fails here, before any stage runs
+    train_cfg = bind_config(stage_config("train", overrides, {}), "train")
+    trained = resolve_path(train_cfg.train.out_dir) / "final"
+    prune_cfg = bind_config(stage_config("prune", overrides, {"drafter.checkpoint": str(trained)}), "prune")
+    pruned = resolve_path(prune_cfg.prune.out_dir) / "final"
+    drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
+    # a pruned drafter is measured beside the one it was pruned from: rows <method>@unpruned
+    beside = {"++eval.also_drafters.unpruned": str(trained)} if drafter_for_eval == pruned else {}
+    return train_cfg, {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},
+                       "eval": {"drafter.checkpoint": str(drafter_for_eval), **beside}}
 
 
 def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: dict | None = None) -> dict:
@@ -66,16 +83,7 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {', '.join(unknown)}. Fix: choose from {' '.join(STAGES)}.")
-    # bound (d3d.settings) as the stages will bind them: a bad key fails here, before any stage runs
-    train_cfg = bind_config(stage_config("train", overrides, {}), "train")
-    trained = resolve_path(train_cfg.train.out_dir) / "final"
-    prune_cfg = bind_config(stage_config("prune", overrides, {"drafter.checkpoint": str(trained)}), "prune")
-    pruned = resolve_path(prune_cfg.prune.out_dir) / "final"
-    drafter_for_eval = pruned if "prune" in stages or pruned.is_dir() else trained
-    # a pruned drafter is measured beside the one it was pruned from: rows <method>@unpruned
-    beside = {"++eval.also_drafters.unpruned": str(trained)} if drafter_for_eval == pruned else {}
-    wiring = {"generate": {}, "train": {}, "prune": {"drafter.checkpoint": str(trained)},
-              "eval": {"drafter.checkpoint": str(drafter_for_eval), **beside}}
+    train_cfg, wiring = wire_stages(overrides, stages)
     # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).

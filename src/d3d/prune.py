@@ -50,7 +50,7 @@ from d3d.utils.checkpoints import (
     MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import CorruptFile, JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import CorruptFile, JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
 log = logging.getLogger("d3d.prune")
@@ -75,7 +75,8 @@ def score_by_acceptance(model, calib, s: DrafterSettings, pc: PruneSettings, rec
     are appended to that jsonl keyed by the kept layers, so a run killed after scoring does not
     score again."""
     acc.wait_for_everyone()  # every process sees the record the main process wrote, or none does
-    done = [r for r in (read_jsonl(record) if record else []) if r["kept_layers"] == s.kept_layers and "taus" in r]
+    rows = read_jsonl(record, ("kept_layers",)) if record else []
+    done = [r for r in rows if r["kept_layers"] == s.kept_layers and "taus" in r]
     if done:
         return done[0]["taus"][:-1]
     mine = len(my_share(calib, acc))
@@ -201,11 +202,12 @@ def retention(row: dict, first: dict) -> float:
 RESUMABLE_PRUNE_KEYS = {"num_layers", "min_retention", "out_dir", "stop_at_step", "progress", "device", "packed_blocks"}
 
 
-def prune_resume_key(cfg: PruneConfig) -> dict:
+def prune_resume_key(cfg: PruneConfig, responses: str | None = None) -> dict:
     """What every step's scores and τ depend on: the starting drafter (path and weights), the
     calibration/hold-out split and the recovery objective: the train.* keys prune reads (`tc`),
     those a resumed training may change aside, and never d3d.train's own (a key written when prune
-    composed them still matches: keys only one side has are not compared)."""
+    composed them still matches: keys only one side has are not compared); `responses`, the
+    fingerprint of the examples it reads (d3d.training.train_resume_key)."""
     checkpoint = cfg.drafter.checkpoint
     if checkpoint:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
@@ -215,7 +217,8 @@ def prune_resume_key(cfg: PruneConfig) -> dict:
             # the recovery's global batch, not its split over processes (d3d.training.train_resume_key)
             "train": {**{k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
                       "global_batch": cfg.train.batch_size * cfg.train.grad_accum * world_size()},
-            "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS}}
+            "prune": {k: v for k, v in asdict(cfg.prune).items() if k not in RESUMABLE_PRUNE_KEYS},
+            **({"responses": responses} if responses else {})}
 
 
 def run_prune(cfg: DictConfig) -> Path:
@@ -224,7 +227,7 @@ def run_prune(cfg: DictConfig) -> Path:
     drafter together (DDP, FSDP2 or ZeRO, as the launch config says) and the main process writes."""
     typed = bind_config(cfg, "prune")  # the typed boundary: unknown keys fail
     typed.train = with_global_batch(typed.train, world_size())  # grad_accum from train.global_batch_size
-    with lock_folder(resolve_path(typed.prune.out_dir), "d3d.prune", int(os.environ.get("RANK", 0))):
+    with job_folder(resolve_path(typed.prune.out_dir), "prune", "prune.out_dir", int(os.environ.get("RANK", 0))):
         return _prune(typed)
 
 
@@ -301,8 +304,8 @@ def _prune(cfg: PruneConfig) -> Path:
     train, val = split_examples(examples, tc.val_size, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
-    history = unique(read_jsonl(out_dir / "steps.jsonl"), lambda r: r["step"])
-    key = prune_resume_key(cfg)
+    history = unique(read_jsonl(out_dir / "steps.jsonl", ("step",)), lambda r: r["step"])
+    key = prune_resume_key(cfg, examples.fingerprint())
     if history:  # a run from before resume keys has none: resumes as it did
         refuse_mixed_run(out_dir, history[0].get("resume_key"), key, "was pruned",
                          "pass a new prune.out_dir, or delete that one.",

@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from d3d.errors import UserError
+from d3d.errors import ConfigError, UserError
 from d3d.utils.io import read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
@@ -37,8 +37,11 @@ def read_rows(folder: str | Path) -> list[dict]:
     """Every row of a result folder: rows.jsonl, or one rows.rank<r>.jsonl per process; each key once."""
     rows = []
     for path in sorted(Path(folder).glob("rows*.jsonl")):
-        rows += list(read_jsonl(path))
+        rows += list(read_jsonl(path, ROW_FIELDS))
     return unique(rows, row_key)
+
+
+ROW_FIELDS = ("benchmark", "id", "method")  # what row_key indexes: a row without one is damage (read_jsonl)
 
 
 def row_key(row: dict) -> tuple:
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         _main(parser, args)
-    except UserError as err:  # what and the fix are in the message; a traceback would bury it
+    # what and the fix are in the message (a damaged file is a CorruptFile, a ConfigError); a traceback would bury it
+    except (UserError, ConfigError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         sys.exit(2)
 

@@ -275,7 +275,7 @@ def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, ta
     """The drafter's shape: its checkpoint's config.json, or (a drafter still to be trained, as in the
     pipeline's up-front check) what its init builds: the target's, a subset of its layers, or the
     pretrained model's."""
-    from d3d.models.drafter import drafter_attention
+    from d3d.models.drafter import check_is_drafter, drafter_attention
     from d3d.models.target import resolve_model_path
 
     from d3d.config import resolve_path
@@ -283,6 +283,9 @@ def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, ta
     attn = drafter_attention(drafter, target)
     folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
     if folder is not None and (folder / "config.json").is_file():
+        # a folder from another project (a plain model) was sized as a drafter and refused for the
+        # memory its shape would take ("lower decode.block_size"): what it is comes first
+        check_is_drafter(folder)
         return _shape(str(folder), width, attn)
     if drafter.init == "pretrained" and drafter.model is not None:
         return _shape(resolve_model_path(drafter.model, cache_dir), width, attn)

@@ -58,6 +58,16 @@ class TinySpec:
     def __post_init__(self) -> None:  # a negative size failed in torch after the run had started
         at_least("target.tiny", self, hidden_size=1, intermediate_size=1, num_hidden_layers=1, num_attention_heads=1,
                  num_key_value_heads=1, max_position_embeddings=2)
+        seeds("target.tiny", self, "seed")
+        # the attention's shape: a width the heads do not divide, or query heads the key/value heads do not
+        # divide, failed in transformers while the model was built; rotary embeddings rotate pairs of dimensions
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if self.hidden_size % heads or (self.hidden_size // heads) % 2 or heads % kv:
+            raise ConfigError(f"target.tiny: hidden_size={self.hidden_size}, num_attention_heads={heads}, "
+                              f"num_key_value_heads={kv}: hidden_size must be an even multiple of num_attention_heads "
+                              f"(an even head width), itself a multiple of num_key_value_heads. Fix: e.g. "
+                              f"hidden_size={max(2 * heads, self.hidden_size - self.hidden_size % (2 * heads))}, "
+                              f"num_key_value_heads={kv if heads % kv == 0 else 1}.")
 
 
 @dataclass
@@ -109,6 +119,7 @@ class DrafterSpec:
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
+        seeds("drafter", self, "seed")
 
 
 # ---------------------------------------------------------------------------- data
@@ -140,6 +151,7 @@ class PromptSetSpec:
 
     def __post_init__(self) -> None:  # limit=-1 was random.sample(..., -1): a ValueError traceback
         at_least("data", self, limit=1)
+        seeds("data", self, "seed")
 
 
 @dataclass
@@ -184,6 +196,7 @@ class BenchmarkSpec:
 
     def __post_init__(self) -> None:  # n=-1 was random.sample(..., -1): a traceback; n=0 an empty subset
         at_least(f"benchmark.specs.{self.name}", self, n=1)
+        seeds(f"benchmark.specs.{self.name}", self, "seed")
         hub = self.hub
         if hub is not None and (hub.split is None) == (hub.files is None):
             raise ConfigError(f"benchmark.specs.{self.name}.hub: set split (read by datasets.load_dataset) or files "
@@ -236,6 +249,20 @@ def at_least(section: str, obj, **lows) -> None:
         value = getattr(obj, key)
         if value is not None and value < low:
             raise ConfigError(f"{section}.{key}={value}: must be at least {low}. Fix: set {section}.{key}={low} or more.")
+
+
+# The widest seed every consumer takes: accelerate's set_seed seeds numpy, whose seeds are 32-bit;
+# a larger one (or a negative one) failed there, or in torch's 64-bit manual_seed, as a traceback.
+SEED_MAX = 2**32 - 1
+
+
+def seeds(section: str, obj, *keys: str) -> None:
+    """`section.key` is a seed every random generator d3d seeds accepts (0 ... SEED_MAX)."""
+    for key in keys:
+        value, dotted = getattr(obj, key), ".".join(k for k in (section, key) if k)
+        if not 0 <= value <= SEED_MAX:
+            raise ConfigError(f"{dotted}={value}: not a seed numpy and torch both take. Fix: set {dotted} to an "
+                              f"integer in [0, {SEED_MAX}].")
 
 
 def positive(section: str, obj, *keys: str) -> None:
@@ -430,6 +457,9 @@ class RootConfig:
     paths: PathsSpec
     target: TargetSpec
     data: PromptSetSpec
+
+    def __post_init__(self) -> None:  # seed=2**64 was a torch / numpy traceback once the job had started
+        seeds("", self, "seed")
 
 
 @dataclass

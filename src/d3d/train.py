@@ -34,7 +34,7 @@ from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_
 )
 from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import JsonlWriter, lock_folder, read_jsonl, unique, write_json
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.settings import bind_config
 from d3d.specs import TrainConfig
 from d3d.utils.runinfo import run_info
@@ -67,7 +67,8 @@ def evaluate(accelerator, step_module, val: list, settings: DrafterSettings) -> 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
     old = state.get("resume_key")  # None: a checkpoint from before keys, no check
     refuse_mixed_run(resume_dir, old, key, "was trained",
-                     "pass a new train.out_dir, or train.resume=false to start over there.", grows=GROWING_TRAIN_KEYS)
+                     "resume with the settings and responses it was trained on, pass a new train.out_dir, or "
+                     "train.resume=false to start over there.", grows=GROWING_TRAIN_KEYS)
 
 
 def save_checkpoint(accelerator, model, tokenizer, out_dir: Path, state: dict) -> None:
@@ -116,6 +117,9 @@ class TrainRecipe:
 
         with accelerator.main_process_first():  # one process builds the Arrow cache; the others map it
             examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+        self.key = train_resume_key(cfg, examples.fingerprint())
+        if resuming:  # and on the same responses, before the drafter loads
+            check_same_run(resume_dir, self.state, self.key)
         self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),
@@ -227,7 +231,7 @@ class TrainRecipe:
         if accelerator.is_main_process:
             # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
             final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
-            history = unique(read_jsonl(out_dir / "metrics.jsonl"), lambda r: r["step"])
+            history = unique(read_jsonl(out_dir / "metrics.jsonl", ("step",)), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {
                 "steps": step, "max_steps": max_steps, "elapsed_s": round(time.perf_counter() - start, 1),
@@ -251,7 +255,7 @@ def run_train(cfg: DictConfig) -> Path:
     import os
 
     typed = bind_config(cfg, "train")
-    with lock_folder(resolve_path(typed.train.out_dir), "d3d.train", int(os.environ.get("RANK", 0))):
+    with job_folder(resolve_path(typed.train.out_dir), "train", "train.out_dir", int(os.environ.get("RANK", 0))):
         return TrainRecipe(cfg, typed).train()
 
 

@@ -56,10 +56,12 @@ RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", 
 GROWING_TRAIN_KEYS = frozenset({"data.exclude_eval"})
 
 
-def train_resume_key(cfg: TrainConfig) -> dict:
+def train_resume_key(cfg: TrainConfig, responses: str | None = None) -> dict:
     """What a training run's steps depend on. Optional sub-specs the YAML leaves out (a single-file
     GGUF's `parts`) are None here: keys only one side of a comparison has are skipped, so a key
-    written from the raw config before the specs were typed still matches."""
+    written from the raw config before the specs were typed still matches. `responses`: the
+    fingerprint of the examples it trains on (ExampleSet.fingerprint), once they are read; without
+    it the key holds the settings alone (checked first, before the data loads)."""
     target = {k: v for k, v in asdict(cfg.target).items() if k not in ("device", "dtype", "attn_implementation")}
     tc = cfg.train
     return {"target": target, "drafter": asdict(cfg.drafter), "data": asdict(cfg.data), "seed": cfg.seed,
@@ -69,7 +71,10 @@ def train_resume_key(cfg: TrainConfig) -> dict:
             # the batch an optimizer step takes, in sequences: the same on 8 processes x 4 micro-batches
             # as on 32 x 1 (the data order is the same, docs/design.md, Training); how it is split is not kept
             "train": {**{k: v for k, v in asdict(tc).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
-                      "global_batch": tc.batch_size * tc.grad_accum * world_size()}}
+                      "global_batch": tc.batch_size * tc.grad_accum * world_size()},
+            # the data itself, not only its config: other responses in train.responses_dir, or more
+            # of them (a generate run that appended rows), change the split and every epoch's order
+            **({"responses": responses} if responses else {})}
 
 
 # How the global batch is split over micro-batches: the resume key keeps the global batch instead.

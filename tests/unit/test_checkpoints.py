@@ -99,3 +99,28 @@ def test_publish_replaces_a_folder_whole_or_not_at_all(tmp_path):
     ck.publish(tmp_path, "final", 1, write(1))
     assert (tmp_path / "final" / "weights").read_text() == "step 1" and ck.saved_step(tmp_path / "final") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_a_drafter_folder_is_checked_before_its_shape_is_sized(tmp_path):
+    """A plain model from another project given as the drafter was sized first and refused as a
+    memory problem ("needs … GiB, lower decode.block_size"); a drafter folder with a torn
+    tokenizer.json was a tokenizers traceback once the target had loaded. Both are now one line
+    saying what the folder is, from the eval job's first check."""
+    from d3d.config import ConfigError
+    from d3d.eval import run_eval
+    from tests.conftest import compose
+
+    plain = tmp_path / "other_project"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({  # a shape no machine holds
+        "model_type": "llama", "hidden_size": 65536, "intermediate_size": 131072, "num_hidden_layers": 200,
+        "num_attention_heads": 512, "num_key_value_heads": 8, "vocab_size": 256, "max_position_embeddings": 4096}))
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "config.json").write_text(json.dumps({"model_type": "llama", "d3d": {"block_size": 4}}))
+    (torn / "tokenizer.json").write_text('{"version": "1.0", "mod')
+    cases = ((plain, r"is a plain model \(its config.json has no d3d settings\), not a d3d drafter\. Fix"),
+             (torn, r"drafter.checkpoint=.*torn: its tokenizer.json is empty or torn\. Fix: copy that file again"))
+    for folder, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            run_eval(compose("eval", ["+experiment=smoke", f"drafter.checkpoint={folder}"], tmp_path))

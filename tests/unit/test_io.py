@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from d3d.errors import ConfigError
 from d3d.utils.io import CorruptFile, FolderBusy, lock_folder, read_jsonl
 from tests.conftest import ROOT, compose
 
@@ -187,3 +189,114 @@ def test_a_file_size_limit_mid_write_leaves_nothing_half_written_that_a_reader_t
     assert json.loads((tmp_path / "summary.json").read_text()) == {"rows": 2}
     assert recover(tmp_path, "final") == tmp_path / "final" and saved_step(tmp_path / "final") == 1
     assert not (tmp_path / "final.partial").exists()
+
+
+@pytest.mark.parametrize("line, problem", [
+    (b'{"id": "caf\xe9"}\n', "is not UTF-8 text"),  # a Latin-1 byte in a complete line
+    (b'[1, 2]\n', "is a JSON list, not an object"),
+    (b'null\n', "is a JSON null, not an object"),
+    (b'{"id": "p2", "prompt_ids": [1]}\n', "lacks the field(s) response_ids"),
+])
+def test_a_line_that_is_not_a_row_is_named_not_a_traceback(tmp_path, line, problem):
+    """Responses, rows, steps and metrics files: each reader names the fields it indexes, so a bad
+    complete line fails as one CorruptFile at its line (it was a UnicodeDecodeError, KeyError or
+    TypeError). A bad torn tail is still a kill, and skipped."""
+    from d3d.examples import load_examples
+    from d3d.data.responses import read_responses
+
+    good = json.dumps({"id": "p1", "prompt_ids": [1], "response_ids": [2]}).encode() + b"\n"
+    path = tmp_path / "responses.rank0.jsonl"
+    path.write_bytes(good + line + good)
+    for read in (read_responses, lambda folder: load_examples(folder, max_len=8)):  # the jsonl and the Arrow cache
+        with pytest.raises(CorruptFile, match=rf"{path}:2 {re.escape(problem)}.*Fix: repair or delete that line"):
+            read(tmp_path)
+    path.write_bytes(good + line.rstrip(b"\n"))  # the same bytes as a torn last line: a killed writer
+    assert [r["id"] for r in read_responses(tmp_path)] == ["p1"]
+
+
+def test_the_report_names_a_damaged_rows_file_in_one_line(tmp_path):
+    from tests.unit.test_report import one_error_line, report, result_folder
+
+    folder = result_folder(tmp_path / "run")
+    with open(folder / "rows.jsonl", "ab") as f:
+        f.write(b'{"benchmark": "gsm8k", "id": "\xff"}\n')
+    one_error_line(report(folder), f"{folder / 'rows.jsonl'}:3 is not UTF-8", "Fix:")
+    (folder / "rows.jsonl").write_text('{"benchmark": "gsm8k", "id": "gsm8k/0"}\n')
+    one_error_line(report(folder), "rows.jsonl:1 lacks the field(s) method", "Fix:")
+
+
+@pytest.mark.parametrize("job, key", [("generate", "generate.out_dir"), ("eval", "eval.out_dir"),
+                                      ("train", "train.out_dir"), ("prune", "prune.out_dir")])
+def test_every_job_refuses_another_kinds_folder(tmp_path, job, key):
+    """train.out_dir at a finished prune folder replaced the pruned final/ with no word. A folder
+    marked by another kind of job, or (from before the mark) holding its records, is refused
+    before anything is written or loaded; its own kind's folder and an empty one are marked."""
+    import importlib
+
+    from d3d.utils.io import KIND_FILE, WrongFolder, job_folder
+
+    run = getattr(importlib.import_module(f"d3d.{job}"), f"run_{job}")
+    other = "eval" if job == "prune" else "prune"
+    marked, old = tmp_path / "marked", tmp_path / "old"
+    marked.mkdir()
+    (marked / KIND_FILE).write_text(other + "\n")
+    old.mkdir()
+    (old / ("rows.jsonl" if other == "eval" else "steps.jsonl")).write_text("")
+    for folder in (marked, old):
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(WrongFolder, match=rf"{key}=.*output folder of a d3d.{other} run.*Fix: set {key}"):
+            run(compose(job, ["+experiment=smoke", f"{key}={folder}"], tmp_path))
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".lock")) == before
+    fresh = tmp_path / "fresh"
+    with job_folder(fresh, job, key):
+        pass
+    assert (fresh / KIND_FILE).read_text() == job + "\n"
+    with job_folder(fresh, job, key):  # its own kind resumes
+        pass
+
+
+@pytest.mark.parametrize("job, key", [("generate", "generate.out_dir"), ("eval", "eval.out_dir"),
+                                      ("train", "train.out_dir"), ("prune", "prune.out_dir")])
+def test_every_job_refuses_an_output_path_that_is_a_file_in_one_line(tmp_path, job, key):
+    """It was a FileExistsError / NotADirectoryError traceback from mkdir."""
+    import importlib
+
+    run = getattr(importlib.import_module(f"d3d.{job}"), f"run_{job}")
+    file = tmp_path / "results"
+    file.write_text("not a folder")
+    for out in (file, file / "run"):
+        with pytest.raises(ConfigError, match=rf"^{key}={out}: {file} is a file, not a folder. Fix: set {key}"):
+            run(compose(job, ["+experiment=smoke", f"{key}={out}"], tmp_path))
+
+
+READ_ONLY = ("import sys\nsys.path.insert(0, {src!r})\nfrom d3d.errors import ConfigError\n"
+             "from d3d.utils.io import job_folder\n"
+             "for out in ({folder!r}, {folder!r} + '/new'):\n"
+             "    try:\n        with job_folder(out, 'train', 'train.out_dir'): print('written')\n"
+             "    except ConfigError as err: print(err)\n")
+
+
+def test_a_read_only_output_folder_is_one_line(tmp_path):
+    """A read-only folder (permission bits for a user, a read-only mount for root, whom the bits do
+    not stop: bubblewrap binds it read-only) was a PermissionError / OSError traceback."""
+    import os
+    import shutil
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    (folder / ".lock.0").write_text("")  # an earlier run's lock file, which opens even in a read-only folder
+    code = [sys.executable, "-c", READ_ONLY.format(src=str(ROOT / "src"), folder=str(folder))]
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    elif shutil.which("bwrap"):
+        code = ["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(folder), str(folder), *code]
+    else:
+        pytest.skip("root without bubblewrap: no read-only folder to try")
+    try:
+        out = subprocess.run(code, capture_output=True, text=True, timeout=60)
+    finally:
+        folder.chmod(0o755)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2, (out.stdout, out.stderr)
+    assert lines[0].startswith(f"train.out_dir={folder} cannot be written") and "Fix: set train.out_dir" in lines[0]
+    assert lines[1].startswith(f"train.out_dir={folder}/new cannot be written") and "Fix:" in lines[1]

@@ -57,3 +57,41 @@ def test_the_lm_head_sees_one_contiguous_matrix():
     out = logits_at(model, hidden, vocab_size=40)
     assert seen == [(2, True)]
     assert out.shape == (3, 5, 40) and torch.allclose(out, (hidden @ head.weight.T)[..., :40], atol=1e-6)
+
+
+def test_jobs_starting_together_on_a_fresh_cache_build_each_entry_once(tmp_path, monkeypatch):
+    """Three jobs on a fresh cache each saw the package missing and unpacked it into the one
+    `.partial` folder, removing each other's: two failed ("benchmark unavailable") and a stale
+    `.partial` stayed. Now one builds while the others wait, then read its copy."""
+    import threading
+
+    import d3d.fetch as fetch
+    from d3d.utils.io import published
+
+    built = []
+
+    def slow_download(spec, dest):  # the download and unpack, slow enough for the three to overlap
+        with published(dest) as tmp:
+            tmp.mkdir()
+            time.sleep(0.3)
+            (tmp / "pkg").mkdir()
+            (tmp / "pkg" / "data.txt").write_text("rows")
+        built.append(spec.name)
+
+    monkeypatch.setattr(fetch, "_download_and_unpack", slow_download)
+    results, errors = [], []
+
+    def job():
+        try:
+            results.append(fetch.package_file("d3d-test-pkg==1.0", "pkg/data.txt", tmp_path))
+        except Exception as err:  # noqa: BLE001  (what a job would die of)
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=job) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 3 and all(p.read_text() == "rows" for p in results)
+    assert built == ["d3d-test-pkg"]  # built once
+    assert not list((tmp_path / "pypi").glob("*.partial"))

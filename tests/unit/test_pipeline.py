@@ -4,6 +4,7 @@ tests/integration/test_pipeline.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from d3d.pipeline import earlier_record, stage_overrides
 
@@ -32,3 +33,22 @@ def test_an_older_pipeline_record_becomes_its_first_invocation(tmp_path, capsys)
     assert earlier_record(path) == {"stages": {}, "invocations": []}
     assert (tmp_path / "pipeline.unreadable.json").read_text() == "{ cut" and not path.exists()
     assert "could not be read" in capsys.readouterr().err
+
+
+def test_a_root_with_any_characters_wires_the_stages(tmp_path, monkeypatch):
+    """A checkout or root whose path holds `,` `=` quotes, brackets, a backslash, spaces or
+    a non-ASCII letter: each stage reads the paths the pipeline wires to it as they are (they were
+    pasted into overrides unquoted, and Hydra took them for a sweep, a list or a syntax error)."""
+    from d3d.pipeline import stage_config, wire_stages
+
+    root = tmp_path / "josé's d3d, run=1 [a]{b} back\\slash\\"
+    root.mkdir()
+    monkeypatch.setenv("D3D_ROOT", str(root))
+    ov = ["+experiment=smoke"]
+    train_cfg, wiring = wire_stages(ov, ["train", "prune", "eval"])
+    trained = str(Path(train_cfg.train.out_dir).resolve() / "final")
+    assert trained.startswith(str(root))
+    assert stage_config("prune", ov, wiring["prune"]).drafter.checkpoint == trained
+    pruned = stage_config("eval", ov, wiring["eval"])
+    assert pruned.drafter.checkpoint.startswith(str(root)) and pruned.drafter.checkpoint.endswith("final")
+    assert pruned.eval.also_drafters.unpruned == trained

@@ -26,6 +26,17 @@ from tests.conftest import compose
     ("prune", "prune.calib_size=0", r"prune.calib_size=0: must be at least 1"),
     ("prune", "prune.num_layers=0", r"prune.num_layers=0: must be at least 1"),
     ("prune", "train.val_size=-1", r"train.val_size=-1: must be at least 0"),  # prune's view of the step's keys
+    # seeds: 2**64 was torch's "Overflow when unpacking long", 2**32 and -1 numpy's, after the job started
+    ("train", "seed=18446744073709551616", r"seed=18446744073709551616: not a seed numpy and torch both take. Fix: set "
+                                           r"seed to an integer in \[0, 4294967295\]"),
+    ("eval", "seed=4294967296", r"seed=4294967296: not a seed"),
+    ("generate", "seed=-1", r"seed=-1: not a seed"),
+    ("train", "drafter.seed=4294967296", r"drafter.seed=4294967296: not a seed"),
+    ("generate", "data.seed=-1", r"data.seed=-1: not a seed"),
+    # a width the heads do not divide was a transformers traceback while the tiny target was built
+    ("train", "target.tiny.hidden_size=66", r"target.tiny: hidden_size=66, num_attention_heads=4, num_key_value_heads=2: "
+                                            r"hidden_size must be an even multiple .* Fix: e.g. hidden_size=64"),
+    ("train", "target.tiny.num_key_value_heads=3", r"target.tiny: .*num_key_value_heads=3: .* num_key_value_heads=1"),
 ])
 def test_a_setting_out_of_range_is_one_line_at_the_boundary(root, override, message):
     with pytest.raises(ConfigError, match=f"^{message}"):

