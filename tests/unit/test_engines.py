@@ -206,14 +206,12 @@ def test_training_may_leave_looping_rows_out(tmp_path):
     from d3d.training import load_examples
     from tests.conftest import compose
 
-    rows = [{"id": "loop", "response_ids": [3, 4, 5, 6] * 30}, {"id": "ok", "response_ids": list(range(3, 120))}]
+    rows = [{"id": "loop", "prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6] * 30},
+            {"id": "ok", "prompt_ids": [1, 2], "response_ids": list(range(3, 120))}]
     (tmp_path / "responses.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["id"] for r in read_responses(tmp_path)] == ["loop", "ok"]
     assert [r["id"] for r in read_responses(tmp_path, drop_looping=True)] == ["ok"]
     # what d3d.train and d3d.prune read (the Arrow cache), under train.drop_looping
-    for r in rows:
-        r["prompt_ids"] = [1, 2]
-    (tmp_path / "responses.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert len(load_examples(tmp_path, 512)) == 2
     assert [len(e.ids) for e in load_examples(tmp_path, 512, drop_looping=True)] == [2 + 117]
     cfg = bind_config(compose("train", ["train.drop_looping=true"]), "train")
