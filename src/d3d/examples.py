@@ -57,12 +57,11 @@ def _schema(key: str | None = None):
 def _write_rows(writer, rows: list[dict]) -> None:
     import pyarrow as pa
 
-    from d3d.data.responses import is_looping
+    from d3d.data.responses import is_looping, row_backend
 
     columns = {"id": [r["id"] for r in rows], "ids": [r["prompt_ids"] + r["response_ids"] for r in rows],
                "prompt_len": [len(r["prompt_ids"]) for r in rows],
-               # rows from before backends existed are hf rows (d3d.data.responses.row_backends)
-               "backend": [(r.get("settings") or {}).get("backend", "hf") for r in rows],
+               "backend": [row_backend(r) for r in rows],
                "looping": [is_looping(r) for r in rows]}  # train.drop_looping reads it
     writer.write_batch(pa.record_batch(columns, schema=_schema()))
 

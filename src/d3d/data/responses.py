@@ -71,10 +71,14 @@ def is_looping(row: dict) -> bool:
     return repetition_loop(row["response_ids"]) is not None
 
 
+def row_backend(row: dict) -> str:
+    """The generation backend that wrote a row (rows from before backends existed are `hf`)."""
+    return (row.get("settings") or {}).get("backend", "hf")
+
+
 def row_backends(rows: list[dict]) -> dict[str, int]:
-    """How many rows each generation backend wrote (rows from before backends existed are `hf`)."""
+    """How many rows each generation backend wrote."""
     counts: dict[str, int] = {}
     for row in rows:
-        name = (row.get("settings") or {}).get("backend", "hf")
-        counts[name] = counts.get(name, 0) + 1
+        counts[row_backend(row)] = counts.get(row_backend(row), 0) + 1
     return counts
