@@ -283,6 +283,12 @@ def run_bench(raw: DictConfig) -> Path:
     b = cfg.bench
     cache = resolve_path(cfg.paths.cache_dir)
     spec = shipped_benchmark(b.benchmark)
+    from d3d.models.drafter import drafter_folder
+
+    for key, folder in [("drafter.checkpoint", cfg.drafter.checkpoint),
+                        *((f"bench.also_drafters.{k}", v) for k, v in b.also_drafters.items())]:
+        if folder:
+            drafter_folder(folder, key)  # a missing path or a run folder: said before anything loads
     check_decode_cost(methods, cfg.target, cfg.drafter, cache)
     out = output_dir(cfg)
     with job_folder(out, "bench", "bench.out_dir"):

@@ -77,3 +77,11 @@ def test_a_pass_the_device_cannot_hold_is_refused_before_the_models_load(tmp_pat
     with pytest.raises(ConfigError, match=r"block_size=256"):
         run_bench(compose("bench", [*TINY, "bench.methods=[ar,async]", "methods.async.block_size=256",
                                     "methods.async.C=256", "methods.async.F=8"], tmp_path))
+
+
+def test_a_missing_drafter_folder_is_said_before_the_models_load(tmp_path, monkeypatch):
+    import d3d.bench as bench
+
+    monkeypatch.setattr(bench, "load_models", lambda *a, **k: pytest.fail("the models loaded before the check"))
+    with pytest.raises(ConfigError, match=r"^bench.also_drafters.unpruned=.*does not exist"):
+        run_bench(compose("bench", [*TINY, f"+bench.also_drafters.unpruned={tmp_path}/nowhere"], tmp_path))
