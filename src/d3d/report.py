@@ -5,6 +5,7 @@ summary can always be checked against, or rebuilt from, the raw data:
 
     python -m d3d.report outputs/eval/runs/<run>/<time>            # re-summarise + redraw plots
     python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1
+    python -m d3d.report results [--check]    # docs/results.md's and the README's figures from their records (d3d.figures)
 
 Definitions (docs/design.md, Evaluation): TPOT = decode seconds / new tokens (prefill timed apart);
 speedup = TPOT(ar) / TPOT(method) on the same items; speedup_with_prefill does the same with
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folders", nargs="+", help="result folder(s); start with the word 'compare' to compare")
     parser.add_argument("--labels", nargs="*", help="column labels for compare (default: folder names)")
     parser.add_argument("--out", help="compare: also write the table to this file")
+    parser.add_argument("--check", action="store_true", help="results: compare the pages with their render, write nothing")
     args = parser.parse_args(argv)
     try:
         _main(parser, args)
@@ -378,6 +380,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.folders == ["results"]:  # the pages' figures from docs/results/index.yaml's records
+        from d3d.figures import render
+
+        differ = render(check=args.check)
+        print("\n".join(f"{'differs from its render' if args.check else 'rendered'}: {p}" for p in differ)
+              or "every page equals its render")
+        if args.check and differ:
+            sys.exit(1)
+        return
     if args.folders[0] == "compare":
         folders = [Path(f) for f in args.folders[1:]]
         if len(folders) < 2:
