@@ -5,9 +5,10 @@ An index (docs/results/index.yaml) names every record (its file under docs/resul
 on, the command that made it), every figure (a record and a key path into it) and every block of a
 page: Markdown text whose `{figure}` fields the render fills with the figure's value, `{figure.cpu}`
 with its record's CPU, `{figure.record}` with a link to the record, `{figure.command}` with the
-command. A block lives in its page between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->`;
-the render replaces what is between the marks, so the prose around them stays hand-written and
-every number inside them is one record's. tests/unit/test_figures.py fails when a checked-in page
+command that made it, `{figure.rerun}` with the one that makes it again today. A block lives in
+its page between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->`; the render replaces what
+is between the marks, so the prose around them stays hand-written and every number inside them is
+one record's. tests/unit/test_figures.py fails when a checked-in page
 differs from its render: a record that changed, or a number edited by hand.
 
 A key path is segments joined by `/`: a mapping's key, a list's index, or `field=value` for the
@@ -28,14 +29,15 @@ from omegaconf import OmegaConf
 from d3d.errors import ConfigError
 
 INDEX = Path("docs/results/index.yaml")
-FIELD = re.compile(r"\{([a-z0-9_]+)(?:\.(cpu|record|command))?\}")
+FIELD = re.compile(r"\{([a-z0-9_]+)(?:\.(cpu|record|command|rerun))?\}")
 
 
 @dataclass
 class Record:
     file: str  # under the index's folder
     cpu: str  # the CPU (or GPU) it ran on, as the pages name machines
-    command: str  # the command that made it
+    command: str  # the command that made it, as it ran
+    rerun: Optional[str] = None  # the command that makes it again today, where that changed (a bench preset)
     study: Optional[str] = None  # the study that reads it, under the index's folder
 
 
@@ -121,7 +123,7 @@ def render_block(index: Index, name: str, values: dict[str, str], folder: Path, 
         if attr == "record":
             link = os.path.relpath(folder / rec.file, page_dir)
             return f"[{rec.file}]({link})"
-        return rec.cpu if attr == "cpu" else rec.command
+        return {"cpu": rec.cpu, "command": rec.command, "rerun": rec.rerun or rec.command}[attr]
 
     return FIELD.sub(fill, block.text).rstrip("\n")
 
