@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
-from d3d.settings import EVERY_SECTION, bind, bind_decode, check_decode_cost, shipped_benchmark
+from d3d.settings import EVERY_SECTION, bind, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import DrafterSpec, PathsSpec, TargetSpec
 
 # transformers' decoders a user would run instead of ours: bench.methods names them beside `methods.*`
@@ -106,6 +106,9 @@ def bind_bench(cfg: DictConfig) -> tuple[BenchConfig, dict]:
                               f"under `methods` ({', '.join(cfg.get('methods', {}))}). Fix: check its spelling, or add "
                               f"methods.{name}: {{method: ..., ...}} to the preset.")
         ours[name] = replace(bind_decode(cfg.methods[name], f"methods.{name}"), max_new_tokens=b.max_new_tokens)
+        if ours[name].temperature != 0:  # equality with the baseline and a fair speed both need greedy decoding
+            raise ConfigError(f"methods.{name}.temperature={ours[name].temperature}: d3d.bench times greedy decoding, "
+                              f"as generate runs beside it. Fix: set methods.{name}.temperature=0.")
     if "assisted" in b.methods and b.assistant is not None:
         from d3d.config import config_dir
 
@@ -152,7 +155,7 @@ def peer(target, tok, eos: list[int], exact: bool, **kw) -> Callable:
     return run
 
 
-def ours(gen) -> Callable:
+def our_loop(gen) -> Callable:
     def run(ids: list[int], n: int):
         res = gen.generate([ids], max_new_tokens=n)
         total = lambda key: sum(getattr(r, key) or 0.0 for r in res.rounds)
@@ -184,7 +187,7 @@ def build_rows(cfg: BenchConfig, methods: dict, target, tok, drafter, also: dict
     """Every timed row in the order they run: peers first, then our loops per backend, those with trays
     last (an overlap=thread run must not touch the timing of anything else in the process)."""
     from d3d.data.chat import eos_ids
-    from d3d.decoding import DecodeConfig, SpecGenerator
+    from d3d.decoding import SpecGenerator
     from d3d.decoding.methods import method_row
 
     b = cfg.bench
@@ -201,8 +204,6 @@ def build_rows(cfg: BenchConfig, methods: dict, target, tok, drafter, also: dict
         elif name == "prompt_lookup":
             rows[name] = Timed(peer(target, tok, eos, b.exact_tokens, prompt_lookup_num_tokens=b.prompt_lookup_tokens),
                                {"peer": "transformers prompt lookup", "prompt_lookup_num_tokens": b.prompt_lookup_tokens})
-    from d3d.settings import decode_keys
-
     for backend in b.backends:
         tag = "" if backend == "eager" else f"[{backend}]"
         for name, dc in sorted(methods.items(), key=lambda kv: method_row(kv[1].method).trays):
@@ -212,11 +213,11 @@ def build_rows(cfg: BenchConfig, methods: dict, target, tok, drafter, also: dict
             dc = replace(dc, backend=backend)
             record = {**{k: getattr(dc, k) for k in decode_keys(dc.method)}, "budget": row.budget(dc)}
             static = backend != "eager"
-            rows[f"{name}{tag}"] = Timed(ours(SpecGenerator(target, tok, drafter if row.needs_drafter else None, dc,
+            rows[f"{name}{tag}"] = Timed(our_loop(SpecGenerator(target, tok, drafter if row.needs_drafter else None, dc,
                                                             loop_eos)), record, static)
             for label, other in also.items():  # the same method with another drafter
                 if row.needs_drafter:
-                    rows[f"{name}{tag}@{label}"] = Timed(ours(SpecGenerator(target, tok, other, dc, loop_eos)),
+                    rows[f"{name}{tag}@{label}"] = Timed(our_loop(SpecGenerator(target, tok, other, dc, loop_eos)),
                                                          {**record, "drafter": b.also_drafters[label]}, static)
     return rows
 
