@@ -32,10 +32,16 @@ from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.data.benchmarks import first_turn_messages, load_benchmark
+from d3d.data.chat import chat_prompt_ids
+from d3d.models.drafter import drafter_folder
 from d3d.settings import EVERY_SECTION, bind, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import DrafterSpec, PathsSpec, TargetSpec
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, write_json
+from d3d.utils.runinfo import run_info
 
 # transformers' decoders a user would run instead of ours: bench.methods names them beside `methods.*`
 PEERS = ("generate", "assisted", "prompt_lookup")
@@ -275,17 +281,13 @@ def load_models(cfg: BenchConfig, methods: dict, cache: Path):
 
 
 def run_bench(raw: DictConfig) -> Path:
-    from d3d.data.benchmarks import first_turn_messages, load_benchmark
-    from d3d.data.chat import chat_prompt_ids
-    from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, write_json
-    from d3d.utils.runinfo import run_info
-
+    """Bind, check, load, warm up, time every row interleaved per prompt, summarise: one run into
+    output_dir(cfg), resumed where a killed one stopped."""
     cfg, methods = bind_bench(raw)
     b = cfg.bench
     cache = resolve_path(cfg.paths.cache_dir)
     spec = shipped_benchmark(b.benchmark)
-    from d3d.models.drafter import drafter_folder
-
+    records = load_benchmark(spec, cache, n=b.n_prompts + 1)  # a benchmark that cannot load: said before the models
     for key, folder in [("drafter.checkpoint", cfg.drafter.checkpoint),
                         *((f"bench.also_drafters.{k}", v) for k, v in b.also_drafters.items())]:
         if folder:
@@ -295,7 +297,6 @@ def run_bench(raw: DictConfig) -> Path:
     with job_folder(out, "bench", "bench.out_dir"):
         path, tok, target, drafter, also = load_models(cfg, methods, cache)
         rows = build_rows(cfg, methods, target, tok, drafter, also, path, cache)
-        records = load_benchmark(spec, cache, n=b.n_prompts + 1)
         prompts = [chat_prompt_ids(tok, first_turn_messages(spec, r)) for r in records]
         warm, prompts = prompts[0], prompts[1:]
         key = resume_key(cfg, rows)
@@ -317,8 +318,6 @@ def run_bench(raw: DictConfig) -> Path:
                               "config": to_plain(raw), "warmup_s": warmup_s, "pass_cost": cost,
                               "prompt_tokens": [len(p) for p in prompts]})
         base = next(m for m in BASELINES if m in rows)
-        from tqdm.auto import tqdm
-
         with JsonlWriter(rows_file) as writer:
             for i, ids in enumerate(tqdm(prompts, desc="prompts", unit="prompt", disable=not b.progress)):
                 if i in done_prompts:
