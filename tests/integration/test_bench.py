@@ -29,16 +29,17 @@ def rows_of(folder):
 
 def test_every_row_kind_interleaved_equal_and_resumable(tmp_path, drafter, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    overrides = [*TINY, "bench=decode", f"drafter.checkpoint={drafter}", f"+bench.also_drafters.again={drafter}",
+    overrides = [*TINY, "bench=decode", "bench.methods=[generate,assisted,prompt_lookup,ar,sync,tree,async]",
+                 f"drafter.checkpoint={drafter}", f"+bench.also_drafters.again={drafter}",
                  "bench.assistant=tiny_random", "bench.n_prompts=2", "bench.pass_cost=false",
                  "methods.sync.block_size=4", "methods.async.block_size=4", "methods.async.C=3", "methods.async.F=1",
-                 "methods.tree.tree_nodes=3", "methods.async_tree.tree_nodes=3", "methods.async_tree.tree_trays=2"]
+                 "methods.tree.tree_nodes=3"]
     out = run_bench(compose("bench", overrides, tmp_path))
     summary = json.loads((out / "summary.json").read_text())
     by = {e["method"]: e for e in summary["methods"]}
     # peers first, then our rows without trays, those with trays last; another drafter's rows beside
     assert list(by) == ["generate", "assisted", "prompt_lookup", "ar", "sync", "sync@again", "tree", "tree@again",
-                        "async", "async@again", "async_tree", "async_tree@again"]
+                        "async", "async@again"]
     assert summary["baselines"] == ["generate", "ar"]
     assert all(e["equal_rate"] == 1.0 for e in by.values())  # greedy, fp32: every call returns generate's tokens
     assert by["sync@again"]["tau"] == by["sync"]["tau"]  # the same weights: the same rounds
