@@ -135,6 +135,9 @@ def marks(name: str) -> tuple[str, str]:
 def rendered_pages(index_path: Path = INDEX, root: Path = Path(".")) -> dict[Path, tuple[str, str]]:
     """{page: (its text now, its text rendered)} for every page with a block."""
     index_path = root / index_path if not index_path.is_absolute() else index_path
+    if not index_path.is_file():
+        raise ConfigError(f"{index_path} does not exist: the pages' figures are rendered in a checkout. Fix: run "
+                          f"`python -m d3d.report results` from the repository's root.")
     index = load_index(index_path)
     folder = index_path.parent
     values = figure_values(index, folder)
