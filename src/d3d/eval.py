@@ -61,7 +61,7 @@ log = logging.getLogger("d3d.eval")
 # trays, verifying the same shapes, so a method's reference is its row's (d3d.decoding.methods:
 # (D, Async)'s is (D, Sync)). Tokens always; τ per round only in fp32, because the two loops'
 # drafter passes lay the same keys out differently and bf16 SDPA moves by an ulp with the layout
-# (DESIGN §10), which can flip a near-tie draft.
+# (docs/design.md#losslessness), which can flip a near-tie draft.
 
 
 def remember_reference(refs: dict, name: str, cfg, row: dict) -> None:

@@ -80,7 +80,7 @@ def method_stats(rs: list[dict]) -> dict:
         "cut_graded": sum(1 for r, c in zip(rs, correct) if c is not None and _finish(r) == "length"),
         "task_equal_to_ar": _mean_or_none([None if r.get("task_equal_to_ar") is None else float(r["task_equal_to_ar"])
                                            for r in rs]),
-        # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; DESIGN §10); AR
+        # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; docs/design.md#losslessness); AR
         # divergences by class (d3d.decoding.divergence)
         "equal_to_sync": _mean_or_none([None if r.get("equal_to_sync") is None else float(r["equal_to_sync"]) for r in rs]),
         "sync_compared": " / ".join(sorted({r["sync_compared"] for r in rs if r.get("sync_compared")})) or None,
@@ -184,7 +184,7 @@ def summary_markdown(summary: dict) -> str:
                      + f"| {m['tau_token_weighted']:.2f} | | | | | | |")
     notes = [f"{bench}/{method}: equal to sync ({m.get('sync_compared') or 'tokens and tau'}) on "
              f"{m['equal_to_sync']:.2f} of rows" + ("" if m.get("sync_compared") != "tokens" else
-                                                   "; τ is not compared in bf16 (DESIGN §10)")
+                                                   "; τ is not compared in bf16 (docs/design.md#losslessness)")
              for bench, per in summary["benchmarks"].items() for method, m in per.items()
              if m.get("equal_to_sync") is not None]
     notes += [f"{bench}/{method}: differs from AR in {sum(m['divergences'].values())} rows "
