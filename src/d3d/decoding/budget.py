@@ -3,8 +3,9 @@ Drafts kind that lists outcomes: the chain's (C, F), the tree's tree_trays (Draf
 
 A packed tray pass of Drafts.budget tokens buys a hit rate h: on a hit the next round skips its
 synchronous draft. Whether that pays depends on the device: on a GPU the packed pass hides behind
-verification while it is small enough; on a CPU it runs serially and costs its full price (DESIGN
-§5: the budget is chosen by projected speedup, never by hit rate). So:
+verification while it is small enough; on a CPU it runs serially and costs its full price. So the
+budget is chosen by projected speedup, never by hit rate (docs/design.md#decoding-decoding, Choosing
+the budget):
 
 1. hit rates, exactly and offline: when the calibration responses are the target's greedy
    outputs, a greedy round accepts exactly the drafts that match the response and then emits the
