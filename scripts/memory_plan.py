@@ -78,7 +78,7 @@ def spec_shape(spec) -> ModelShape:
 
 
 def drafter_shape(drafter, target) -> ModelShape:
-    """What the drafter's init builds (as d3d.settings._drafter_shape decides it for decoding)."""
+    """What the drafter's init builds (as d3d.decoding.cost._drafter_shape decides it for decoding)."""
     if drafter.init == "pretrained" and drafter.model is not None:
         return spec_shape(drafter.model)
     if drafter.init == "target_layers" and drafter.layers:

@@ -30,6 +30,7 @@ from d3d.config import ConfigError, UserError, hydra_job, refuse_mixed_run, reso
 from d3d.data.benchmarks import BenchmarkUnavailable, Source, evaluation_subset, format_turn, iter_specs, load_records
 from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.cost import check_decode_cost
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.kv import batch_bucket
 from d3d.decoding.methods import method_row
@@ -44,7 +45,7 @@ from d3d.models.drafter import (
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import grade, isolation, isolation_warning
 from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: eval's API too)
-    AUTO, bind_config, check_decode_cost, check_eval_settings, decode_keys, method_configs,
+    AUTO, bind_config, check_eval_settings, decode_keys, method_configs,
     shipped_benchmark,
 )
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
