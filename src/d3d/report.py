@@ -197,6 +197,7 @@ def summary_markdown(summary: dict) -> str:
     notes += [source["fallback"] for source in summary.get("benchmark_sources", {}).values() if source.get("fallback")]
     notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
               if choice.get("why")]  # older run.json files hold the choice without a reason
+    notes += summary.get("run_notes", [])  # d3d.eval's stated choices (run.json `notes`: a block, a given budget)
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     if summary.get("load"):
@@ -340,6 +341,9 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
         summary["auto_budget"] = auto_budget_info(folder)
     if benchmark_sources(folder):
         summary["benchmark_sources"] = benchmark_sources(folder)
+    run = folder / "run.json"
+    if run.is_file() and json.loads(run.read_text()).get("notes"):
+        summary["run_notes"] = json.loads(run.read_text())["notes"]
     summary.update(extra or {})
     summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
     write_json(folder / "summary.json", summary)

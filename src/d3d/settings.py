@@ -179,12 +179,27 @@ def bind_decode(node: Any, where: str) -> DecodeConfig:
     try:
         cfg = bind(DecodeConfig, plain, where)
         checked(cfg, where)  # what depends on the method, by its row's parts
+        _refuse_half_a_budget(cfg, where)
         return cfg
     except ConfigError as err:  # DecodeConfig's own checks say `decode.<key>`: name the section it came from
         text = str(err)
         if where == "decode" or not text.startswith("decode."):
             raise
         raise ConfigError(text.replace("decode.", f"{where}.")) from None
+
+
+def _refuse_half_a_budget(cfg: DecodeConfig, where: str) -> None:
+    """A tray budget is given whole or left to the measured choice whole (null): C=4 with F=null
+    would have the chooser overwrite the C the user gave."""
+    from d3d.decoding.methods import method_row
+
+    row = method_row(cfg.method)
+    knobs = tuple(row.drafts.tray_grid[0]) if row.trays else ()
+    unset = [k for k in knobs if getattr(cfg, k) is None]
+    if unset and len(unset) < len(knobs):
+        given = " ".join(f"{where}.{k}={getattr(cfg, k)}" for k in knobs if k not in unset)
+        raise ConfigError(f"{where}.{unset[0]}=null (auto) beside {given}: a tray budget is given whole or chosen whole. "
+                          f"Fix: set {' and '.join(f'{where}.{k}' for k in knobs)} to numbers, or all to null (auto).")
 
 
 # ---------------------------------------------------------------------------- eval's methods
@@ -205,7 +220,9 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     in sync and async alike.
     `eval.async_budgets: [4x1, 8x2, 16]` turns each method with trays into one method per entry that
     sets its Drafts' tray knobs (C x F: the chain's, 4x1 and 8x2; tree_trays: the tree's, 16), and
-    `auto` into one whose budget is chosen on this device."""
+    `auto` into one whose budget is chosen on this device. A method whose decode file leaves its
+    budget null (the shipped async files) is chosen on this device too (its knobs stay None until
+    d3d.eval.resolve_auto_budget)."""
     from d3d.decoding.methods import method_row  # torch: imported where used (see DecodeConfig above)
     from d3d.report import BASELINE
 
@@ -232,8 +249,8 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         budgets = [e for e in entries if e == AUTO or len(e) == len(knobs)]
         if budgets:
             for values in budgets:
-                if values == AUTO:
-                    out[f"{name}_{AUTO}"] = dc
+                if values == AUTO:  # its knobs left to the measured choice, as a decode file's nulls are
+                    out[f"{name}_{AUTO}"] = replace(dc, **{k: None for k in knobs})
                     continue
                 setting = dict(zip(knobs, values))  # e.g. async_c4_f1, async_tree_tree_trays16
                 out[f"{name}_" + "_".join(f"{k.lower()}{v}" for k, v in setting.items())] = replace(dc, **setting)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -193,7 +193,13 @@ def check_loaded(cfg, method, target, drafter, batch: int) -> None:
     """check_fits for models already loaded (SpecGenerator: the Python API and the scripts that build one
     without check_decode_cost refuse what the CLI refuses): the same estimate, from the
     models' configs and their loaded dtype and attention, for a batch of `batch` requests, counted on
-    the devices they are on (the target's share of each by its parameters' bytes)."""
+    the devices they are on (the target's share of each by its parameters' bytes). A budget left
+    to the measured choice (a None tray knob) is refused: d3d.eval chooses it before it builds one."""
+    if method.trays and cfg.auto_budget:
+        knobs = ", ".join(method.drafts.tray_grid[0])
+        raise ConfigError(f"decode.{knobs.split(',')[0]}=None: the tray budget ({knobs}) is left to the measured choice, "
+                          f"which d3d.eval makes once the models load (d3d.decoding.budget). Fix: give {knobs} numbers, "
+                          f"e.g. the choice eval's run.json records (auto_budget).")
     shapes = {}
     for model_name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
@@ -212,13 +218,24 @@ def check_loaded(cfg, method, target, drafter, batch: int) -> None:
 # ---------------------------------------------------------------------------- before any weight loads
 
 
+def candidates(cfg: DecodeConfig) -> list[DecodeConfig]:
+    """The configs a method may run: cfg itself when its budget is given, else one per setting of its
+    Drafts' tray grid (what the measured choice, d3d.decoding.budget, picks from)."""
+    row = method_row(cfg.method)
+    if not (row.trays and cfg.auto_budget):
+        return [cfg]
+    return [replace(cfg, **setting) for setting in row.drafts.tray_grid]
+
+
 def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, drafter: DrafterSpec | None,
-                      cache_dir: str | Path, batch: int = 1) -> None:
+                      cache_dir: str | Path, batch: int = 1) -> dict[str, list[dict]]:
     """Every method's widest pass against the device's memory, and decode.F against the vocabulary,
     from the models' config.json only: a pass that cannot fit is refused in one
     line before any weight loads. The one check of eval, the pipeline's up-front check and the bench
     scripts. `methods` maps the name each was bound under to its config; `batch` = the most requests
-    decoded together (eval.concurrency)."""
+    decoded together (eval.concurrency). A method whose budget is left to the measured choice is
+    checked at each setting it may choose: returns {name: the settings that fit}, the grid the choice
+    is made from; none fitting is refused, said for the narrowest."""
     target_path = resolve_model_path(target, cache_dir)
     where = placement(target, drafter, _shape(target_path, 1, None).layers)  # devices named but absent: refused here
     device = next(iter(where.target))
@@ -227,8 +244,21 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, draf
     if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
         shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
         _check_logits_width(drafter, target, shapes["target"].vocab)
+    fitting = {}
     for name, dc in methods.items():
-        check_fits(dc, method_row(dc.method), name, shapes, batch, 0, device, placement=where)
+        row = method_row(dc.method)
+        if len(options := candidates(dc)) == 1:
+            check_fits(dc, row, name, shapes, batch, 0, device, placement=where)
+            continue
+        fitting[name], refusals = [], []
+        for option in options:
+            try:
+                check_fits(option, row, name, shapes, batch, 0, device, placement=where)
+                fitting[name].append({k: getattr(option, k) for k in row.drafts.tray_grid[0]})
+            except ConfigError as err:
+                refusals.append((row.budget(option), err))
+        if not fitting[name]:
+            raise min(refusals, key=lambda r: r[0])[1]
     # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
     # request of that method would be skipped after the models loaded
     context = _context(target_path)
@@ -238,6 +268,7 @@ def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, draf
         raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
                           f"(method {name}) that passes the target's context of {context} tokens, so every request "
                           f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
+    return fitting
 
 
 def placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
