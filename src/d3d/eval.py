@@ -98,11 +98,12 @@ def resolve_auto_budget(methods: dict[str, DecodeConfig], fitting: dict[str, lis
     if not names:
         return None
     run_file, chosen_file = out_dir / "run.json", out_dir / "auto_budget.json"
-    earlier = json.loads(run_file.read_text()).get("auto_budget") if run_file.is_file() else None
-    if earlier is None or any(n not in earlier for n in names):
+    earlier = (json.loads(run_file.read_text()).get("auto_budget") if run_file.is_file() else None) or {}
+    missing = [n for n in names if n not in earlier]  # a method added to a resumed run: chosen now, the rest kept
+    if missing:
         if state.is_main_process:
-            earlier = choose_budgets(methods, names, fitting, cfg, ev, target, tok, drafter, cache)
-            write_json(chosen_file, earlier)
+            write_json(chosen_file, {**earlier, **choose_budgets(methods, missing, fitting, cfg, ev, target, tok,
+                                                                 drafter, cache)})
         state.wait_for_everyone()
         earlier = json.loads(chosen_file.read_text())
     for name in names:

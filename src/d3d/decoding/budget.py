@@ -1,5 +1,6 @@
-"""Choosing a tray budget from measurements on this device (`eval.async_budgets=[auto]`), for any
-Drafts kind that lists outcomes: the chain's (C, F), the tree's tree_trays (Drafts.tray_grid).
+"""Choosing a tray budget from measurements on this device (d3d.eval does it for every method whose
+budget is not given: the shipped async files' null knobs, or an `eval.async_budgets` entry `auto`),
+for any Drafts kind that lists outcomes: the chain's (C, F), the tree's tree_trays (Drafts.tray_grid).
 
 A packed tray pass of Drafts.budget tokens buys a hit rate h: on a hit the next round skips its
 synchronous draft. Whether that pays depends on the device: on a GPU the packed pass hides behind
