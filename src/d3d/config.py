@@ -51,9 +51,31 @@ def slug(value: object, limit: int = 120) -> str:
     return f"{head}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
+def trained_block(checkpoint: str | None, block_size: int) -> int:
+    """The block a drafter was trained with: its checkpoint's settings (config.json's d3d.block_size,
+    written by d3d.train), else `block_size`, the drafter.block_size a drafter still to be built or
+    trained gets. The decode files' default block (`${d3d.trained_block:...}`), so the block a run
+    verifies has one home, the drafter; a number in its place is a stated choice (d3d.eval records
+    and says it). A folder that is not a drafter's falls back too: it is refused where it loads."""
+    import json
+
+    if checkpoint:
+        try:
+            return int(json.loads((resolve_path(checkpoint) / "config.json").read_text(encoding="utf-8"))["d3d"]["block_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return block_size
+
+
 def _register_resolvers() -> None:
     # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name;
-    # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names).
+    # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names);
+    # ${d3d.trained_block:<checkpoint>,<block_size>} the drafter's trained block (trained_block);
+    # ${d3d.or:<value>,<word>} the value, or the word where it is null (a run's name: c${d3d.or:${.C},auto}).
+    if not OmegaConf.has_resolver("d3d.or"):
+        OmegaConf.register_new_resolver("d3d.or", lambda value, word: word if value is None else value)
+    if not OmegaConf.has_resolver("d3d.trained_block"):
+        OmegaConf.register_new_resolver("d3d.trained_block", trained_block)
     if not OmegaConf.has_resolver("d3d.slug"):
         OmegaConf.register_new_resolver("d3d.slug", slug)
     if not OmegaConf.has_resolver("d3d.benchmarks"):

@@ -81,7 +81,7 @@ def method_stats(rs: list[dict]) -> dict:
         "cut_graded": sum(1 for r, c in zip(rs, correct) if c is not None and _finish(r) == "length"),
         "task_equal_to_ar": _mean_or_none([None if r.get("task_equal_to_ar") is None else float(r["task_equal_to_ar"])
                                            for r in rs]),
-        # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; DESIGN §10); AR
+        # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; docs/design.md#losslessness); AR
         # divergences by class (d3d.decoding.divergence)
         "equal_to_sync": _mean_or_none([None if r.get("equal_to_sync") is None else float(r["equal_to_sync"]) for r in rs]),
         "sync_compared": " / ".join(sorted({r["sync_compared"] for r in rs if r.get("sync_compared")})) or None,
@@ -185,7 +185,7 @@ def summary_markdown(summary: dict) -> str:
                      + f"| {m['tau_token_weighted']:.2f} | | | | | | |")
     notes = [f"{bench}/{method}: equal to sync ({m.get('sync_compared') or 'tokens and tau'}) on "
              f"{m['equal_to_sync']:.2f} of rows" + ("" if m.get("sync_compared") != "tokens" else
-                                                   "; τ is not compared in bf16 (DESIGN §10)")
+                                                   "; τ is not compared in bf16 (docs/design.md#losslessness)")
              for bench, per in summary["benchmarks"].items() for method, m in per.items()
              if m.get("equal_to_sync") is not None]
     notes += [f"{bench}/{method}: differs from AR in {sum(m['divergences'].values())} rows "
@@ -198,6 +198,7 @@ def summary_markdown(summary: dict) -> str:
     notes += [source["fallback"] for source in summary.get("benchmark_sources", {}).values() if source.get("fallback")]
     notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
               if choice.get("why")]  # older run.json files hold the choice without a reason
+    notes += summary.get("run_notes", [])  # d3d.eval's stated choices (run.json `notes`: a block, a given budget)
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     if summary.get("load"):
@@ -341,6 +342,9 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
         summary["auto_budget"] = auto_budget_info(folder)
     if benchmark_sources(folder):
         summary["benchmark_sources"] = benchmark_sources(folder)
+    run = folder / "run.json"
+    if run.is_file() and json.loads(run.read_text()).get("notes"):
+        summary["run_notes"] = json.loads(run.read_text())["notes"]
     summary.update(extra or {})
     summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
     write_json(folder / "summary.json", summary)
