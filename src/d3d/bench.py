@@ -112,6 +112,11 @@ def bind_bench(cfg: DictConfig) -> tuple[BenchConfig, dict]:
                               f"under `methods` ({', '.join(cfg.get('methods', {}))}). Fix: check its spelling, or add "
                               f"methods.{name}: {{method: ..., ...}} to the preset.")
         ours[name] = replace(bind_decode(cfg.methods[name], f"methods.{name}"), max_new_tokens=b.max_new_tokens)
+        if ours[name].auto_budget:  # d3d.eval chooses a budget by measurement; a benchmark times given ones
+            knobs = " ".join(f"methods.{name}.{k}=<n>" for k in ("C", "F", "tree_trays") if getattr(ours[name], k) is None)
+            raise ConfigError(f"methods.{name}: its tray budget is left to measurement (null), which d3d.bench does not "
+                              f"do: it times given budgets. Fix: set {knobs} (e.g. a budget d3d.eval or "
+                              f"scripts/choose_budget.py chose).")
         if ours[name].temperature != 0:  # equality with the baseline and a fair speed both need greedy decoding
             raise ConfigError(f"methods.{name}.temperature={ours[name].temperature}: d3d.bench times greedy decoding, "
                               f"as generate runs beside it. Fix: set methods.{name}.temperature=0.")

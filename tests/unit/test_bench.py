@@ -37,6 +37,7 @@ def test_every_experiment_overlays_the_bench(experiment, tmp_path):
     (["+methods.sync.C=4"], r"methods.sync.C: method sync does not read it"),
     (["+bench.nprompts=2"], r"bench.nprompts"),
     (["+bnech.n_prompts=2"], r"bnech: d3d.bench has no such top-level key"),
+    (["methods.async.C=null", "methods.async.F=null"], r"methods.async: its tray budget is left to measurement .* Fix: set methods.async.C=<n> methods.async.F=<n>"),
     (["methods.tree.temperature=1"], r"methods.tree.temperature=1.0: d3d.bench times greedy decoding"),
 ])
 def test_bad_input_fails_in_one_line_naming_its_key(override, match, tmp_path):
