@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from d3d.pipeline import earlier_record, stage_overrides
 
 
@@ -52,3 +54,34 @@ def test_a_root_with_any_characters_wires_the_stages(tmp_path, monkeypatch):
     pruned = stage_config("eval", ov, wiring["eval"])
     assert pruned.drafter.checkpoint.startswith(str(root)) and pruned.drafter.checkpoint.endswith("final")
     assert pruned.eval.also_drafters.unpruned == trained
+
+
+def stops_on_a_setting(cfg, **kwargs):
+    from d3d.config import ConfigError
+
+    raise ConfigError("train.lr=-1: must be positive.\n Fix: set train.lr above 0.")
+
+
+def is_killed(cfg, **kwargs):
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("runner, code, line", [
+    ("stops_on_a_setting", 2, "error: train.lr=-1: must be positive. Fix: set train.lr above 0."),
+    ("is_killed", 1, "error: the train stage process was killed by signal SIGKILL (the kernel's out-of-memory killer"),
+])
+def test_a_stage_in_its_own_process_still_ends_in_one_line(tmp_path, monkeypatch, capsys, runner, code, line):
+    """A stage runs in a process of its own: its user error comes back as the same one line (exit 2);
+    a stage process that dies without a result (a signal, the OOM killer) is one line naming it (exit 1)."""
+    import d3d.pipeline
+
+    monkeypatch.setitem(d3d.pipeline.RUNNERS, "train", f"{__name__}:{runner}")
+    with pytest.raises(SystemExit) as exit_:
+        d3d.pipeline.main(["+experiment=smoke", f"paths.root_dir={tmp_path}", "--stages", "train"])
+    assert exit_.value.code == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(line) and "Fix:" in err[-1], err
+    assert not list((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json"))  # no stage recorded as done
