@@ -150,7 +150,7 @@ def demo_choice() -> dict:
 def stage_config(stage: str, overrides: list[str], wiring: dict[str, str]):
     """One stage's config: the user's overrides that apply to it, then the paths that wire it to the
     stages before it (quoted: a path may hold any character)."""
-    extra = [f"{k}={quoted(v)}" for k, v in wiring.items()]
+    extra = [f"{k}={quoted(v, k)}" for k, v in wiring.items()]
     return compose(stage, stage_overrides(stage, overrides) + extra)
 
 

@@ -37,13 +37,17 @@ def test_an_older_pipeline_record_becomes_its_first_invocation(tmp_path, capsys)
     assert "could not be read" in capsys.readouterr().err
 
 
-def test_a_root_with_any_characters_wires_the_stages(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["josé's d3d, run=1 [a]{b} back\\slash\\", "a ${x} b\\${y} c\\\\${z}"])
+def test_a_root_with_any_characters_wires_the_stages(tmp_path, monkeypatch, name):
     """A checkout or root whose path holds `,` `=` quotes, brackets, a backslash, spaces or
     a non-ASCII letter: each stage reads the paths the pipeline wires to it as they are (they were
-    pasted into overrides unquoted, and Hydra took them for a sweep, a list or a syntax error)."""
+    pasted into overrides unquoted, and Hydra took them for a sweep, a list or a syntax error). A
+    root holding `${` (OmegaConf's interpolation), with or without backslashes before it, too: it
+    failed at binding, the resolved root read again as an interpolation."""
     from d3d.pipeline import stage_config, wire_stages
+    from d3d.settings import bind_config
 
-    root = tmp_path / "josé's d3d, run=1 [a]{b} back\\slash\\"
+    root = tmp_path / name
     root.mkdir()
     monkeypatch.setenv("D3D_ROOT", str(root))
     ov = ["+experiment=smoke"]
@@ -54,6 +58,8 @@ def test_a_root_with_any_characters_wires_the_stages(tmp_path, monkeypatch):
     pruned = stage_config("eval", ov, wiring["eval"])
     assert pruned.drafter.checkpoint.startswith(str(root)) and pruned.drafter.checkpoint.endswith("final")
     assert pruned.eval.also_drafters.unpruned == trained
+    bound = bind_config(stage_config("eval", ov, wiring["eval"]), "eval")
+    assert bound.paths.root_dir == str(root) and bound.drafter.checkpoint == pruned.drafter.checkpoint
 
 
 def stops_on_a_setting(cfg, **kwargs):
