@@ -41,7 +41,7 @@ from pathlib import Path
 
 from d3d.config import USER_ERRORS, ConfigError, UserError, compose, quoted, resolve_path, stage_overrides, verbose
 from d3d.settings import bind_config
-from d3d.utils.io import write_json
+from d3d.utils.io import output_folder, write_json
 
 STAGES = ("generate", "train", "prune", "eval")
 # Each stage's entry point as "module:function", imported in the stage's own process (never here, so this
@@ -94,6 +94,8 @@ def _child(conn, parent: int, runner: str, cfg, kwargs: dict) -> None:
         if verbose():
             raise
         result = {"error": " ".join(str(err).split())}
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the pipeline's says it once
+        sys.exit(130)
     conn.send({**result, "pid": os.getpid(), "peak_rss_gb": round(peak_rss_gb(), 3)})
     conn.close()
 
@@ -119,6 +121,8 @@ def in_own_process(what: str, runner: str, cfg, **kwargs) -> dict:
             proc.join()
     if result is None:
         code = proc.exitcode
+        if code == 130:  # the stage was interrupted (Ctrl-C) before this process saw it
+            raise KeyboardInterrupt
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                else f"ended with exit status {code}")
         if code == -signal.SIGKILL:
@@ -185,15 +189,17 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {', '.join(unknown)}. Fix: choose from {' '.join(STAGES)}.")
+    # in the pipeline's order, each once: `--stages eval prune` ran eval first, on a pruned drafter not made yet
+    stages = [s for s in STAGES if s in stages]
     train_cfg, wiring = wire_stages(overrides, stages)
+    record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
+    output_folder(record_dir, "paths.output_dir")  # before any stage: it used to fail after the first one
     # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).
     checked = {s: stage_config(s, overrides, wiring[s]) for s in ("generate", "eval") if s in stages}
     if checked:
         in_own_process("up-front check", "d3d.pipeline:check_stages", checked)
-    record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
-    record_dir.mkdir(parents=True, exist_ok=True)
     record = earlier_record(record_dir / "pipeline.json")
     this = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "overrides": overrides,
             **({"demo": demo} if demo else {}), "stages": list(stages)}
@@ -267,6 +273,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt:
+        if verbose():
+            raise
+        print("\n[d3d.pipeline] interrupted: rerun the same command to resume every stage where it stopped",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def _main(argv: list[str] | None) -> None:

@@ -91,3 +91,49 @@ def test_a_stage_in_its_own_process_still_ends_in_one_line(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(line) and "Fix:" in err[-1], err
     assert not list((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json"))  # no stage recorded as done
+
+
+def note(stage: str) -> str:
+    """A stage that only notes, in the file $D3D_TEST_NOTES, that it ran."""
+    import os
+
+    with open(os.environ["D3D_TEST_NOTES"], "a") as f:
+        f.write(stage + "\n")
+    return os.environ["D3D_TEST_NOTES"]
+
+
+def noted_train(cfg, **kwargs):
+    return note("train")
+
+
+def noted_prune(cfg, **kwargs):
+    return note("prune")
+
+
+def test_stages_run_in_the_pipelines_order_each_once(tmp_path, monkeypatch):
+    """`--stages prune train` ran prune first, on a trained drafter not made yet; `train train` twice."""
+    import d3d.pipeline
+
+    notes = tmp_path / "notes"
+    monkeypatch.setenv("D3D_TEST_NOTES", str(notes))
+    for stage in ("train", "prune"):
+        monkeypatch.setitem(d3d.pipeline.RUNNERS, stage, f"{__name__}:noted_{stage}")
+    d3d.pipeline.main(["+experiment=smoke", f"paths.root_dir={tmp_path}", "--stages", "prune", "train", "train"])
+    assert notes.read_text().split() == ["train", "prune"]
+
+
+def test_a_record_folder_that_cannot_be_made_is_one_line_before_any_stage(tmp_path, monkeypatch, capsys):
+    """<paths.output_dir>/pipeline a file (or read-only): the record failed with a traceback after the
+    first stage had run."""
+    import d3d.pipeline
+
+    monkeypatch.setenv("D3D_TEST_NOTES", str(tmp_path / "notes"))
+    monkeypatch.setitem(d3d.pipeline.RUNNERS, "train", f"{__name__}:noted_train")
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "pipeline").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        d3d.pipeline.main(["+experiment=smoke", f"paths.root_dir={tmp_path}", "--stages", "train"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: paths.output_dir=") and "is a file" in err[0], err
+    assert not (tmp_path / "notes").exists()  # no stage ran
