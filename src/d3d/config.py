@@ -147,8 +147,13 @@ def literal(node: object) -> object:
 
 
 def resolve_path(value: str | os.PathLike) -> Path:
-    """Config paths are relative to the directory the job was launched from."""
-    return Path(os.path.expanduser(str(value))).resolve()
+    """Config paths are relative to the directory the job was launched from. A path through a symlink
+    loop is made absolute without resolving links: where it is read or written, the job names its key."""
+    path = Path(os.path.expanduser(str(value)))
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # ELOOP (Python 3.11's resolve raises it; 3.13 returns the path)
+        return Path(os.path.abspath(path))
 
 
 def to_plain(cfg: DictConfig) -> dict:
