@@ -41,7 +41,7 @@ from pathlib import Path
 from d3d.config import ConfigError, config_dir, quoted, stage_overrides
 from d3d.report import read_rows, summarise
 from d3d.utils.plotting import pyplot, save_figure
-from d3d.utils.io import read_jsonl
+from d3d.utils.io import output_folder, read_jsonl
 
 # Sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes, gpu = the
 # paper's. Training sweeps run a fixed number of steps so every value sees the same batches whatever else the
@@ -406,10 +406,18 @@ def main(argv: list[str] | None = None) -> dict:
     sw = Sweep(args.claim, preset, args.drafter, overrides, Path(args.root).resolve(), args.dry_run, args.skip_eval,
                launcher(ap, args))
     try:
+        if not args.dry_run:  # a root that is a file, or read-only, failed in every arm's Hydra folder
+            output_folder(sw.outputs.parents[2], "--root")
         result = CLAIMS[args.claim](sw)
     except ConfigError as err:  # a path the jobs' override grammar cannot carry: one line, as the jobs say it
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except subprocess.CalledProcessError as err:  # the arm said why above (its one line or its traceback)
+        arm = shlex.join(["python" if c == sys.executable else c for c in err.cmd][:3])
+        print(f"error: the arm `{arm} …` stopped with exit status {err.returncode} (its message is above). Fix: "
+              f"correct what it says and rerun the same command: finished arms and steps are kept.", file=sys.stderr,
+              flush=True)
+        sys.exit(err.returncode if 0 < err.returncode < 128 else 1)
     if args.dry_run:
         return {**result, "commands": sw.commands}
     out = Path(args.out) if args.out else sw.outputs / time.strftime("%Y-%m-%d_%H-%M-%S")

@@ -163,3 +163,29 @@ def test_a_root_that_cannot_be_an_override_is_one_line(sweep, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: drafter.checkpoint=") and "Fix:" in err[0], err
+
+
+def test_a_root_that_is_a_file_is_one_line_before_any_arm(sweep, tmp_path, capsys, monkeypatch):
+    """--root at a file: each arm's Hydra failed making its folder, then the sweep's own traceback."""
+    monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: pytest.fail("an arm ran"))
+    (tmp_path / "root").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["ar_loss", "--root", str(tmp_path / "root"), "+experiment=smoke"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith(f"error: --root={tmp_path / 'root'}: ") and "Fix:" in err[0], err
+
+
+def test_a_failed_arm_is_one_line_after_its_own_message(sweep, tmp_path, capsys, monkeypatch):
+    """An arm that stops (its job said why in one line, exit 2) was followed by the sweep's
+    CalledProcessError traceback; now one line naming the arm, with the arm's exit status."""
+    def job(cmd, check):
+        raise sweep.subprocess.CalledProcessError(2, cmd)
+
+    monkeypatch.setattr(sweep.subprocess, "run", job)
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["ar_loss", "--root", str(tmp_path), "+experiment=smoke"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: the arm `python -m d3d.train") and "exit status 2" in err[0] \
+        and "Fix:" in err[0], err
