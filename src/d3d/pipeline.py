@@ -243,6 +243,9 @@ def earlier_record(path: Path) -> dict:
     one invocation's `overrides` at the top, becomes that invocation); a fresh one if none."""
     import json
 
+    if path.is_dir():  # checked before any stage: writing the record came after the first one
+        raise ConfigError(f"{path} is a folder, not the pipeline's record. Fix: move it away (the record is "
+                          f"written there).")
     if not path.is_file():
         return {"stages": {}, "invocations": []}
     try:

@@ -137,3 +137,12 @@ def test_a_record_folder_that_cannot_be_made_is_one_line_before_any_stage(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: paths.output_dir=") and "is a file" in err[0], err
     assert not (tmp_path / "notes").exists()  # no stage ran
+
+
+def test_a_record_path_that_is_a_folder_is_one_line(tmp_path):
+    """pipeline.json a folder: the stage ran, then writing the record was an IsADirectoryError traceback."""
+    from d3d.config import ConfigError
+
+    (tmp_path / "pipeline.json").mkdir()
+    with pytest.raises(ConfigError, match=r"pipeline.json is a folder, not the pipeline's record. Fix: move it away"):
+        earlier_record(tmp_path / "pipeline.json")
