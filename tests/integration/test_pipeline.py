@@ -78,7 +78,8 @@ def test_a_bad_setting_of_a_late_stage_fails_before_the_first_stage_runs(tmp_pat
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: decode.block_size=0: an integer in [2, 256]"), err
-    assert not (tmp_path / "data" / "responses").exists() and not (tmp_path / "outputs" / "pipeline").exists()
+    assert not (tmp_path / "data" / "responses").exists()
+    assert not list((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json"))  # no stage ran
 
 
 def test_a_packed_pass_too_wide_for_the_device_fails_before_the_first_stage_runs(tmp_path, monkeypatch, capsys):
@@ -89,7 +90,8 @@ def test_a_packed_pass_too_wide_for_the_device_fails_before_the_first_stage_runs
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: decode.block_size=256 decode.C=256 decode.F=8 (method async"), err
-    assert not (tmp_path / "data" / "responses").exists() and not (tmp_path / "outputs" / "pipeline").exists()
+    assert not (tmp_path / "data" / "responses").exists()
+    assert not list((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json"))  # no stage ran
 
 
 @pytest.mark.parametrize("override, message", [
@@ -110,4 +112,4 @@ def test_a_thinking_switch_or_an_engine_the_stage_cannot_use_fails_before_the_fi
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith(message) and "Fix:" in err[0], err
-    assert not (tmp_path / "outputs" / "pipeline").exists()  # no stage started
+    assert not list((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json"))  # no stage ran
