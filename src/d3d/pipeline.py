@@ -123,7 +123,8 @@ def in_own_process(what: str, runner: str, cfg, **kwargs) -> dict:
         code = proc.exitcode
         if code == 130:  # the stage was interrupted (Ctrl-C) before this process saw it
             raise KeyboardInterrupt
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+        named = {int(sig): sig.name for sig in signal.Signals}
+        how = (f"was killed by signal {named.get(-code, -code)}" if code is not None and code < 0
                else f"ended with exit status {code}")
         if code == -signal.SIGKILL:
             how += " (the kernel's out-of-memory killer sends it when memory runs out)"
