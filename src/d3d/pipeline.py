@@ -18,8 +18,8 @@ invocation it came from) and `invocations` one entry per command, so a demo run 
 (`--stages prune`, then `--stages eval`) keeps every stage's time. A stage killed and resumed
 counts its resumed invocation only.
 
-Each stage runs in a process of its own (a fresh interpreter, multiprocessing's spawn), and so does the
-up-front check of every stage's settings: the command's own process composes configs and waits, so the
+Each stage runs in a process of its own (a fresh interpreter, multiprocessing's spawn), and so do the
+up-front check of every stage's settings and `--demo`'s CPU choice (both import torch): the command's own process composes configs and waits, so the
 memory a stage held (weights, allocator caches, imported libraries) is returned when the stage ends, and
 each stage's peak resident memory is its own (`peak_rss_gb` per stage in pipeline.json; the run's peak
 is the largest stage's). docs/reliability.md (Round 7) says why a spawned child rather than
@@ -89,7 +89,7 @@ def _child(conn, parent: int, runner: str, cfg, kwargs: dict) -> None:
     module, name = runner.split(":")
     try:
         out = getattr(importlib.import_module(module), name)(cfg, **kwargs)
-        result = {"output": None if out is None else str(out)}
+        result = {"output": out if out is None or isinstance(out, dict) else str(out)}
     except USER_ERRORS as err:
         if verbose():
             raise
@@ -135,7 +135,7 @@ def in_own_process(what: str, runner: str, cfg, **kwargs) -> dict:
     return result
 
 
-def demo_choice() -> dict:
+def demo_choice(_cfg=None) -> dict:
     """`make demo` shows the method where this CPU allows: with native bf16 (AVX512-BF16 / AMX) a
     16-token pass costs ~1.3x a 1-token one, so the Qwen2.5-Coder pair's speculative decoding beats
     plain decoding (pipeline_qwen, pruned by the tree's τ);
@@ -293,7 +293,8 @@ def _main(argv: list[str] | None) -> None:
                         help="the demo this CPU suits (pipeline_qwen with native bf16, else pipeline_cpu); recorded")
     args = parser.parse_args(argv)
     if args.demo:
-        demo = demo_choice()
+        # asked in a process of its own too: reading the CPU's capability imports torch
+        demo = in_own_process("demo choice", "d3d.pipeline:demo_choice", None)["output"]
         print(f"[d3d.pipeline] --demo: +experiment={demo['experiment']} ({demo['why']})", flush=True)
         run_pipeline([f"+experiment={demo['experiment']}", *args.overrides], args.stages or demo["stages"], demo)
     else:
