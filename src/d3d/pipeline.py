@@ -18,12 +18,12 @@ invocation it came from) and `invocations` one entry per command, so a demo run 
 (`--stages prune`, then `--stages eval`) keeps every stage's time. A stage killed and resumed
 counts its resumed invocation only.
 
-Each stage runs in a process of its own (a fresh interpreter, multiprocessing's spawn), and so do the
-up-front check of every stage's settings and `--demo`'s CPU choice (both import torch): the command's own process composes configs and waits, so the
-memory a stage held (weights, allocator caches, imported libraries) is returned when the stage ends, and
-each stage's peak resident memory is its own (`peak_rss_gb` per stage in pipeline.json; the run's peak
-is the largest stage's). docs/reliability.md (Round 7) says why a spawned child rather than
-`python -m d3d.<stage>`.
+Each stage runs in a process of its own (a fresh interpreter, multiprocessing's spawn), and so do
+the up-front check of every stage's settings and `--demo`'s CPU choice (both import torch): the
+command's own process composes configs and waits, so the memory a stage held (weights, allocator
+caches, imported libraries) is returned when the stage ends, and each stage's peak resident memory
+is its own (`peak_rss_gb` per stage in pipeline.json; the run's peak is the largest stage's).
+docs/reliability.md (Round 7) says why a spawned child rather than `python -m d3d.<stage>`.
 """
 
 from __future__ import annotations
