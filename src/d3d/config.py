@@ -121,18 +121,61 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def quoted(value: str) -> str:
-    """`value` as a quoted value of Hydra's override grammar, read back as exactly `value`: a path
-    may hold `,` `=` quotes, brackets, spaces or `${` that the grammar would otherwise take as a
-    sweep, a key, a list or an interpolation. In a quoted value a backslash is literal except before
-    a quote or at the end, where it is doubled; a quote is escaped; `${` is escaped (OmegaConf)."""
-    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
-    return "'" + value.replace("'", "\\'").replace("${", "\\${") + "'"
+# A value of only these characters, with a `/` (so not a number, a bool or null), is a path Hydra's
+# override grammar reads as it is: left bare, so printed commands stay readable.
+_BARE_PATH = re.compile(r"[A-Za-z0-9_/.+%@-]*/[A-Za-z0-9_/.+%@-]*")
+
+
+def quoted(value: str, key: str = "the path") -> str:
+    """`value` as a value of Hydra's override grammar that the config reads back as exactly `value`: a
+    path may hold `,` `=` quotes, brackets, spaces or `${` that the grammar would otherwise take as a
+    sweep, a key, a list or an interpolation. Two layers read it: OmegaConf, where `${` is escaped as
+    `\\${` (and backslashes right before it doubled), then Hydra's quoted value, where a backslash is
+    literal except before a quote or at the end (there it is doubled) and a quote is escaped. The
+    result is read back once to prove it; a value that does not come back is one line naming `key`."""
+    if _BARE_PATH.fullmatch(value):
+        return value
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)  # OmegaConf's layer
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)  # Hydra's layer
+    text = "'" + text.replace("'", "\\'") + "'"
+    if _read_back(text) != value:
+        raise ConfigError(f"{key}={value!r} cannot be written as a Hydra override (it does not read back as "
+                          f"itself). Fix: use a folder whose path holds no control characters.")
+    return text
+
+
+def _read_back(text: str) -> object:
+    """What a job's config holds for an override value `text` (None where the grammar refuses it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.create({"k": OverridesParser.create().parse_override(f"k={text}").value()}).k
+    except (HydraException, OmegaConfBaseException):
+        return None
+
+
+def literal(node: object) -> object:
+    """Plain config data with every `${` in its strings escaped: a resolved value (a root from D3D_ROOT
+    holding `${`) stays the text it is when merged into a typed config, not an interpolation again."""
+    if isinstance(node, str):
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", node)
+    if isinstance(node, dict):
+        return {k: literal(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [literal(v) for v in node]
+    return node
 
 
 def resolve_path(value: str | os.PathLike) -> Path:
-    """Config paths are relative to the directory the job was launched from."""
-    return Path(os.path.expanduser(str(value))).resolve()
+    """Config paths are relative to the directory the job was launched from. A path through a symlink
+    loop is made absolute without resolving links: where it is read or written, the job names its key."""
+    path = Path(os.path.expanduser(str(value)))
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # ELOOP (Python 3.11's resolve raises it; 3.13 returns the path)
+        return Path(os.path.abspath(path))
 
 
 def to_plain(cfg: DictConfig) -> dict:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from d3d.config import ConfigError, config_dir
+from d3d.config import ConfigError, config_dir, literal
 from d3d.specs import (
     BenchmarkSpec, EvalConfig, EvalSettings, GenerateConfig, PruneConfig, StepSettings, TrainConfig,
     TrainSettings,
@@ -57,7 +57,7 @@ def bind(schema: type[T], node: Any, where: str) -> T:
     try:
         if OmegaConf.is_config(node):  # interpolations reach outside the section: resolve them first
             node = OmegaConf.to_container(node, resolve=True)
-        typed = OmegaConf.merge(OmegaConf.structured(schema), node)
+        typed = OmegaConf.merge(OmegaConf.structured(schema), literal(node))  # resolved text stays text
         obj = OmegaConf.to_object(typed)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or ""
