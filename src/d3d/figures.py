@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from d3d.errors import ConfigError
 
@@ -63,9 +64,11 @@ class Index:
 
 
 def load_index(path: Path) -> Index:
-    from d3d.settings import bind
-
-    return bind(Index, OmegaConf.load(path), str(path))
+    """The index, typed by OmegaConf's structured configs (an unknown key or a wrong type is one line)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Index), OmegaConf.load(path)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}. Fix: see the index's header for its fields.") from None
 
 
 def lookup(data: Any, key: str, where: str) -> Any:
