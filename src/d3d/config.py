@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from d3d.configdir import PACKAGE_DIR, config_dir  # noqa: E402,F401  (re-exported, as below)
 from d3d.errors import ConfigError, UserError  # noqa: E402  (re-exported: d3d.config is where jobs look)
+from d3d.utils.io import resolve_path  # noqa: E402,F401  (re-exported: jobs resolve config paths through d3d.config)
 
 
 # Shown by the Hydra jobs as one `error: ...` line with exit status 2 (HYDRA_FULL_ERROR=1 or
@@ -166,16 +167,6 @@ def literal(node: object) -> object:
     if isinstance(node, list):
         return [literal(v) for v in node]
     return node
-
-
-def resolve_path(value: str | os.PathLike) -> Path:
-    """Config paths are relative to the directory the job was launched from. A path through a symlink
-    loop is made absolute without resolving links: where it is read or written, the job names its key."""
-    path = Path(os.path.expanduser(str(value)))
-    try:
-        return path.resolve()
-    except (OSError, RuntimeError):  # ELOOP (Python 3.11's resolve raises it; 3.13 returns the path)
-        return Path(os.path.abspath(path))
 
 
 def to_plain(cfg: DictConfig) -> dict:

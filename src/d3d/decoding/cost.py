@@ -30,7 +30,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from d3d.config import resolve_path
+from d3d.utils.io import resolve_path
 from d3d.decoding.config import DecodeConfig
 from d3d.decoding.methods import method_row
 from d3d.errors import ConfigError
