@@ -288,10 +288,13 @@ def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, ta
         check_is_drafter(folder)
         return _shape(str(folder), width, attn)
     if drafter.init == "pretrained" and drafter.model is not None:
-        return _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
-    if drafter.init == "target_layers" and drafter.layers:
-        return target_shape.with_layers(len(drafter.layers))
-    return target_shape
+        shape = _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
+    elif drafter.init == "target_layers" and drafter.layers:
+        shape = target_shape.with_layers(len(drafter.layers))
+    else:
+        shape = target_shape
+    # a draft vocabulary: an untied head of that many rows (d3d.models.drafter.attach_draft_head)
+    return replace(shape, head=drafter.draft_vocab, tied=False) if drafter.draft_vocab else shape
 
 
 # ---------------------------------------------------------------------------- eval's methods
