@@ -175,3 +175,88 @@ def test_the_pruning_sweep_scores_a_draft_vocabulary_drafter(tmp_path, tree_node
                                                  drafts=drafts).taus, abs=1e-12)
         differs |= got != score_layers(model, ex, s.block_size, s.mask_token_id, s.vocab_size, drafts=drafts).taus
     assert differs
+
+
+@pytest.fixture(scope="module")
+def varied_root(tmp_path_factory):
+    """A project root with smoke responses of varied text: the random tiny target answers with one
+    token repeated, so each response is replaced by a stretch of its prompt (something for a draft
+    vocabulary to leave out)."""
+    import json
+
+    from d3d.generate import run_generate
+    from tests.conftest import compose
+
+    root = tmp_path_factory.mktemp("varied")
+    run_generate(compose("generate", ["+experiment=smoke", "data.limit=10", "generate.max_new_tokens=24"], root))
+    for shard in root.glob("data/responses/**/responses.rank*.jsonl"):
+        rows = [json.loads(line) for line in shard.read_text().splitlines()]
+        shard.write_text("".join(json.dumps({**r, "response_ids": r["prompt_ids"][5:29]}) + "\n" for r in rows))
+    return root
+
+
+def train_dv(root, name, *overrides):
+    from d3d.train import run_train
+    from d3d.utils.io import read_jsonl
+    from tests.conftest import compose
+
+    cfg = compose("train", ["+experiment=smoke", "data.limit=10", f"train.out_dir={root}/ckpt/{name}",
+                            "train.max_steps=2", "train.save_every=1", "train.eval_every=2", "train.log_every=1",
+                            "drafter.draft_vocab=15", *overrides], root)
+    out = run_train(cfg)
+    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r], out
+
+
+def test_training_with_a_draft_vocabulary_reports_its_coverage(varied_root):
+    """d3d.train with drafter.draft_vocab: the head over N tokens chosen from the training responses,
+    the share of loss rows outside it per step, its coverage of each split in summary.json, and a
+    final/ that loads with its map."""
+    import json
+
+    rows, out = train_dv(varied_root, "dv")
+    summary = json.loads((out / "summary.json").read_text())["draft_vocab"]
+    assert summary["size"] == 15 and 0 < summary["coverage_train"] < 1 and 0 < summary["coverage_val"] < 1
+    assert all(0 <= r["dn_outside"] < 1 and 0 <= r["ar_outside"] < 1 for r in rows)
+    assert any(r["dn_outside"] > 0 for r in rows)  # 15 tokens do not hold every response token
+    model, tok = load_drafter(out / "final", dtype="float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, DraftHead) and head.weight.shape[0] == 15 == DrafterSettings.of(model).draft_vocab
+    # chosen from the training split (not the held-out one): its 15 most frequent tokens with the specials
+    from d3d.config import resolve_path
+    from d3d.models.drafter import choose_draft_vocab
+    from d3d.settings import bind_config
+    from d3d.train import responses
+    from d3d.training import load_examples, split_examples
+    from tests.conftest import compose
+
+    cfg = bind_config(compose("train", ["+experiment=smoke", "data.limit=10"], varied_root), "train")
+    train, _ = split_examples(load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len),
+                              cfg.train.val_size, cfg.seed)
+    V = DrafterSettings.of(model).vocab_size
+    d2t, share = choose_draft_vocab(responses(train), 15, V, special_ids(tok, V, DrafterSettings.of(model).mask_token_id))
+    assert torch.equal(head.d2t, d2t) and summary["coverage_train"] == round(share, 5)
+
+
+@pytest.mark.heavy  # three short training runs: ~35 s on 2 cores
+def test_training_with_a_draft_vocabulary_resumes_exactly(varied_root):
+    """The draft vocabulary is chosen again from the same responses on resume: the same losses."""
+    full, _ = train_dv(varied_root, "full", "train.max_steps=4")
+    train_dv(varied_root, "resumed", "train.max_steps=4", "train.stop_at_step=2")
+    resumed, _ = train_dv(varied_root, "resumed", "train.max_steps=4")
+    assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in full]
+
+
+def test_a_bad_draft_vocab_is_refused_before_any_model_or_response_loads(tmp_path, monkeypatch):
+    from d3d.errors import ConfigError
+    from d3d.train import run_train
+    from tests.conftest import compose
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model or the responses loaded before the refusal")
+
+    monkeypatch.setattr("d3d.models.drafter.load_model", no_loading)
+    monkeypatch.setattr("d3d.train.load_examples", no_loading)
+    for n in (2, 10**6):
+        cfg = compose("train", ["+experiment=smoke", f"train.out_dir={tmp_path}/ckpt", f"drafter.draft_vocab={n}"], tmp_path)
+        with pytest.raises(ConfigError, match=f"^drafter.draft_vocab={n}: .* Fix: set drafter.draft_vocab between"):
+            run_train(cfg)

@@ -134,10 +134,11 @@ class DraftHead(nn.Linear):
         self.register_buffer("d2t", d2t.to(device=weight.device, dtype=torch.long))
 
 
-def special_ids(tokenizer, vocab_size: int) -> list[int]:
+def special_ids(tokenizer, vocab_size: int, mask_id: int | None = None) -> list[int]:
     """The ids every draft vocabulary keeps whatever their count: the tokenizer's special tokens
-    (end of turn, end of text, padding; the mask once added) inside the target's vocabulary."""
-    return sorted({int(i) for i in tokenizer.all_special_ids if 0 <= int(i) < vocab_size})
+    (end of turn, end of text, padding) and the mask token, inside the target's vocabulary."""
+    ids = {int(i) for i in tokenizer.all_special_ids} | ({mask_id} if mask_id is not None else set())
+    return sorted(i for i in ids if 0 <= i < vocab_size)
 
 
 def check_draft_vocab(n: int | None, tokenizer, vocab_size: int, extra: int = 0) -> None:
@@ -285,8 +286,9 @@ def check_draft_vocab_spec(spec: DrafterSpec, target: ModelSpec, cache_dir: str 
 
     target_path = resolve_model_path(target, Path(cache_dir))
     tok = load_tokenizer(target_path)
-    mask_new = spec.mask_token not in tok.get_vocab()
-    check_draft_vocab(spec.draft_vocab, tok, int(AutoConfig.from_pretrained(target_path).vocab_size), int(mask_new))
+    vocab = int(AutoConfig.from_pretrained(target_path).vocab_size)
+    mask = tok.get_vocab().get(spec.mask_token)  # None: added when the drafter is built
+    check_draft_vocab(spec.draft_vocab, tok, vocab, int(mask is None or mask not in special_ids(tok, vocab)))
 
 
 def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, device: str = "cpu",
@@ -321,9 +323,10 @@ def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, d
             raise ValueError(f"drafter {spec.name!r}: init=target_layers needs drafter.layers (target layer indices)")
         keep_layers(model, list(spec.layers))
     if spec.draft_vocab is not None:
-        check_draft_vocab(spec.draft_vocab, tok, settings.vocab_size)  # the drafter's own head width, mask added
-        d2t, _ = choose_draft_vocab(responses, spec.draft_vocab, settings.vocab_size,
-                                    special_ids(tok, settings.vocab_size))
+        always = special_ids(tok, settings.vocab_size, settings.mask_token_id)
+        if len(always) > spec.draft_vocab or spec.draft_vocab > settings.vocab_size:  # the drafter's own head
+            check_draft_vocab(spec.draft_vocab, tok, settings.vocab_size, len(always) - len(special_ids(tok, settings.vocab_size)))
+        d2t, _ = choose_draft_vocab(responses, spec.draft_vocab, settings.vocab_size, always)
         attach_draft_head(model, d2t)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
