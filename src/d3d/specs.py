@@ -117,7 +117,7 @@ class DrafterSpec:
     seed: int  # init=random: the weights' seed
     device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
     # the LM head over the N most frequent response tokens (docs/design.md, Draft vocabulary); None = full head
-    draft_vocab: Optional[int] = None
+    draft_vocab: Optional[int]
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
