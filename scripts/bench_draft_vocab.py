@@ -3,7 +3,8 @@ real shapes, and how much of a response set N tokens cover.
 
     python scripts/bench_draft_vocab.py passes [--shapes qwen25_coder_05b qwen3_1p7b --draft-vocab 32000
                                                 --prefix 256 --rounds 5 --repeats 3 --device cpu]
-    python scripts/bench_draft_vocab.py coverage RESPONSES_DIR [RESPONSES_DIR ...] [--sizes 1000 2000 ...]
+    python scripts/bench_draft_vocab.py coverage RESPONSES_DIR ... [--texts FILE.jsonl:FIELD --tokenizer DIR]
+                                                 [--sizes 1000 2000 ...]
 
 `passes` times, on random weights of each shape (a pass's time does not depend on the weights), one
 synchronous draft pass (a block of 16 after a cached prefix; B = 16 rows) and one tray pass (24 blocks:
@@ -11,16 +12,20 @@ synchronous draft pass (a block of 16 after a cached prefix; B = 16 rows) and on
 on every row of the pass and the float copy of its logits, and, with a draft vocabulary, the scatter of
 one block's logits into the target's vocabulary that the round makes its drafts from. The full head and
 the draft head (its first N rows: timing does not depend on which) run on the same backbone, swapped
-in place, interleaved round by round; medians of all repeats. `coverage` reads response folders
+in place, interleaved round by round (the order alternating); each round's figure is the median of
+its repeats after a warm-up, and the table's is the median over rounds. `coverage` reads response folders
 (d3d.generate's output) and reports, per folder, the share of response tokens the N most frequent ones
 cover, as d3d.models.drafter.choose_draft_vocab picks them (here without the tokenizer's specials,
-which the responses' own counts already rank). Both write JSON (default under docs/results/) with the
+which the responses' own counts already rank): chosen on the even rows, measured on them and on the odd
+rows; `--tokenizer DIR` gives the vocabulary's size (else the largest id seen + 1), and
+`--texts FILE.jsonl:FIELD` adds texts (reference answers, say) tokenised there. Both write JSON (default under docs/results/) with the
 machine's CPU or GPU recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -59,9 +64,10 @@ def random_drafter(shape: str, device: torch.device, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def pass_ms(model, prefix: torch.Tensor, blocks: int, repeats: int) -> list[float]:
-    """Each repeat: a fresh cache of the prefix (untimed), then one pass of `blocks` blocks, as
-    Passes.draft_pass / the tray pass run it, and the mapping of one block (Passes.target_vocab)."""
+def pass_ms(model, prefix: torch.Tensor, blocks: int, repeats: int) -> float:
+    """Median of `repeats` passes of `blocks` blocks after a cached prefix (one warm-up first), each
+    as Passes.draft_pass / the tray pass runs it, plus the mapping of one block (Passes.target_vocab);
+    the cache is cropped back to the prefix after each, as the loop crops a pass's blocks."""
     from transformers import DynamicCache
 
     from d3d.models.forward import hidden_states, in_target_vocab, logits_at
@@ -73,18 +79,16 @@ def pass_ms(model, prefix: torch.Tensor, blocks: int, repeats: int) -> list[floa
     x = torch.full((1, blocks * BLOCK), s["mask_token_id"], dtype=torch.long, device=dev)
     layout = block_layout(torch.full((1, blocks), n, device=dev), BLOCK)
     d2t = getattr(model.get_output_embeddings(), "d2t", None)
+    cache = DynamicCache(config=model.config)
+    hidden_states(model, prefix, clean_layout(n, device=dev), cache=cache, plain=True)
 
-    def cached():
-        cache = DynamicCache(config=model.config)
-        hidden_states(model, prefix, clean_layout(n, device=dev), cache=cache, plain=True)
-        return cache
-
-    def one(cache):
+    def one():
         h = hidden_states(model, x, layout, cache=cache, cache_len=n, plain=False)
         logits = logits_at(model, h, s["vocab_size"], draft_ids=True).float()
         in_target_vocab(logits[:, :BLOCK], d2t, s["vocab_size"])
+        cache.crop(-x.shape[1])  # back to the prefix
 
-    return [timed(one, dev, 1, setup=cached) for _ in range(repeats)]
+    return timed(one, dev, repeats)
 
 
 def passes(args) -> dict:
@@ -93,7 +97,9 @@ def passes(args) -> dict:
 
     device = torch.device(args.device)
     dtype = torch_dtype(args.dtype, device)
-    out = {"draft_vocab": args.draft_vocab, "prefix": args.prefix, "block": BLOCK, "tray_blocks": args.tray_blocks,
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = {"threads": torch.get_num_threads(), "draft_vocab": args.draft_vocab, "prefix": args.prefix, "block": BLOCK, "tray_blocks": args.tray_blocks,
            "rounds": args.rounds, "repeats_per_round": args.repeats, "dtype": str(dtype).split(".")[-1], "shapes": {}}
     for shape in args.shapes:
         model = random_drafter(shape, device, dtype)
@@ -106,8 +112,8 @@ def passes(args) -> dict:
         for r in range(args.rounds):  # interleaved: a change in machine load hits both heads alike
             for name in (heads if r % 2 == 0 else reversed(list(heads))):
                 model.set_output_embeddings(heads[name])
-                times[(name, "block")] += pass_ms(model, prefix, 1, args.repeats)
-                times[(name, "tray")] += pass_ms(model, prefix, args.tray_blocks, args.repeats)
+                times[(name, "block")].append(pass_ms(model, prefix, 1, args.repeats))
+                times[(name, "tray")].append(pass_ms(model, prefix, args.tray_blocks, args.repeats))
         model.set_output_embeddings(full_head)
         med = {f"{h}_{p}_ms": round(statistics.median(v), 3) for (h, p), v in times.items()}
         row = {**med,
@@ -136,22 +142,47 @@ def copy_with_draft_head(model, n: int, attach):
 
 
 def coverage(args) -> dict:
-    from d3d.data.responses import read_responses
+    """Per response set: the draft vocabulary choose_draft_vocab picks from its even rows (the N most
+    frequent tokens, then the lowest ids: a BPE tokenizer's earliest merges), and the share of tokens
+    it covers on those rows (in sample) and on its odd rows (held out: what a drafter meets after training)."""
+    from d3d.models.drafter import choose_draft_vocab, coverage as covered
 
-    out = {"sizes": args.sizes, "sets": {}}
-    for folder in args.responses:
-        rows = read_responses(folder)
-        counts: dict[int, int] = {}
-        for r in rows:
-            for t in r["response_ids"]:
-                counts[t] = counts.get(t, 0) + 1
-        ranked = sorted(counts.values(), reverse=True)
-        total = sum(ranked)
-        curve = {n: round(sum(ranked[:n]) / total, 5) for n in args.sizes}
-        out["sets"][str(folder)] = {"responses": len(rows), "tokens": total, "distinct": len(ranked), "coverage": curve}
-        print(f"{folder}: {len(rows)} responses, {total} tokens, {len(ranked)} distinct; coverage "
-              + ", ".join(f"N={n}: {100 * c:.2f}%" for n, c in curve.items()), flush=True)
+    vocab = None
+    sets = {str(folder): [r["response_ids"] for r in read_rows(folder)] for folder in args.responses}
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(args.tokenizer))
+        vocab = len(tok)
+        for spec in args.texts:
+            path, field = spec.rsplit(":", 1)
+            texts = [json.loads(line)[field] for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+            sets[f"{path}:{field}"] = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    out = {"sizes": args.sizes, "tokenizer": str(args.tokenizer), "sets": {}}
+    for name, rows in sets.items():
+        v = vocab or 1 + max(t for ids in rows for t in ids)
+        row = {"rows": len(rows), "tokens": sum(map(len, rows)),
+               "distinct": len({t for ids in rows for t in ids}), "in_sample": {}, "held_out": {}}
+        for n in [n for n in args.sizes if n <= v]:
+            d2t, row["in_sample"][n] = choose_draft_vocab(rows[0::2], n, v, [])
+            row["in_sample"][n], row["held_out"][n] = round(row["in_sample"][n], 5), round(covered(rows[1::2], d2t), 5)
+        out["sets"][name] = row
+        print(f"{name}: {row['rows']} rows, {row['tokens']} tokens, {row['distinct']} distinct; chosen on the even rows, "
+              "covers (in sample / odd rows): " + ", ".join(f"N={n}: {100 * row['in_sample'][n]:.2f}% / "
+                                                          f"{100 * row['held_out'][n]:.2f}%" for n in row["in_sample"]), flush=True)
     return out
+
+
+def read_rows(folder: Path) -> list[dict]:
+    """The whole rows of a response folder (a shard being appended to may end in a partial line)."""
+    rows = []
+    for shard in sorted(Path(folder).glob("responses.rank*.jsonl")):
+        for line in shard.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
 
 
 def main() -> None:
@@ -166,9 +197,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None)
     c = sub.add_parser("coverage")
-    c.add_argument("responses", nargs="+", type=Path)
+    c.add_argument("responses", nargs="*", type=Path)
+    c.add_argument("--texts", nargs="*", default=[], help="FILE.jsonl:FIELD texts (e.g. reference answers)")
+    c.add_argument("--tokenizer", type=Path, help="the tokenizer folder that --texts are tokenised with")
     c.add_argument("--sizes", nargs="+", type=int, default=[500, 1000, 2000, 4000, 8000, 16000, 32000])
     c.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

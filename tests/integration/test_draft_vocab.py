@@ -122,6 +122,25 @@ def test_greedy_with_a_draft_vocabulary_equals_generate_and_the_masked_full_head
     assert max(res.taus()) > 1  # drafts were accepted: the rounds compared say something
 
 
+@pytest.mark.parametrize("tree_nodes", [None, 6])
+def test_the_estimator_gives_the_loops_rounds_with_a_draft_vocabulary(vocab_models, tree_nodes):
+    """Contract 4 for a draft-vocabulary drafter: the offline estimator's greedy τ per round is the loop's."""
+    from d3d.decoding.methods import drafts_of
+    from d3d.estimator import greedy_rounds, match_lengths
+
+    target, dv, tok, _, _, _ = vocab_models
+    s = DrafterSettings.of(dv)
+    method = "sync" if tree_nodes is None else "tree"
+    cfg = DecodeConfig(method=method, block_size=6, tree_nodes=tree_nodes or 6, max_new_tokens=40)
+    for text in PROMPTS[:2]:
+        prompt = tok(text)["input_ids"]
+        res = SpecGenerator(target, tok, dv, cfg).generate([prompt])
+        ids = prompt + res.token_ids[0]
+        m = match_lengths(dv, ids, len(prompt), 6, s.mask_token_id, s.vocab_size,
+                          drafts=drafts_of(cfg) if tree_nodes else None)
+        assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus()
+
+
 def test_save_load_decode_round_trip(vocab_models, tmp_path):
     target, dv, tok, d2t, _, _ = vocab_models
     folder = save_drafter(dv, tok, tmp_path / "dv")

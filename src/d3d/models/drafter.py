@@ -323,9 +323,10 @@ def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, d
             raise ValueError(f"drafter {spec.name!r}: init=target_layers needs drafter.layers (target layer indices)")
         keep_layers(model, list(spec.layers))
     if spec.draft_vocab is not None:
-        always = special_ids(tok, settings.vocab_size, settings.mask_token_id)
-        if len(always) > spec.draft_vocab or spec.draft_vocab > settings.vocab_size:  # the drafter's own head
-            check_draft_vocab(spec.draft_vocab, tok, settings.vocab_size, len(always) - len(special_ids(tok, settings.vocab_size)))
+        # checked again against the drafter's own head (init=pretrained: another model of the family)
+        mask = settings.mask_token_id
+        always = special_ids(tok, settings.vocab_size, mask)
+        check_draft_vocab(spec.draft_vocab, tok, settings.vocab_size, len(always) - len(special_ids(tok, settings.vocab_size)))
         d2t, _ = choose_draft_vocab(responses, spec.draft_vocab, settings.vocab_size, always)
         attach_draft_head(model, d2t)
     model.generation_config.pad_token_id = tok.pad_token_id
