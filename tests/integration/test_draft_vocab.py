@@ -106,7 +106,7 @@ def test_the_target_law_holds_with_a_draft_vocabulary(vocab_models, method, samp
     assert tv < 0.07, tv  # <= 25 outcomes, n = 2500: sampling noise gives TV ~0.03-0.04
 
 
-@pytest.mark.parametrize("method", ["sync", "async", "tree", "async_tree"])
+@pytest.mark.parametrize("method", ["sync", "async_tree", *(pytest.param(m, marks=pytest.mark.heavy) for m in ("async", "tree"))])
 def test_greedy_with_a_draft_vocabulary_equals_generate_and_the_masked_full_head(vocab_models, method):
     """Ragged batch of 3: the target's greedy text, and the very rounds of the full head with -inf
     outside the draft vocabulary (a decoder that forgot the d2t map drafts other tokens: other rounds)."""
@@ -122,7 +122,7 @@ def test_greedy_with_a_draft_vocabulary_equals_generate_and_the_masked_full_head
     assert max(res.taus()) > 1  # drafts were accepted: the rounds compared say something
 
 
-@pytest.mark.parametrize("tree_nodes", [None, 6])
+@pytest.mark.parametrize("tree_nodes", [None, pytest.param(6, marks=pytest.mark.heavy)])
 def test_the_estimator_gives_the_loops_rounds_with_a_draft_vocabulary(vocab_models, tree_nodes):
     """Contract 4 for a draft-vocabulary drafter: the offline estimator's greedy τ per round is the loop's."""
     from d3d.decoding.methods import drafts_of
@@ -176,7 +176,7 @@ def test_a_damaged_draft_head_is_refused_in_one_line(vocab_models, tmp_path):
         load_drafter(folder, dtype="float32")
 
 
-@pytest.mark.parametrize("tree_nodes", [None, 5])
+@pytest.mark.parametrize("tree_nodes", [None, pytest.param(5, marks=pytest.mark.heavy)])
 def test_the_pruning_sweep_scores_a_draft_vocabulary_drafter(tmp_path, tree_nodes):
     """score_layers on a draft-vocabulary drafter: the estimator per layer, and the masked full head's
     scores; the draft vocabulary leaves out tokens the drafter drafts, so they differ from the full head's."""
