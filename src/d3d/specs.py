@@ -116,9 +116,15 @@ class DrafterSpec:
     checkpoint: Optional[str]  # a trained drafter folder: overrides init
     seed: int  # init=random: the weights' seed
     device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
+    # the LM head over the N most frequent response tokens (docs/design.md, Draft vocabulary); None = full head
+    draft_vocab: Optional[int]
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
+        n = self.draft_vocab
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigError(f"drafter.draft_vocab={n!r}: a number of tokens (an integer >= 1; 32000 for a Qwen "
+                              f"drafter), or null for the full LM head. Fix: set drafter.draft_vocab=32000 or null.")
         seeds("drafter", self, "seed")
 
 

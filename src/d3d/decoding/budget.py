@@ -117,8 +117,8 @@ def _after_prefix_ms(model, prefix: torch.Tensor, x: torch.Tensor, layout, plain
 
     def one(cache):
         h = hidden_states(model, x, layout, cache=cache, cache_len=n, plain=plain)
-        if logits:  # the decoding loop reads logits at every position of the pass
-            logits_at(model, h)
+        if logits:  # the decoding loop reads logits at every position of the pass (a draft vocabulary's N)
+            logits_at(model, h, draft_ids=True)
 
     return timer(one, prefix.device, repeats, setup=cached_prefix)
 

@@ -16,7 +16,8 @@ Per pass of q tokens over kv keys at batch b, bytes:
 - KV cache: 2·layers·b·kv_heads·head_dim·kv·dtype;
 - activations of one layer: b·q·(4·hidden + 3·intermediate)·dtype (q, k, v, o and the MLP's gate, up
   and product; layers run one after another);
-- logits: b·q·vocab·(dtype + 4): the LM head's output and the float copy the passes return.
+- logits: b·q·head·(dtype + 4): the LM head's output and the float copy the passes return, `head`
+  the head's rows (a drafter's draft vocabulary, else the vocabulary).
 The estimate leaves out the prompt (a lower bound: kv is q plus the new tokens), so a refusal is a
 pass that cannot fit, not a guess that might.
 """
@@ -55,17 +56,19 @@ class ModelShape:
     tied: bool
     dtype_bytes: int  # of the dtype the model will be loaded in
     eager: bool  # eager attention materialises the scores (SDPA and flex work in tiles)
+    head: int | None = None  # LM head rows when not one per token (a drafter's draft vocabulary, untied)
 
     @classmethod
     def of_config(cls, config, dtype_bytes: int, attn_implementation: str | None) -> "ModelShape":
         """From a transformers PretrainedConfig (AutoConfig.from_pretrained reads config.json only)."""
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        draft = (getattr(config, "d3d", None) or {}).get("draft_vocab")
         return cls(layers=int(config.num_hidden_layers), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), head_dim=int(head_dim),
                    hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
                    vocab=int(config.vocab_size), tied=bool(getattr(config, "tie_word_embeddings", False)),
-                   dtype_bytes=dtype_bytes, eager=attn_implementation == "eager")
+                   dtype_bytes=dtype_bytes, eager=attn_implementation == "eager", head=draft)
 
     def with_layers(self, layers: int) -> "ModelShape":
         return ModelShape(**{**self.__dict__, "layers": layers})
@@ -74,7 +77,7 @@ class ModelShape:
         """Embeddings (and an untied head), attention projections and the MLP of every layer."""
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        embed = self.hidden * (self.vocab + (0 if self.tied else self.head_rows))
         return (embed + self.layers * (attn + mlp)) * self.dtype_bytes
 
     def pass_bytes(self, batch: int, q: int, kv: int) -> dict[str, int]:
@@ -84,7 +87,11 @@ class ModelShape:
         return {"attention": scores,
                 "kv_cache": 2 * self.layers * batch * self.kv_heads * self.head_dim * kv * d,
                 "activations": batch * q * (4 * self.hidden + 3 * self.intermediate) * d,
-                "logits": batch * q * self.vocab * (d + 4)}
+                "logits": batch * q * self.head_rows * (d + 4)}
+
+    @property
+    def head_rows(self) -> int:
+        return self.head or self.vocab
 
 
 def memory_bytes(device: str) -> int:
@@ -331,7 +338,10 @@ def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, ta
         check_is_drafter(folder)
         return _shape(str(folder), width, attn)
     if drafter.init == "pretrained" and drafter.model is not None:
-        return _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
-    if drafter.init == "target_layers" and drafter.layers:
-        return target_shape.with_layers(len(drafter.layers))
-    return target_shape
+        shape = _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
+    elif drafter.init == "target_layers" and drafter.layers:
+        shape = target_shape.with_layers(len(drafter.layers))
+    else:
+        shape = target_shape
+    # a draft vocabulary: an untied head of that many rows (d3d.models.drafter.attach_draft_head)
+    return replace(shape, head=drafter.draft_vocab, tied=False) if drafter.draft_vocab else shape
