@@ -34,7 +34,9 @@ stage whose estimate does not fit in the time left is not started).
                    random weights: pass latencies with device time apart from host issue time, the
                    eager loops' rounds (its compiled loops, --backends eager compiled, cost ~10 min
                    of cold compiles at these shapes: run it on its own), projections from those
-                   rounds, the AR mask cost; fails on its own checks (gpu_readiness.problems)
+                   rounds, the AR mask cost, the 1.7B drafter's one-block draft and 384-token tray
+                   pass with its full head and a 32,000-row draft vocabulary; fails on its own
+                   checks (gpu_readiness.problems)
 9. compiled_equal  tests: decode.backend=compiled gives the eager loop's greedy tokens (tiny, fp32)
 10. compiled_timing per-round wall time, eager against compiled, at Qwen3-8B shapes (bf16; the
                    warm-up's seconds, its compiles, reported apart; fails when dynamo compiles a
@@ -173,6 +175,7 @@ def stage_readiness(device: str, out_dir: Path, toy: bool, st: Stage | None = No
         argv = ["--target", "toy", "--drafter", "toy", "--device", device, "--dtype", "float32", "--prefix", "32",
                 "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
                 "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--trees", "3", "--async-trees", "3x2",
+                "--tray-tokens", "8",
                 "--out", out]
     else:
         argv = ["--target", "qwen3_8b", "--drafter", "qwen3_1p7b", "--device", device, "--dtype", "bfloat16",
@@ -264,7 +267,8 @@ class Estimate:
         "placement": 8,  # a tiny target saved and reloaded by device_map, 3 methods x (greedy + sampled) +
         # generate per prompt: 15 s on the CPU; the 2-GPU cases (skipped on one GPU) as many again
         "train": 45,  # accelerate start, flex_attention's forward and backward compiles, 20 tiny steps
-        "readiness": 58,  # 8B + 1.7B init ~10 s, 10 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
+        "readiness": 64,  # 8B + 1.7B init ~10 s, 10 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
+        # the draft vocabulary's 12 more passes x 11 runs and a 1.7B copy ~6 s,
         # 7 eager loops of 64 rounds at 20-80 ms (the trees' ~100 more small ops per round)
         "compiled_equal": 5,  # 3 tiny eager and compiled runs of 24 tokens, without their compiles
         "compiled_timing": 10,  # 8B init ~5 s, eager AR 64 rounds at ~20 ms, compiled AR's rounds and capture

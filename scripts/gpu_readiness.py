@@ -27,7 +27,10 @@ This script measures, on one device, at a 2k-token context by default:
    adds to one AR step (device time), and every eager row also carries the projection with the AR
    round made that much longer (`projected_speedup_masked_ar`): the bias, measured and stated. The
    compiled backend's AR step always takes the mask (a static pass does), so it has no such bias.
-5. trees: projected like the chain at τ = --tree-tau (default the chain's --tau: random weights give
+5. the draft vocabulary (drafter.draft_vocab; docs/design.md, Draft vocabulary): the drafter's
+   synchronous draft and a tray pass of --tray-tokens tokens with its full LM head and with a head
+   of --draft-vocab rows, interleaved, device-time medians and their ratios;
+6. trees: projected like the chain at τ = --tree-tau (default the chain's --tau: random weights give
    no tree τ) and hit rate --tree-hit-rate, with the τ each tree needs to match sync's projection
    (its round costs more: the tree mask, build_tree's per-node ops, the path's cache gather).
 The JSON file is rewritten after every stage, so a crash or a timeout keeps what finished;
@@ -42,6 +45,7 @@ Results: a printed table and a JSON file (default outputs/bench/gpu_readiness_<t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -67,6 +71,33 @@ def pass_split(model, prefix: int, device, repeats: int, width: int | None = Non
     if blocks is None:
         return clean_pass_ms(model, ids, width, repeats, masked=masked, timer=device_and_host_ms)
     return block_pass_ms(model, ids, blocks, repeats, timer=device_and_host_ms)
+
+
+def draft_vocab_passes(drafter, n: int, prefix: int, device, repeats: int, tray_blocks: int, rounds: int = 3) -> dict:
+    """The drafter's one-block draft and a `tray_blocks`-block tray pass, with its full LM head and with
+    a draft vocabulary of n rows (the head over n of the vocabulary's ids, the mask's among them, as
+    d3d.train builds it: d3d.models.drafter.attach_draft_head), alternated `rounds` times so that a
+    drifting clock hits both alike; device-time medians and full/draft ratios."""
+    from d3d.models.drafter import attach_draft_head
+
+    vocab, mask = drafter.config.vocab_size, int(drafter.config.d3d["mask_token_id"])
+    n = min(n, vocab // 2)  # the toy shapes' vocabularies are a few hundred ids
+    small = copy.deepcopy(drafter)
+    attach_draft_head(small, torch.cat([torch.arange(n - 1), torch.tensor([mask])]).sort().values.to(device))
+    ms = {k: [] for k in ("full_draft", "draft_vocab_draft", "full_tray", "draft_vocab_tray")}
+    for _ in range(rounds):
+        for tag, model in (("full", drafter), ("draft_vocab", small)):
+            ms[f"{tag}_draft"].append(pass_split(model, prefix, device, repeats, blocks=1)["device_ms"])
+            ms[f"{tag}_tray"].append(pass_split(model, prefix, device, repeats, blocks=tray_blocks)["device_ms"])
+    med = {f"{k}_ms": statistics.median(v) for k, v in ms.items()}
+    out = {"draft_vocab": n, "vocab": vocab, "head_rows": small.get_output_embeddings().weight.shape[0],
+           "tray_blocks": tray_blocks, **med,
+           "draft_speedup": med["full_draft_ms"] / med["draft_vocab_draft_ms"],
+           "tray_speedup": med["full_tray_ms"] / med["draft_vocab_tray_ms"]}
+    del small
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
 
 
 def loop_rounds(target, drafter, cfg, prefix: int, new_tokens: int, device) -> dict:
@@ -251,6 +282,9 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
                    help="τ of the trees, measured elsewhere (default: the chain's --tau, a floor at equal width)")
     p.add_argument("--tree-hit-rate", type=float, default=0.713,
                    help="hit rate of the async trees (default: the paper's C=12 F=2, the same 384-token budget)")
+    p.add_argument("--draft-vocab", type=int, default=32000,
+                   help="rows of the draft-vocabulary head timed beside the full one (0: not timed)")
+    p.add_argument("--tray-tokens", type=int, default=384, help="tokens of the tray pass timed with each head")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -278,6 +312,9 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     res.stage("verify_ms", {b: passes[f"verify_{b}"]["device_ms"] for b in sorted({*args.block_sizes, 1, B})})
     res.stage("sync_draft_ms", passes["sync_draft"]["device_ms"])
     res.stage("packed_ms", {f"{C}x{F}": passes[f"packed_{C}x{F}"]["device_ms"] for C, F in budgets})
+    if args.draft_vocab:
+        dv = draft_vocab_passes(drafter, args.draft_vocab, args.prefix, device, args.repeats, max(1, args.tray_tokens // B))
+        res.stage("draft_vocab", dv)
     mask_cost = passes["ar_step_masked"]["device_ms"] - passes["verify_1"]["device_ms"]
     res.stage("ar_mask_cost_ms", mask_cost)
     loops = {}
@@ -308,6 +345,11 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     for name, ps in passes.items():
         print(f"| {name} | {ps['device_ms']:.3f} | {ps['host_issue_ms']:.3f} | "
               f"{'yes' if ps['host_issue_ms'] > ps['device_ms'] else 'no'} |")
+    if args.draft_vocab:
+        dv = res["draft_vocab"]
+        print(f"\ndraft vocabulary ({dv['draft_vocab']} of {dv['vocab']} rows): one-block draft {dv['full_draft_ms']:.3f} -> "
+              f"{dv['draft_vocab_draft_ms']:.3f} ms ({dv['draft_speedup']:.2f}x), {dv['tray_blocks'] * B}-token tray pass "
+              f"{dv['full_tray_ms']:.3f} -> {dv['draft_vocab_tray_ms']:.3f} ms ({dv['tray_speedup']:.2f}x)")
     print(f"\nAR step: the explicit mask costs {mask_cost:.3f} ms of device time (eager AR skips it; verification "
           "with a mask pays it): projected_speedup_masked_ar adds it to the eager AR round")
     print("\n| loop | backend | round wall ms | draft ms | verify ms | tray ms | overhead ms |\n|---|---|---|---|---|---|---|")

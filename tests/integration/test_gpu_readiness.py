@@ -24,7 +24,7 @@ def test_projection_hand_case(script):
 
 TOY = ["--target", "toy", "--drafter", "toy", "--device", "cpu", "--dtype", "float32", "--prefix", "32",
        "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
-       "--loop-tokens", "12", "--repeats", "1", "--backends", "eager"]
+       "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--tray-tokens", "8"]
 TREES = ["--trees", "3", "--async-trees", "3x2"]  # a tree and an async tree at toy size (the defaults are 15, 15x23)
 
 
@@ -50,6 +50,11 @@ def test_runs_at_toy_size_on_cpu(script, tmp_path):
     assert saved["ar_mask_cost_ms"] == saved["passes"]["ar_step_masked"]["device_ms"] - saved["verify_ms"]["1"]
     assert all(r["backend"] == "eager" and r["projected_speedup_masked_ar"] > 0 for r in res["projection"])
     assert saved["problems"] == []
+    # the draft vocabulary's passes beside the full head's: the toy's 512 ids halved, a 2-block tray at B = 4
+    dv = saved["draft_vocab"]
+    assert (dv["draft_vocab"], dv["head_rows"], dv["vocab"], dv["tray_blocks"]) == (256, 256, 512, 2)
+    assert all(dv[k] > 0 for k in ("full_draft_ms", "draft_vocab_draft_ms", "full_tray_ms", "draft_vocab_tray_ms"))
+    assert dv["tray_speedup"] == pytest.approx(dv["full_tray_ms"] / dv["draft_vocab_tray_ms"])
 
 
 def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatch):
