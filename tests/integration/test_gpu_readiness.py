@@ -101,7 +101,7 @@ def test_json_is_written_after_each_stage(script, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         script.main(TOY + ["--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["stages_done"] == ["passes", "verify_ms", "sync_draft_ms", "packed_ms", "ar_mask_cost_ms"]
+    assert saved["stages_done"] == ["passes", "verify_ms", "sync_draft_ms", "packed_ms", "draft_vocab", "ar_mask_cost_ms"]
     assert "loops" not in saved
 
 
