@@ -103,6 +103,11 @@ class TargetSpec(ModelSpec):
                           f"target.device_map=auto, or e.g. '{{model.layers.0: cuda:0, lm_head: cuda:1}}'.")
 
 
+# drafter.block_attention: what a block token sees of its own block (d3d.models.masks): every slot (the
+# paper's), or only the slots up to its own, as an engine's parallel-draft pass does (docs/design.md, Causal blocks)
+BLOCK_ATTENTION = ("bidirectional", "causal")
+
+
 @dataclass
 class DrafterSpec:
     """conf/drafter/*.yaml: how the drafter starts (d3d.models.drafter.INITS) or which checkpoint."""
@@ -116,10 +121,14 @@ class DrafterSpec:
     checkpoint: Optional[str]  # a trained drafter folder: overrides init
     seed: int  # init=random: the weights' seed
     device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
+    block_attention: str  # BLOCK_ATTENTION: saved with the drafter; a checkpoint trained otherwise is refused
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
         seeds("drafter", self, "seed")
+        if self.block_attention not in BLOCK_ATTENTION:
+            raise ConfigError(f"drafter.block_attention={self.block_attention}: not a block rule. Fix: set "
+                              f"drafter.block_attention to {' or '.join(BLOCK_ATTENTION)}.")
 
 
 # ---------------------------------------------------------------------------- data
