@@ -494,6 +494,25 @@ class PruneConfig(RootConfig):
 
 
 @dataclass
+class ExportSettings:
+    """`export.*` (conf/export.yaml): a drafter as a folder an inference engine serves (docs/serving.md)."""
+
+    out_dir: str
+    num_speculative_tokens: Optional[int]  # K of the engine's speculative_config; null = the block's B-1 drafts
+    mask_token_id: Optional[int]  # the served mask id; null = the trained one, or a spare special token of the target
+
+    def __post_init__(self) -> None:
+        at_least("export", self, num_speculative_tokens=1, mask_token_id=0)
+
+
+@dataclass
+class ExportConfig(RootConfig):
+    drafter: DrafterSpec
+    train: StepSettings  # the held-out responses the served τ is measured on (train.responses_dir, val_size)
+    export: ExportSettings
+
+
+@dataclass
 class EvalConfig(RootConfig):
     """eval's sections but `decode` and `methods`, which d3d.eval binds per method (DecodeConfig)."""
 
