@@ -23,7 +23,6 @@ What the folder holds, and why:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import shutil
@@ -34,49 +33,18 @@ import torch
 from omegaconf import DictConfig
 
 from d3d.config import ConfigError, hydra_job, resolve_path
-from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import (
     check_block_attention, check_same_tokenizer, drafter_folder, load_drafter, weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_tokenizer, resolve_model_path
+from d3d.serving import served_taus, speculative_config
 from d3d.settings import bind_config
 from d3d.specs import ExportConfig
 from d3d.training import cut_responses, load_examples, split_examples
 from d3d.utils.io import published, write_json
 
 log = logging.getLogger("d3d.export")
-
-
-def speculative_config(folder: Path, k: int) -> dict:
-    """What vLLM takes (`LLM(..., speculative_config=...)`, `vllm serve --speculative-config '<json>'`)."""
-    return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": k, "parallel_drafting": True}
-
-
-@contextlib.contextmanager
-def served_causally(model):
-    """The model with causal blocks for the duration (d3d.models.forward reads the rule from its
-    settings): how vLLM's parallel-draft pass sees a drafter, whatever it was trained with."""
-    settings = DrafterSettings.of(model)
-    trained = settings.block_attention
-    settings.block_attention = "causal"
-    settings.attach(model)
-    try:
-        yield model
-    finally:
-        settings.block_attention = trained
-        settings.attach(model)
-
-
-def served_taus(model, examples, k: int) -> dict:
-    """Greedy τ on `examples` (target greedy responses) as d3d decodes the drafter (its own rule, its
-    block of B) and as vLLM serves it (causal, K drafts: the estimator's block of K+1)."""
-    s = DrafterSettings.of(model)
-    own = estimate_acceptance(model, examples, s.block_size, s.mask_token_id, s.vocab_size).tau
-    with served_causally(model):
-        served = estimate_acceptance(model, examples, k + 1, s.mask_token_id, s.vocab_size).tau
-    return {f"tau_d3d_{s.block_attention}_B{s.block_size}": own, f"tau_served_causal_K{k}": served,
-            "responses": len(examples)}
 
 
 def spare_special_token(tok, vocab_size: int) -> int:
@@ -166,7 +134,8 @@ def export(cfg: ExportConfig) -> Path:
         raise ConfigError(f"export.num_speculative_tokens={k}: a drafter trained on blocks of {s.block_size} has "
                           f"{s.block_size} trained slots. Fix: set it to {s.block_size - 1} (d3d's block) or "
                           f"{s.block_size} (with the bonus slot's guess).")
-    target_tok = load_tokenizer(resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir)))
+    target_path = resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))
+    target_tok = load_tokenizer(target_path)
     check_same_tokenizer(tok, target_tok, s)
     examples = held_out(cfg)
     taus = served_taus(model, examples, k) if examples else None
@@ -188,7 +157,7 @@ def export(cfg: ExportConfig) -> Path:
     as_served(model, s, mask_id)
     spec = speculative_config(out, k)
     record = {"source": str(source), "source_weights": weights_fingerprint(source), "target": cfg.target.name,
-              "trained_block_attention": s.block_attention, "block_size": s.block_size,
+              "target_path": str(target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
               "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
               "speculative_config": spec, **({"measured": taus} if taus else {})}
     if out.exists():

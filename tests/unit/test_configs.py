@@ -9,9 +9,9 @@ from d3d.config import config_dir
 from d3d.data.benchmarks import iter_specs
 from tests.conftest import compose
 
-ROOTS = ["generate", "train", "prune", "eval"]
+ROOTS = ["generate", "train", "prune", "eval", "export"]
 GROUPS = {  # group -> root configs that use it
-    "target": ROOTS, "drafter": ["train", "prune", "eval"], "data": ["generate", "train", "prune"],
+    "target": ROOTS, "drafter": ["train", "prune", "eval", "export"], "data": ["generate", "train", "prune", "export"],
     "benchmark": ["eval"], "decode": ["eval"],
 }
 
