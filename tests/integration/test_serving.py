@@ -59,7 +59,8 @@ def test_vllm_serves_an_exported_drafter_losslessly_at_d3ds_tau(tmp_path):
     run_generate(compose("generate", [*DATA, "generate.max_new_tokens=64", "generate.progress=false", *paths]))
     trained = run_train(compose("train", overrides("train.max_steps=2", "train.eval_every=2", "train.save_every=2",
                                                    "train.max_minutes=null", "train.progress=false")))
-    served = run_export(compose("export", overrides(f"drafter.checkpoint={trained}", f"export.out_dir={tmp_path}/served")))
+    served = run_export(compose("export", overrides(f"drafter.checkpoint={trained / 'final'}",
+                                                    f"export.out_dir={tmp_path}/served")))
     spec = json.loads((served / "speculative_config.json").read_text())
     assert spec["num_speculative_tokens"] == K and spec["parallel_drafting"]
 

@@ -90,6 +90,7 @@ SECTIONS = {
     "prune": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "prune"},
     "eval": {"paths", "target", "drafter", "data", "benchmark", "decode", "methods", "task_name", "run_name",
              "seed", "eval"},
+    "export": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "export"},
 }
 # overrides a group option needs before it binds (data=local reads a file nobody ships: `???` in the YAML)
 NEEDS = {("data", "local"): ["data.local_file=prompts.jsonl"]}
