@@ -31,7 +31,10 @@ def config(method: str, **kw) -> DecodeConfig:
 def test_greedy_equals_generate_and_the_reference_rounds_with_a_causal_drafter(causal_models, models, method):
     target, drafter, tok = causal_models
     prompts = [tok(p)["input_ids"] for p in PROMPTS[:2]]
-    run = lambda name, d=drafter: SpecGenerator(target, tok, d, config(name, max_new_tokens=24)).generate(prompts)  # noqa: E731
+
+    def run(name, d=drafter):
+        return SpecGenerator(target, tok, d, config(name, max_new_tokens=24)).generate(prompts)
+
     res = run(method)
     for row, p in enumerate(prompts):
         assert res.token_ids[row] == reference(target, tok, p, 24, tok.eos_token_id), (method, row)
@@ -92,8 +95,9 @@ def test_a_checkpoint_is_refused_under_the_other_block_rule(tmp_path):
                                           "drafter.block_attention=causal"], tmp_path), "train")
     loaded, _ = build_drafter(again.drafter, again.target, again.paths.cache_dir, dtype="float32")
     assert DrafterSettings.of(loaded).block_attention == "causal"
-    other = bind_config(compose("train", ["+experiment=smoke", f"drafter.checkpoint={tmp_path / 'd'}"], tmp_path), "train")
-    with pytest.raises(ConfigError, match="trained with drafter.block_attention=causal.*Fix: set drafter.block_attention=causal"):
+    other = bind_config(compose("train", ["+experiment=smoke", f"drafter.checkpoint={tmp_path / 'd'}"], tmp_path),
+                        "train")
+    with pytest.raises(ConfigError, match="with drafter.block_attention=causal.*Fix: set drafter.block_attention=causal"):
         build_drafter(other.drafter, other.target, other.paths.cache_dir, dtype="float32")
 
 

@@ -37,8 +37,9 @@ def vllm(tmp_path, name: str, job: dict) -> dict:
     """tests/vllm_spec_run.py in vLLM's environment: {"outputs", "metrics"}."""
     (tmp_path / f"{name}.in.json").write_text(json.dumps(job))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_spec_run.py"), str(tmp_path / f"{name}.in.json"),
-                           str(tmp_path / f"{name}.out.json")], env=env, capture_output=True, text=True, timeout=1200)
+    args = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_spec_run.py"), str(tmp_path / f"{name}.in.json"),
+            str(tmp_path / f"{name}.out.json")]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / f"{name}.out.json").read_text())
 

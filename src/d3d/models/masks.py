@@ -168,5 +168,6 @@ def block_mask(query: Layout, cache_len: int = 0, block_size: int = 128, *, caus
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, t = query.shape
-    return create_block_mask(mask_mod_for(query, cache_len, causal_blocks=causal_blocks), b, None, t, int(cache_len) + t,
+    mask_mod = mask_mod_for(query, cache_len, causal_blocks=causal_blocks)
+    return create_block_mask(mask_mod, b, None, t, int(cache_len) + t,
                              device=query.pos.device, BLOCK_SIZE=block_size)
