@@ -10,7 +10,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: setup sandbox-tool vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
+.PHONY: bench setup sandbox-tool vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed sandbox-tool
 
@@ -93,6 +93,13 @@ demo: setup
 # A first look at the same pipeline: 17 minutes on 2 cores (rough numbers).
 demo-fast: setup
 	$(PY) -m d3d.pipeline +experiment=pipeline_fast
+
+# The decoding benchmark whose figures the README and docs/results.md quote (d3d.bench, preset
+# conf/bench/qwen_trees.yaml): every method against generate, assisted generation and prompt lookup,
+# interleaved, with the drafter `make demo` trains on a native-bf16 CPU (BENCH_DRAFTER to time another).
+BENCH_DRAFTER ?= checkpoints/pipeline_qwen/train/final
+bench: setup
+	$(PY) -m d3d.bench bench=qwen_trees drafter.checkpoint=$(BENCH_DRAFTER)
 
 # What CI runs. Unit tests first (seconds: tests that build or load no model), then the integration
 # tests that are not marked heavy, slow or gpu (each recipe end to end on tiny models, the CLIs).

@@ -21,7 +21,7 @@ stage whose estimate does not fit in the time left is not started).
 3. race            tests: the race check (async with its tray pass on a side stream against async
                    serial, bf16, bit for bit), the check failing on a broken stream hand-off, host
                    syncs per round
-4. async_sync      tests: async against sync, fp32 tokens and τ, bf16 tokens (DESIGN §10)
+4. async_sync      tests: async against sync, fp32 tokens and τ, bf16 tokens (docs/design.md#losslessness)
 5. engine          tests: every method ragged at T = 0 and 1; flex BlockMask == dense SDPA
 6. placement       tests: the target loaded by from_pretrained(device_map=...) (target.device_map),
                    its drafter on a device of its own (drafter.device): ar / sync / async greedy
@@ -228,7 +228,7 @@ class Estimate:
 
     Inputs:
     - compile of one large graph, cold: 87 s for a 36-layer Qwen3-8B graph with inductor on these
-      CPUs (DESIGN §10; dynamo alone 7 s), pro rata by layers for the 28-layer 1.7B (68 s). On the
+      CPUs (docs/design.md#facts-about-the-stack; dynamo alone 7 s), pro rata by layers for the 28-layer 1.7B (68 s). On the
       GPU host inductor does the same tracing and lowering (Triton kernels are shared between the
       identical layers), so the CPU figure is taken as is;
     - compile of one tiny graph (2 layers): 2 s with inductor on CPU (docs/design.md, Backends),
@@ -237,7 +237,7 @@ class Estimate:
       (tests/integration/test_gpu_check.py checks these numbers against a count);
     - the tiny-model stages are host-bound on a GPU (a few hundred aten ops a pass): their time is
       bounded by their time on this project's 2-core CPU, one thread (measured, below);
-    - an eager Qwen3-8B round costs ~20 ms of host time (2.6 k ops at 7.5 µs, DESIGN §10), a
+    - an eager Qwen3-8B round costs ~20 ms of host time (2.6 k ops at 7.5 µs, docs/design.md#facts-about-the-stack), a
       1.7B-drafted sync or async round ~60-80 ms; readiness decodes 7 loops (ar, sync, 3 async
       budgets, a tree, an async tree) of 32 tokens after a 32-token warm-up, 64 rounds each at
       τ = 1 (random weights);

@@ -78,7 +78,7 @@ def spec_shape(spec) -> ModelShape:
 
 
 def drafter_shape(drafter, target) -> ModelShape:
-    """What the drafter's init builds (as d3d.settings._drafter_shape decides it for decoding)."""
+    """What the drafter's init builds (as d3d.decoding.cost._drafter_shape decides it for decoding)."""
     if drafter.init == "pretrained" and drafter.model is not None:
         return spec_shape(drafter.model)
     if drafter.init == "target_layers" and drafter.layers:
@@ -257,6 +257,7 @@ def decode_plan(overrides: list[str], batch: int) -> list[dict]:
     the need on one device and split the way target.device_map would (the target over k GPUs, the
     drafter on its own)."""
     from d3d.settings import method_configs
+    from d3d.decoding.cost import candidates
     from d3d.decoding.methods import method_row
 
     raw, cfg = compose_overlay("eval", overrides)
@@ -264,7 +265,9 @@ def decode_plan(overrides: list[str], batch: int) -> list[dict]:
     shapes = {"target": replace(t, dtype_bytes=2), "drafter": replace(d, dtype_bytes=2)}  # bf16 on CUDA
     rows = []
     for name, dc in method_configs(raw, cfg.eval).items():
-        need = decode_need(dc, method_row(dc.method), shapes, batch)
+        # a budget eval measures on the device: the widest setting it may choose
+        need = max((decode_need(c, method_row(c.method), shapes, batch) for c in candidates(dc)),
+                   key=lambda n: sum(n.values()))
         rows.append({"stage": f"decode {name}", "batch": batch, "target_bytes": need.get("target", 0),
                      "drafter_bytes": need.get("drafter", 0), "total": sum(need.values())})
     return rows

@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from d3d.config import config_dir, stage_overrides
+from d3d.config import ConfigError, config_dir, quoted, stage_overrides
 from d3d.report import read_rows, summarise
 from d3d.utils.plotting import pyplot, save_figure
-from d3d.utils.io import read_jsonl
+from d3d.utils.io import output_folder, read_jsonl
 
 # Sizes per preset; cpu = what docs/results.md reports (hours on 2 cores in all), quick = minutes, gpu = the
 # paper's. Training sweeps run a fixed number of steps so every value sees the same batches whatever else the
@@ -94,14 +94,14 @@ class Launcher:
         if self.hydra_launcher:
             # one job: its folder is `logs` itself (the override-named subfolder would pass 255 characters)
             return [sys.executable, "-m", f"d3d.{job}", "-m", f"hydra/launcher={self.hydra_launcher}",
-                    f"hydra.sweep.dir={logs}", "hydra.sweep.subdir=job", *args]
+                    path_override("hydra.sweep.dir", logs), "hydra.sweep.subdir=job", *args]
         if self.gpus:
             config = self.accelerate if job in ("train", "prune") else "ddp"
             head = ["accelerate", "launch", "--config_file", str(Path(config_dir()) / "accelerate" / f"{config}.yaml"),
                     "--num_processes", str(self.gpus), "-m", f"d3d.{job}"]
         else:
             head = [sys.executable, "-m", f"d3d.{job}"]
-        return [*head, f"hydra.run.dir={logs}", *args]
+        return [*head, path_override("hydra.run.dir", logs), *args]
 
 
 def override_key(override: str) -> str:
@@ -167,8 +167,13 @@ class Sweep:
         out = self.outputs / "eval" / name
         self.run("eval", name, f"benchmark={suite}",
                  *given(("eval.n", n or self.p["n"]), ("eval.max_new_tokens", max_new or self.p["max_new"])),
-                 *overrides, fixed=(f"drafter.checkpoint={drafter}", f"eval.out_dir={out}", *fixed))
+                 *overrides, fixed=(path_override("drafter.checkpoint", drafter), path_override("eval.out_dir", out), *fixed))
         return out
+
+
+def path_override(key: str, path: str | Path) -> str:
+    """`key=<path>` read back by the job as exactly `path`, whatever the root holds (d3d.config.quoted)."""
+    return f"{key}={quoted(str(path), key)}"
 
 
 def given(*pairs: tuple[str, object]) -> list[str]:
@@ -184,7 +189,7 @@ def ar_loss(sw: Sweep) -> dict:
     with sw.together():
         for lam in lams:
             sw.run("train", f"lam{lam}", *sw.train_budget(),
-                   fixed=(f"train.ar_weight={lam}", f"train.out_dir={sw.ckpts}/lam{lam}"))
+                   fixed=(f"train.ar_weight={lam}", path_override("train.out_dir", sw.ckpts / f"lam{lam}")))
     with sw.together():
         evs = {lam: None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]",
                                                       n=sw.p["suite_n"], suite=sw.p["suite"]) for lam in lams}
@@ -226,7 +231,7 @@ def budget(sw: Sweep) -> dict:
 def pruning(sw: Sweep) -> dict:
     out = sw.ckpts / "acceptance"
     sw.run("prune", "acceptance", f"prune.num_layers={sw.p['prune_layers']}", "prune.min_retention=0",
-           fixed=(f"drafter.checkpoint={sw.drafter}", f"prune.out_dir={out}"))
+           fixed=(path_override("drafter.checkpoint", sw.drafter), path_override("prune.out_dir", out)))
     rows = []
     steps = [] if sw.dry else list(read_jsonl(out / "steps.jsonl"))
     removed = range(sw.p["prune_layers"] + 1)
@@ -273,7 +278,7 @@ def block_size(sw: Sweep) -> dict:
     sizes = [4, 8, 16]
     with sw.together():
         for B in sizes:
-            sw.run("train", f"B{B}", *sw.train_budget(), fixed=(f"drafter.block_size={B}", f"train.out_dir={sw.ckpts}/B{B}"))
+            sw.run("train", f"B{B}", *sw.train_budget(), fixed=(f"drafter.block_size={B}", path_override("train.out_dir", sw.ckpts / f"B{B}")))
     with sw.together():
         evs = {B: None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]",
                                                     fixed=(f"decode.block_size={B}",)) for B in sizes}
@@ -305,7 +310,7 @@ def recipe(sw: Sweep) -> dict:
             outs[arm] = out = sw.ckpts / name
             sw.run("train", name, *given(("train.val_max_new_tokens", sw.p["recipe_val_tokens"])),
                    fixed=(f"train.max_minutes={m}", f"train.max_steps={cap}", f"train.eval_every={cap}",
-                          f"train.out_dir={out}", *change))
+                          path_override("train.out_dir", out), *change))
     rows = []
     for arm, out in outs.items():
         if sw.dry:
@@ -400,7 +405,19 @@ def main(argv: list[str] | None = None) -> dict:
         overrides.insert(0, f"+experiment={preset['experiment']}")
     sw = Sweep(args.claim, preset, args.drafter, overrides, Path(args.root).resolve(), args.dry_run, args.skip_eval,
                launcher(ap, args))
-    result = CLAIMS[args.claim](sw)
+    try:
+        if not args.dry_run:  # a root that is a file, or read-only, failed in every arm's Hydra folder
+            output_folder(sw.outputs.parents[2], "--root")
+        result = CLAIMS[args.claim](sw)
+    except ConfigError as err:  # a path the jobs' override grammar cannot carry: one line, as the jobs say it
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except subprocess.CalledProcessError as err:  # the arm said why above (its one line or its traceback)
+        arm = shlex.join(["python" if c == sys.executable else c for c in err.cmd][:3])
+        print(f"error: the arm `{arm} …` stopped with exit status {err.returncode} (its message is above). Fix: "
+              f"correct what it says and rerun the same command: finished arms and steps are kept.", file=sys.stderr,
+              flush=True)
+        sys.exit(err.returncode if 0 < err.returncode < 128 else 1)
     if args.dry_run:
         return {**result, "commands": sw.commands}
     out = Path(args.out) if args.out else sw.outputs / time.strftime("%Y-%m-%d_%H-%M-%S")

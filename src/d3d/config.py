@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from d3d.configdir import PACKAGE_DIR, config_dir  # noqa: E402,F401  (re-exported, as below)
 from d3d.errors import ConfigError, UserError  # noqa: E402  (re-exported: d3d.config is where jobs look)
+from d3d.utils.io import resolve_path  # noqa: E402,F401  (re-exported: jobs resolve config paths through d3d.config)
 
 
 # Shown by the Hydra jobs as one `error: ...` line with exit status 2 (HYDRA_FULL_ERROR=1 or
@@ -51,9 +52,31 @@ def slug(value: object, limit: int = 120) -> str:
     return f"{head}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
+def trained_block(checkpoint: str | None, block_size: int) -> int:
+    """The block a drafter was trained with: its checkpoint's settings (config.json's d3d.block_size,
+    written by d3d.train), else `block_size`, the drafter.block_size a drafter still to be built or
+    trained gets. The decode files' default block (`${d3d.trained_block:...}`), so the block a run
+    verifies has one home, the drafter; a number in its place is a stated choice (d3d.eval records
+    and says it). A folder that is not a drafter's falls back too: it is refused where it loads."""
+    import json
+
+    if checkpoint:
+        try:
+            return int(json.loads((resolve_path(checkpoint) / "config.json").read_text(encoding="utf-8"))["d3d"]["block_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return block_size
+
+
 def _register_resolvers() -> None:
     # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name;
-    # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names).
+    # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names);
+    # ${d3d.trained_block:<checkpoint>,<block_size>} the drafter's trained block (trained_block);
+    # ${d3d.or:<value>,<word>} the value, or the word where it is null (a run's name: c${d3d.or:${.C},auto}).
+    if not OmegaConf.has_resolver("d3d.or"):
+        OmegaConf.register_new_resolver("d3d.or", lambda value, word: word if value is None else value)
+    if not OmegaConf.has_resolver("d3d.trained_block"):
+        OmegaConf.register_new_resolver("d3d.trained_block", trained_block)
     if not OmegaConf.has_resolver("d3d.slug"):
         OmegaConf.register_new_resolver("d3d.slug", slug)
     if not OmegaConf.has_resolver("d3d.benchmarks"):
@@ -99,18 +122,51 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def quoted(value: str) -> str:
-    """`value` as a quoted value of Hydra's override grammar, read back as exactly `value`: a path
-    may hold `,` `=` quotes, brackets, spaces or `${` that the grammar would otherwise take as a
-    sweep, a key, a list or an interpolation. In a quoted value a backslash is literal except before
-    a quote or at the end, where it is doubled; a quote is escaped; `${` is escaped (OmegaConf)."""
-    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
-    return "'" + value.replace("'", "\\'").replace("${", "\\${") + "'"
+# A value of only these characters, with a `/` (so not a number, a bool or null), is a path Hydra's
+# override grammar reads as it is: left bare, so printed commands stay readable.
+_BARE_PATH = re.compile(r"[A-Za-z0-9_/.+%@-]*/[A-Za-z0-9_/.+%@-]*")
 
 
-def resolve_path(value: str | os.PathLike) -> Path:
-    """Config paths are relative to the directory the job was launched from."""
-    return Path(os.path.expanduser(str(value))).resolve()
+def quoted(value: str, key: str = "the path") -> str:
+    """`value` as a value of Hydra's override grammar that the config reads back as exactly `value`: a
+    path may hold `,` `=` quotes, brackets, spaces or `${` that the grammar would otherwise take as a
+    sweep, a key, a list or an interpolation. Two layers read it: OmegaConf, where `${` is escaped as
+    `\\${` (and backslashes right before it doubled), then Hydra's quoted value, where a backslash is
+    literal except before a quote or at the end (there it is doubled) and a quote is escaped. The
+    result is read back once to prove it; a value that does not come back is one line naming `key`."""
+    if _BARE_PATH.fullmatch(value):
+        return value
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)  # OmegaConf's layer
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)  # Hydra's layer
+    text = "'" + text.replace("'", "\\'") + "'"
+    if _read_back(text) != value:
+        raise ConfigError(f"{key}={value!r} cannot be written as a Hydra override (it does not read back as "
+                          f"itself). Fix: use a folder whose path holds no control characters.")
+    return text
+
+
+def _read_back(text: str) -> object:
+    """What a job's config holds for an override value `text` (None where the grammar refuses it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.create({"k": OverridesParser.create().parse_override(f"k={text}").value()}).k
+    except (HydraException, OmegaConfBaseException):
+        return None
+
+
+def literal(node: object) -> object:
+    """Plain config data with every `${` in its strings escaped: a resolved value (a root from D3D_ROOT
+    holding `${`) stays the text it is when merged into a typed config, not an interpolation again."""
+    if isinstance(node, str):
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", node)
+    if isinstance(node, dict):
+        return {k: literal(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [literal(v) for v in node]
+    return node
 
 
 def to_plain(cfg: DictConfig) -> dict:

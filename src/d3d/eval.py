@@ -26,10 +26,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import BenchmarkUnavailable, Source, evaluation_subset, format_turn, iter_specs, load_records
 from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
+from d3d.decoding.cost import check_decode_cost
 from d3d.decoding.divergence import RealDivergence, classify
 from d3d.decoding.kv import batch_bucket
 from d3d.decoding.methods import method_row
@@ -45,7 +46,7 @@ from d3d.models.drafter import (
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import grade, isolation, isolation_warning
 from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: eval's API too)
-    AUTO, bind_config, check_decode_cost, check_eval_settings, decode_keys, method_configs,
+    AUTO, bind_config, check_eval_settings, decode_keys, method_configs,
     shipped_benchmark,
 )
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
@@ -62,7 +63,7 @@ log = logging.getLogger("d3d.eval")
 # trays, verifying the same shapes, so a method's reference is its row's (d3d.decoding.methods:
 # (D, Async)'s is (D, Sync)). Tokens always; τ per round only in fp32, because the two loops'
 # drafter passes lay the same keys out differently and bf16 SDPA moves by an ulp with the layout
-# (DESIGN §10), which can flip a near-tie draft.
+# (docs/design.md#losslessness), which can flip a near-tie draft.
 
 
 def remember_reference(refs: dict, name: str, cfg, row: dict) -> None:
@@ -83,45 +84,93 @@ def reference_row(refs: dict, name: str, cfg) -> dict | None:
     return row if all(getattr(cfg, k) == getattr(ref_cfg, k) for k in method_row(ref[1]).keys) else None
 
 
-def resolve_auto_budget(methods: dict[str, DecodeConfig], out_dir: Path, cfg: EvalConfig, ev: EvalSettings,
-                        target, tok, drafter, cache: Path, processes: int) -> dict | None:
-    """Give every `<method>_auto` the tray budget d3d.decoding.budget chooses on this device for its
-    Drafts (C x F for a chain, tree_trays for a tree): exact hit rates from the target's greedy
-    responses to the last `eval.auto_budget_prompts` prompts of `data` (its prompts are outside
-    every eval subset), measured pass costs, projected speedup. Where no budget beats drafting
-    without trays, the method runs as its reference (async as sync, async_tree as tree). Returns
-    {name: choice}; a resumed run reuses the choices in its run.json, so its rows never mix two budgets."""
-    names = [n for n in methods if n.endswith(f"_{AUTO}")]
+def resolve_auto_budget(methods: dict[str, DecodeConfig], fitting: dict[str, list[dict]], out_dir: Path,
+                        cfg: EvalConfig, ev: EvalSettings, target, tok, drafter, cache: Path, state) -> dict | None:
+    """Give every method whose tray budget is left to the measured choice (its decode file's nulls, the
+    shipped default, or an eval.async_budgets `auto` entry) the budget d3d.decoding.budget chooses on
+    this device for its Drafts (C x F for a chain, tree_trays for a tree), among the settings whose
+    passes fit (`fitting`, from check_decode_cost): exact hit rates from the target's greedy responses
+    to the last `eval.auto_budget_prompts` prompts of `data` (its prompts are outside every eval
+    subset), measured pass costs, projected speedup. Where no budget beats drafting without trays,
+    the method runs as its reference (async as sync, async_tree as tree). Returns {name: choice}.
+    The main process chooses (timings differ per process) and the others read its choice; a resumed
+    run reuses the choices in its run.json, so its rows never mix two budgets."""
+    names = [n for n, dc in methods.items() if method_row(dc.method).trays and dc.auto_budget]
     if not names:
         return None
-    run_file = out_dir / "run.json"
-    earlier = json.loads(run_file.read_text()).get("auto_budget") if run_file.is_file() else None
-    if earlier is None:
-        if processes > 1:
-            raise ConfigError("eval.async_budgets=[auto] chooses from timings, which differ per process: run the "
-                              "choice in one process (python -m d3d.eval), then launch with the budget it printed")
-        from d3d.data.prompts import load_prompt_set
-        from d3d.decoding.budget import calibrate, greedy_pairs
-
-        prompts = load_prompt_set(cfg.data, cache, shipped_benchmark)[-ev.auto_budget_prompts:]
-        pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
-                             min(ev.max_new_tokens, 128), eos_ids(tok, target))
-        earlier = {}
-        for name in names:
-            dc, row = methods[name], method_row(methods[name].method)
-            # packed pass beside verification (a side stream) or after it: as the loop will run it
-            overlap = row.overlap_mode(dc, target.device) == "stream"
-            drafts = row.drafts(replace(dc, temperature=0.0), row.block_size(dc), None)
-            pick, basis = calibrate(target, drafter, pairs, drafts, overlap=overlap, progress=ev.progress)
-            earlier[name] = {**pick.as_dict(), **basis}
-            log.info("eval.async_budgets=auto, %s: %s", name, pick.why)
+    run_file, chosen_file = out_dir / "run.json", out_dir / "auto_budget.json"
+    earlier = (json.loads(run_file.read_text()).get("auto_budget") if run_file.is_file() else None) or {}
+    missing = [n for n in names if n not in earlier]  # a method added to a resumed run: chosen now, the rest kept
+    if missing:
+        if state.is_main_process:
+            write_json(chosen_file, {**earlier, **choose_budgets(methods, missing, fitting, cfg, ev, target, tok,
+                                                                 drafter, cache)})
+        state.wait_for_everyone()
+        earlier = json.loads(chosen_file.read_text())
     for name in names:
         row, choice = method_row(methods[name].method), earlier[name]
         if choice["trays"]:
             methods[name] = replace(methods[name], **{k: int(choice[k]) for k in row.drafts.tray_grid[0]})
         else:  # no budget beats drafting without trays here: the method runs as its reference (run.json says why)
             methods[name] = replace(methods[name], method=row.reference)
-    return earlier
+    return {name: earlier[name] for name in names}
+
+
+def choose_budgets(methods: dict[str, DecodeConfig], names: list[str], fitting: dict[str, list[dict]], cfg: EvalConfig,
+                   ev: EvalSettings, target, tok, drafter, cache: Path) -> dict:
+    """The measured choice for each of `names` (resolve_auto_budget), with what it rests on."""
+    from d3d.data.prompts import load_prompt_set
+    from d3d.decoding.budget import calibrate, greedy_pairs
+
+    prompts = load_prompt_set(cfg.data, cache, shipped_benchmark)[-ev.auto_budget_prompts:]
+    pairs = greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages, ev.enable_thinking) for p in prompts],
+                         min(ev.max_new_tokens, 128), eos_ids(tok, target))
+    out = {}
+    for name in names:
+        dc, row = methods[name], method_row(methods[name].method)
+        # packed pass beside verification (a side stream) or after it: as the loop will run it
+        overlap = row.overlap_mode(dc, target.device) == "stream"
+        some = replace(dc, temperature=0.0, **row.drafts.tray_grid[0])  # a greedy config; its knobs are the grid's
+        drafts = row.drafts(some, row.block_size(dc), None)
+        pick, basis = calibrate(target, drafter, pairs, drafts, overlap=overlap, progress=ev.progress,
+                                grid=fitting.get(name))
+        out[name] = {**pick.as_dict(), **basis}
+        log.info("tray budget of %s, chosen by measurement: %s", name, pick.why)
+    return out
+
+
+def budget_records(bound: dict[str, DecodeConfig], ran: dict[str, DecodeConfig]) -> dict[str, dict]:
+    """Which tray budget each method with trays ran (its rows' and run.json's `budget`): chosen by
+    measurement (`auto`) or given, its setting ("4x1"; "none" where it ran as its reference, without
+    trays) and its packed pass's tokens. `bound`: the methods as bound, `ran`: as they run."""
+    out = {}
+    for name, dc in bound.items():
+        row = method_row(dc.method)
+        if not row.trays:
+            continue
+        now = ran[name]
+        trays = method_row(now.method).trays
+        out[name] = {"by": AUTO if dc.auto_budget else "given",
+                     "setting": "x".join(str(getattr(now, k)) for k in row.drafts.tray_grid[0]) if trays else "none",
+                     "tokens": method_row(now.method).budget(now)}
+    return out
+
+
+def run_notes(methods: dict[str, DecodeConfig], budgets: dict[str, dict], trained_block: int | None) -> list[str]:
+    """The choices a reader of summary.md must see beside the numbers (run.json's `notes`): a block
+    other than the drafter's trained one (a stated choice: decode.block_size), and each given tray
+    budget (a chosen one's reason is the auto_budget note)."""
+    notes = []
+    if trained_block is not None:
+        other = [(name, dc.block_size) for name, dc in methods.items()
+                 if method_row(dc.method).needs_drafter and int(dc.block_size) != trained_block]
+        for block in sorted({b for _, b in other}):
+            named = ", ".join(name for name, b in other if b == block)
+            notes.append(f"{named}: blocks of {block}, a stated choice (decode.block_size={block}); the drafter was "
+                         f"trained with {trained_block}, the default")
+    notes += [f"{name}: tray budget given ({b['setting']}, {b['tokens']} tokens a packed pass), not chosen by "
+              f"measurement (null tray knobs choose it)" for name, b in budgets.items() if b["by"] == "given"]
+    return notes
 
 
 def read_settings(dc: DecodeConfig) -> dict:
@@ -129,9 +178,11 @@ def read_settings(dc: DecodeConfig) -> dict:
     return {k: getattr(dc, k) for k in decode_keys(dc.method)}
 
 
-def method_record(dc: DecodeConfig) -> dict:
-    """A method's entry in run.json: the settings it reads, its token cap and its tray budget."""
-    return {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": method_row(dc.method).budget(dc)}
+def method_record(dc: DecodeConfig, budget: dict | None = None) -> dict:
+    """A method's entry in run.json: the settings it reads, its token cap and its tray budget
+    (`budget_by`: auto or given, for a method with trays: budget_records)."""
+    return {**read_settings(dc), "max_new_tokens": dc.max_new_tokens, "budget": method_row(dc.method).budget(dc),
+            **({"budget_by": budget["by"]} if budget else {})}
 
 
 def output_dir(cfg: EvalConfig, ev: EvalSettings) -> Path:
@@ -209,12 +260,6 @@ def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, 
             log.warning("no drafter.checkpoint given: evaluating an untrained drafter built from drafter.init")
             drafter, _ = build_drafter(cfg.drafter, cfg.target, cache, device=drafter_device(cfg.drafter.device, target),
                                        dtype=cfg.target.dtype)
-    if drafter is not None:
-        trained = DrafterSettings.of(drafter).block_size
-        for name, dc in methods.items():
-            if method_row(dc.method).needs_drafter and int(dc.block_size) != trained:
-                log.warning("%s verifies blocks of %d but the drafter was trained with %d (decode.block_size=%d "
-                            "matches it)", name, dc.block_size, trained, trained)
     return tok, target, drafter
 
 
@@ -236,12 +281,14 @@ def drafter_label(name: str) -> str:
 
 
 def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompts: list[list[int]], res,
-               compiles: int = 0) -> dict:
+               compiles: int = 0, budgets: dict | None = None) -> dict:
     """One row: a request at concurrency 1, or a batch of `concurrency` requests. `compiles`: graphs
-    torch.compile made while it decoded (0 after a complete warm-up: its decode_s holds no compile)."""
+    torch.compile made while it decoded (0 after a complete warm-up: its decode_s holds no compile).
+    A method with trays says which budget ran (`budget`: budget_records; <method>@<label> its method's)."""
     single = concurrency == 1
     taus = res.taus()  # one entry per request per round
-    return {"benchmark": spec.name, "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
+    budget = (budgets or {}).get(name.partition("@")[0])
+    return {**({"budget": budget} if budget else {}), "benchmark": spec.name, "id": key_id, "turn": turn, "method": name, "concurrency": concurrency,
             "prompt_tokens": len(prompts[0]) if single else [len(p) for p in prompts],
             "new_tokens": res.new_tokens, "rounds": len(taus),  # request-rounds
             "prefill_s": res.prefill_s, "decode_s": res.decode_s, "compiles": compiles, "hit_rate": res.hit_rate,
@@ -355,8 +402,10 @@ def warm_up(gens: dict, calls: list[tuple[int, int]], tok, repeats: int) -> dict
     return report
 
 
-def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped) -> None:
-    """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method.
+def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped,
+               budgets: dict) -> None:
+    """Concurrency 1: each item (and MT-Bench turn, with the method's own history) by every method;
+    `budgets`: the tray budget each method with trays runs (budget_records), written into its rows.
     A prompt longer than the context is recorded in skipped.jsonl (with its reason) and that
     method's conversation ends there; the run goes on."""
     for rec in tqdm(records, desc=spec.name, unit="item", disable=not ev.progress):
@@ -381,7 +430,7 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                     seed = item_seed(cfg.seed, spec.name, rec.id, turn, name)
                     with counting_compiles() as compiles:
                         res = gen.generate([ids], seed=seed)
-                    row = result_row(spec, name, rec.id, turn, 1, [ids], res, compiles())
+                    row = result_row(spec, name, rec.id, turn, 1, [ids], res, compiles(), budgets)
                     row.update(grade(spec, rec, row["text"], turn, ev.exec_timeout_s, ev.sandbox))
                     row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                     row["task_equal_to_ar"] = None if row["correct"] is None or ar is None else row["correct"] == ar["correct"]
@@ -394,7 +443,8 @@ def run_single(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, 
                 history[name].append({"role": "assistant", "content": row["text"]})
 
 
-def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped, concurrency: int) -> None:
+def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records, gens, tok, done, writer, skipped,
+                budgets: dict, concurrency: int) -> None:
     """Load test: first turns in batches of `concurrency` requests, every method on the same batches."""
     for start in range(0, len(records) - concurrency + 1, concurrency):
         batch = records[start : start + concurrency]
@@ -415,7 +465,7 @@ def run_batched(cfg: EvalConfig, ev: EvalSettings, spec: BenchmarkSpec, records,
                 seed = item_seed(cfg.seed, spec.name, key_id, 0, name)
                 with counting_compiles() as compiles:
                     res = gen.generate(prompts, seed=seed)
-                row = result_row(spec, name, key_id, 0, concurrency, prompts, res, compiles())
+                row = result_row(spec, name, key_id, 0, concurrency, prompts, res, compiles(), budgets)
                 row["equal_to_ar"] = True if ar is None else row["token_ids"] == ar["token_ids"]
                 compare_with_references(row, gen, ar, reference_row(refs, name, gen.cfg), prompts)
                 writer.write([row])
@@ -490,7 +540,9 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
               f"with eval.out_dir={out_dir}", flush=True)
     cache = resolve_path(cfg.paths.cache_dir)
     methods = method_configs(raw, ev)
-    check_decode_cost(methods, cfg.target, cfg.drafter, cache, max(ev.concurrency))  # a pass that cannot fit
+    bound = dict(methods)
+    # a pass that cannot fit is refused; a budget left to the measured choice keeps the settings that fit
+    fitting = check_decode_cost(methods, cfg.target, cfg.drafter, cache, max(ev.concurrency))
     benchmarks = read_benchmarks(cfg, ev, cache)  # a broken file is said before minutes of model loading
     sources = {spec.name: source for spec, _, source in benchmarks}
     key = resume_key(cfg, ev, methods, sources)
@@ -500,7 +552,11 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
         require_thinking_switch(load_tokenizer(resolve_model_path(cfg.target, cache)), "eval.enable_thinking")
     grading = grading_isolation([spec for spec, _, _ in benchmarks], ev.sandbox) if state.is_main_process else None
     tok, target, drafter = load_models(cfg, methods, cache, state)
-    auto_budget = resolve_auto_budget(methods, out_dir, cfg, ev, target, tok, drafter, cache, state.num_processes)
+    auto_budget = resolve_auto_budget(methods, fitting, out_dir, cfg, ev, target, tok, drafter, cache, state)
+    budgets = budget_records(bound, methods)
+    notes = run_notes(methods, budgets, DrafterSettings.of(drafter).block_size if drafter is not None else None)
+    for note in notes:
+        print(f"[d3d.eval] {note}", flush=True)
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, drafter if method_row(dc.method).needs_drafter else None, dc, eos,
                                 seed=cfg.seed)
@@ -518,14 +574,15 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
             # where each model's weights are (target.device_map, drafter.device)
             "placement": {"target": sorted({str(p.device) for p in target.parameters()}),
                           "drafter": str(next(drafter.parameters()).device) if drafter is not None else None},
-            "methods": {name: method_record(dc) for name, dc in methods.items()}
+            "methods": {name: method_record(dc, budgets.get(name)) for name, dc in methods.items()}
             | ({REFERENCE: {"method": "transformers generate", "max_new_tokens": ev.max_new_tokens}}
                if ev.reference_generate else {})
-            | {name: {**method_record(gen.cfg), "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))}
+            | {name: {**method_record(gen.cfg, budgets.get(name.partition("@")[0])), "drafter": str(resolve_path(ev.also_drafters[drafter_label(name)]))}
                for name, gen in also.items()},
             "benchmark_sources": {name: asdict(source) | {"fallback": source.fallback(name)}
                                   for name, source in sources.items()},
             "resume_key": key, "grading": grading, **({"auto_budget": auto_budget} if auto_budget else {}),
+            "notes": notes,
             "warmup": warmup})
 
     done = {row_key(r): r for r in previous}
@@ -538,9 +595,9 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
                 units = [records[i : i + c] for i in range(0, len(records) - c + 1, c)]
                 mine = [r for u in units[state.process_index :: state.num_processes] for r in u]
                 if c == 1:
-                    run_single(cfg, ev, spec, mine, gens, tok, done, writer, skipped)
+                    run_single(cfg, ev, spec, mine, gens, tok, done, writer, skipped, budgets)
                 else:
-                    run_batched(cfg, ev, spec, mine, gens, tok, done, writer, skipped, c)
+                    run_batched(cfg, ev, spec, mine, gens, tok, done, writer, skipped, budgets, c)
             print(f"[d3d.eval] {spec.name}: {len(records)} items done (process {state.process_index})", flush=True)
     state.wait_for_everyone()
     if not state.is_main_process:

@@ -12,6 +12,7 @@ Other benchmarks (MT-Bench, LiveCodeBench, Alpaca) get `None`: no cheap referenc
 from __future__ import annotations
 
 import ast
+import errno
 import functools
 import json
 import math
@@ -273,6 +274,49 @@ def _runtime() -> tuple[str, tuple[str, ...]]:
     return python, tuple(sorted(paths))
 
 
+# Kernel objects that hold memory no rlimit of the sandbox counts (RLIMIT_AS counts mappings; these keep
+# their pages unmapped): memfd files, System V shared memory kept after detaching, POSIX message
+# queues. A seccomp filter makes each fail with EPERM inside the sandbox; the harness uses none of them.
+UNCOUNTED_MEMORY_SYSCALLS = ("memfd_create", "memfd_secret", "shmget", "mq_open")
+SECCOMP_MISSING = "libseccomp not found"
+SECCOMP_FIX = ("install libseccomp (`apt-get install -y libseccomp2`), which builds the sandbox's system-call "
+               "filter, or set eval.sandbox=unsafe_subprocess to grade without a sandbox.")
+
+
+@functools.lru_cache(maxsize=1)
+def _seccomp_filter() -> bytes | None:
+    """The BPF program bwrap loads (`--seccomp FD`), compiled by libseccomp for this machine's
+    architecture (other architectures' system calls are killed); None where libseccomp is missing."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("seccomp")
+    if not name:
+        return None
+    lib = ctypes.CDLL(name)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    context = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW by default
+    try:
+        for syscall in UNCOUNTED_MEMORY_SYSCALLS:
+            number = lib.seccomp_syscall_resolve_name(syscall.encode())
+            if number < 0:  # __NR_SCMP_ERROR: no such call on this architecture
+                continue
+            if lib.seccomp_rule_add(context, 0x00050000 | errno.EPERM, number, 0) != 0:  # SCMP_ACT_ERRNO(EPERM)
+                raise OSError(f"libseccomp refused a rule for {syscall}")
+        with tempfile.TemporaryFile() as f:
+            if lib.seccomp_export_bpf(context, f.fileno()) != 0:
+                raise OSError("libseccomp could not export the filter")
+            f.seek(0)
+            return f.read()
+    finally:
+        lib.seccomp_release(context)
+
+
 def _open_to_all(path: str) -> bool:
     """Whether any user can read `path` (every folder above it searchable by others)."""
     parts = path.split("/")
@@ -284,8 +328,9 @@ def _open_to_all(path: str) -> bool:
         return False
 
 
-def _bwrap_argv(limits: Limits, stage: str | None) -> list[str]:
-    """The command line that starts the harness in bwrap; `stage`: a root grader's staging folder."""
+def _bwrap_argv(limits: Limits, stage: str | None, seccomp_fd: int) -> list[str]:
+    """The command line that starts the harness in bwrap; `stage`: a root grader's staging folder;
+    `seccomp_fd`: a descriptor open on the filter (_seccomp_filter)."""
     python, paths = _runtime()
     binds, mounts = [], []
     for i, path in enumerate(paths):
@@ -299,7 +344,7 @@ def _bwrap_argv(limits: Limits, stage: str | None) -> list[str]:
             mounts += [path, source]
         binds += ["--ro-bind", source, path]
     sandbox = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-               "--cap-drop", "ALL", "--die-with-parent", "--new-session", *binds,
+               "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd), *binds,
                "--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_mb << 20), "--tmpfs", "/scratch",
                "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/scratch", "--clearenv",
                "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch", "--setenv", "LANG", "C.UTF-8",
@@ -372,17 +417,29 @@ def run_tests(answer: str, tests: str, timeout_s: float, limits: Limits | None =
             os.mkdir(stage)
         scratch = os.path.join(tmp, "scratch")  # unsafe_subprocess: its cwd (bwrap: a tmpfs instead)
         os.mkdir(scratch)
-        argv = (_bwrap_argv(limits, stage) if sandbox == "bwrap" else [sys.executable, "-I", "-c", _HARNESS])
+        passed = [write_end]
+        if sandbox == "bwrap":
+            program = _seccomp_filter()
+            if program is None:
+                raise ConfigError(f"eval.sandbox=bwrap: graded code cannot be sandboxed here ({SECCOMP_MISSING}). "
+                                  f"Fix: {SECCOMP_FIX}")
+            with open(os.path.join(tmp, "seccomp.bpf"), "wb") as f:
+                f.write(program)
+            passed.append(os.open(os.path.join(tmp, "seccomp.bpf"), os.O_RDONLY))
+            argv = _bwrap_argv(limits, stage, passed[-1])
+        else:
+            argv = [sys.executable, "-I", "-c", _HARNESS]
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": scratch,
                    "LANG": "C.UTF-8"}
             try:
                 proc = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
-                                        pass_fds=(write_end,), start_new_session=True,
+                                        pass_fds=passed, start_new_session=True,
                                         preexec_fn=_preexec(limits, timeout_s, None if sandbox == "bwrap" else nproc))
             finally:
-                os.close(write_end)
+                for fd in passed:
+                    os.close(fd)
             try:
                 try:
                     proc.stdin.write(job.encode())
@@ -440,11 +497,14 @@ def isolation(sandbox: str = "bwrap") -> dict:
         return facts | {"user": os.geteuid(), "network": "host", "filesystem": "host (as this user)"}
     missing = [tool for tool in ("bwrap", "ldd", *(("unshare", "setpriv") if os.geteuid() == 0 else ()))
                if not shutil.which(tool)]
-    why = f"{', '.join(missing)} not found" if missing else None
+    why = f"{', '.join(missing)} not found" if missing else SECCOMP_MISSING if _seccomp_filter() is None else None
     if not why:
         why = run_tests("import os\nuid = os.getuid()\n", f"assert uid == {NOBODY}, uid\n", 30.0)[1]
         version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
-        facts |= {"bwrap": version, "user": NOBODY, "network": "none", "filesystem": "python runtime (read-only), scratch tmpfs"}
+        facts |= {"bwrap": version, "user": NOBODY, "network": "none", "filesystem": "python runtime (read-only), scratch tmpfs",
+                  "seccomp_denies": list(UNCOUNTED_MEMORY_SYSCALLS)}
+    if why == SECCOMP_MISSING:
+        raise ConfigError(f"eval.sandbox=bwrap: graded code cannot be sandboxed here ({why}). Fix: {SECCOMP_FIX}")
     if why:
         raise ConfigError(f"eval.sandbox=bwrap: graded code cannot be sandboxed here ({why}). Fix: install "
                           f"bubblewrap (`make setup` does, or `apt-get install -y bubblewrap`) and allow unprivileged user "

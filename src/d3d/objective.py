@@ -5,7 +5,10 @@ Per sequence the packed input is `[clean sequence | block_1 | ... | block_N]`:
 - block i is `[x_a, MASK x (B-1)]` at positions a..a+B-1 for an anchor a in the response; it sees
   the clean tokens before a and itself (d3d.models.masks). Slot j predicts x_{a+j+1} with weight
   exp(-j/γ) (= exp(-(k-1)/γ) for the k-th draft). Slot B-1's target, x_{a+B}, is the bonus token.
-Only rows that carry a loss go through the LM head.
+Only rows that carry a loss go through the LM head. A drafter with a draft vocabulary (a head with
+a `d2t` map) takes both losses over its N tokens: a target token outside them has no logit, so its
+row is left out of the loss (it cannot be learnt) and counted (`dn_outside`, `ar_outside`: the
+share of loss rows it was), and it counts as a miss in the slot accuracies.
 """
 
 from __future__ import annotations
@@ -134,11 +137,22 @@ def pack(examples: list[Example], cfg: ObjectiveConfig, mask_id: int, pad_id: in
     )
 
 
+def draft_targets(head, targets: torch.Tensor) -> torch.Tensor:
+    """Target token ids as the head's row ids: themselves for a full head; for a draft vocabulary
+    (`head.d2t`, sorted) the row of each, -1 for a token outside it."""
+    d2t = getattr(head, "d2t", None)
+    if d2t is None:
+        return targets
+    row = torch.searchsorted(d2t, targets).clamp(max=len(d2t) - 1)
+    return torch.where(d2t[row] == targets, row, -1)
+
+
 def _weighted_ce(head, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                  vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`targets` are row ids of the head (draft_targets); -1 rows carry no loss and never hit."""
     logits = head(hidden)
     logits = (logits[..., :vocab_size] if vocab_size else logits).float()
-    ce = F.cross_entropy(logits, targets, reduction="none")
+    ce = F.cross_entropy(logits, targets, reduction="none", ignore_index=-1)
     return (ce * weights).sum(), logits.argmax(-1) == targets
 
 
@@ -170,11 +184,15 @@ def loss_from_hidden(hidden: torch.Tensor, head, batch: PackedBatch, ar_weight: 
     one host transfer per step, not one per metric)."""
     dev = hidden.device
     h = hidden.reshape(-1, hidden.shape[-1])
-    targets, w = batch.dn_targets.to(dev), batch.dn_weights.to(dev)
+    targets, w = draft_targets(head, batch.dn_targets.to(dev)), batch.dn_weights.to(dev)
+    inside = targets >= 0
+    w = w * inside  # a token outside a draft vocabulary: no loss, and not in the weights' sum
     dn_sum, hit = chunked_weighted_ce(head, h[batch.dn_rows.to(dev)], targets, w, vocab_size, chunk_rows)
     loss_dn = dn_sum / w.sum().clamp(min=1e-9)
     loss = loss_dn
     metrics = {"loss_denoise": loss_dn.detach()}
+    if getattr(head, "d2t", None) is not None:
+        metrics["dn_outside"] = (~inside).float().mean() if len(inside) else torch.zeros((), device=dev)
     if len(batch.dn_slots):
         # Per-slot accuracy: hits summed per slot on the device; the counts are known on the host.
         counts = torch.bincount(batch.dn_slots)
@@ -183,10 +201,12 @@ def loss_from_hidden(hidden: torch.Tensor, head, batch: PackedBatch, ar_weight: 
             if n:
                 metrics[f"acc_slot{j + 1}"] = slot_hits[j] / n
     if ar_weight > 0 and len(batch.ar_rows):
-        ar_t = batch.ar_targets.to(dev)
-        ar_sum, _ = chunked_weighted_ce(head, h[batch.ar_rows.to(dev)], ar_t, torch.ones(len(ar_t), device=dev),
-                                        vocab_size, chunk_rows)
-        loss_ar = ar_sum / len(ar_t)
+        ar_t = draft_targets(head, batch.ar_targets.to(dev))
+        ar_in = (ar_t >= 0).float()
+        ar_sum, _ = chunked_weighted_ce(head, h[batch.ar_rows.to(dev)], ar_t, ar_in, vocab_size, chunk_rows)
+        loss_ar = ar_sum / ar_in.sum().clamp(min=1)
+        if getattr(head, "d2t", None) is not None:
+            metrics["ar_outside"] = 1 - ar_in.mean()
         loss = loss + ar_weight * loss_ar
         metrics["loss_ar"] = loss_ar.detach()
     metrics["loss"] = loss.detach()

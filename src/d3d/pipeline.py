@@ -17,24 +17,125 @@ the same run extends rather than replaces: `stages` holds each stage's latest re
 invocation it came from) and `invocations` one entry per command, so a demo run stage by stage
 (`--stages prune`, then `--stages eval`) keeps every stage's time. A stage killed and resumed
 counts its resumed invocation only.
+
+Each stage runs in a process of its own (a fresh interpreter, multiprocessing's spawn), and so do
+the up-front check of every stage's settings and `--demo`'s CPU choice (both import torch): the
+command's own process composes configs and waits, so the memory a stage held (weights, allocator
+caches, imported libraries) is returned when the stage ends, and each stage's peak resident memory
+is its own (`peak_rss_gb` per stage in pipeline.json; the run's peak is the largest stage's).
+docs/reliability.md (Round 7) says why a spawned child rather than `python -m d3d.<stage>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import multiprocessing
+import os
+import re
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
 
-from d3d.config import USER_ERRORS, ConfigError, compose, quoted, resolve_path, stage_overrides, verbose
+from d3d.config import USER_ERRORS, ConfigError, UserError, compose, quoted, resolve_path, stage_overrides, verbose
 from d3d.settings import bind_config
-from d3d.utils.io import write_json
+from d3d.utils.io import output_folder, write_json
 
 STAGES = ("generate", "train", "prune", "eval")
+# Each stage's entry point as "module:function", imported in the stage's own process (never here, so this
+# process does not hold torch and the models' libraries while the stages run).
+RUNNERS = {"generate": "d3d.generate:run_generate", "train": "d3d.train:run_train",
+           "prune": "d3d.prune:run_prune", "eval": "d3d.eval:run_eval"}
 
 
-def demo_choice() -> dict:
+class StageError(UserError):
+    """A stage stopped on a user error (its one line, passed up from the stage's process)."""
+
+
+class StageCrashed(RuntimeError):
+    """A stage's process ended without a result: a bug (its traceback is above) or a signal."""
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory, in GB. On Linux VmHWM, the high-water mark of this program's
+    own memory: ru_maxrss of a spawned child starts at the parent's RSS (it is carried over the
+    fork that precedes the exec), so it would count the pipeline's process in every stage."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1)) / 2**20
+    except (OSError, AttributeError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS, KiB on Linux
+
+
+def _die_with(parent: int) -> None:
+    """A stage's process ends with the pipeline's (a killed pipeline used to take its stage with it, as
+    one process): otherwise a rerun would meet the orphan's folder lock. Linux only (prctl)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the pipeline died before the line above
+        os._exit(1)
+
+
+def _child(conn, parent: int, runner: str, cfg, kwargs: dict) -> None:
+    """The body of a stage's process: run `runner(cfg, **kwargs)` and send back its output folder, its
+    one-line error if it stopped on a user error, and its own peak memory. A bug raises on (the
+    traceback goes to stderr, and the pipeline sees no result)."""
+    _die_with(parent)
+    module, name = runner.split(":")
+    try:
+        out = getattr(importlib.import_module(module), name)(cfg, **kwargs)
+        result = {"output": out if out is None or isinstance(out, dict) else str(out)}
+    except USER_ERRORS as err:
+        if verbose():
+            raise
+        result = {"error": " ".join(str(err).split())}
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the pipeline's says it once
+        sys.exit(130)
+    conn.send({**result, "pid": os.getpid(), "peak_rss_gb": round(peak_rss_gb(), 3)})
+    conn.close()
+
+
+def in_own_process(what: str, runner: str, cfg, **kwargs) -> dict:
+    """Run one stage (or the up-front check) in a fresh interpreter and wait for it: {output, pid,
+    peak_rss_gb}. Its user error is raised here as a StageError (the same one line); a process that
+    ends with no result is a StageCrashed naming its exit status or signal."""
+    ctx = multiprocessing.get_context("spawn")  # fork would copy this process's memory and locks
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, os.getpid(), runner, cfg, kwargs), name=f"d3d.pipeline {what}")
+    proc.start()
+    send.close()  # so that receive sees EOF when the child dies without a result
+    try:
+        try:
+            result = receive.recv()
+        except EOFError:
+            result = None
+        proc.join()
+    finally:
+        if proc.is_alive():  # interrupted here (Ctrl-C reaches the child too): do not leave it behind
+            proc.terminate()
+            proc.join()
+    if result is None:
+        code = proc.exitcode
+        if code == 130:  # the stage was interrupted (Ctrl-C) before this process saw it
+            raise KeyboardInterrupt
+        named = {int(sig): sig.name for sig in signal.Signals}
+        how = (f"was killed by signal {named.get(-code, -code)}" if code is not None and code < 0
+               else f"ended with exit status {code}")
+        if code == -signal.SIGKILL:
+            how += " (the kernel's out-of-memory killer sends it when memory runs out)"
+        raise StageCrashed(f"the {what} process {how} without a result (a traceback above is its own). Fix: if "
+                           f"it was killed, rerun the same command: every stage resumes where it stopped.")
+    if "error" in result:
+        raise StageError(result["error"])
+    return result
+
+
+def demo_choice(_cfg=None) -> dict:
     """`make demo` shows the method where this CPU allows: with native bf16 (AVX512-BF16 / AMX) a
     16-token pass costs ~1.3x a 1-token one, so the Qwen2.5-Coder pair's speculative decoding beats
     plain decoding (pipeline_qwen, pruned by the tree's τ);
@@ -54,7 +155,7 @@ def demo_choice() -> dict:
 def stage_config(stage: str, overrides: list[str], wiring: dict[str, str]):
     """One stage's config: the user's overrides that apply to it, then the paths that wire it to the
     stages before it (quoted: a path may hold any character)."""
-    extra = [f"{k}={quoted(v)}" for k, v in wiring.items()]
+    extra = [f"{k}={quoted(v, k)}" for k, v in wiring.items()]
     return compose(stage, stage_overrides(stage, overrides) + extra)
 
 
@@ -73,26 +174,33 @@ def wire_stages(overrides: list[str], stages: list[str]):
                        "eval": {"drafter.checkpoint": str(drafter_for_eval), **beside}}
 
 
-def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: dict | None = None) -> dict:
+def check_stages(cfgs: dict) -> None:
+    """The up-front check of the stages that bind more than their config (generate: the backend and
+    the thinking switch; eval: the decode files, the memory bound, the sandbox, the template), run
+    in a process of its own like the stages: it imports torch and reads tokenizers."""
     from d3d.eval import run_eval
     from d3d.generate import run_generate
-    from d3d.prune import run_prune
-    from d3d.train import run_train
 
-    runners = {"generate": run_generate, "train": run_train, "prune": run_prune, "eval": run_eval}
+    checks = {"generate": run_generate, "eval": run_eval}
+    for stage, cfg in cfgs.items():
+        checks[stage](cfg, check_only=True)
+
+
+def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: dict | None = None) -> dict:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {', '.join(unknown)}. Fix: choose from {' '.join(STAGES)}.")
+    # in the pipeline's order, each once: `--stages eval prune` ran eval first, on a pruned drafter not made yet
+    stages = [s for s in STAGES if s in stages]
     train_cfg, wiring = wire_stages(overrides, stages)
+    record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
+    output_folder(record_dir, "paths.output_dir")  # before any stage: it used to fail after the first one
     # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).
-    if "generate" in stages:  # the backend and the thinking switch too
-        run_generate(stage_config("generate", overrides, wiring["generate"]), check_only=True)
-    if "eval" in stages:
-        run_eval(stage_config("eval", overrides, wiring["eval"]), check_only=True)
-    record_dir = resolve_path(train_cfg.paths.output_dir) / "pipeline" / train_cfg.run_name
-    record_dir.mkdir(parents=True, exist_ok=True)
+    checked = {s: stage_config(s, overrides, wiring[s]) for s in ("generate", "eval") if s in stages}
+    if checked:
+        in_own_process("up-front check", "d3d.pipeline:check_stages", checked)
     record = earlier_record(record_dir / "pipeline.json")
     this = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "overrides": overrides,
             **({"demo": demo} if demo else {}), "stages": list(stages)}
@@ -102,18 +210,24 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
         print(f"\n[d3d.pipeline] ===== {stage} =====", flush=True)
         cfg = stage_config(stage, overrides, wiring[stage])
         start = time.perf_counter()
-        out = runners[stage](cfg)
-        # the process's peak resident memory so far (a stage's peak is where it first rises)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        record["stages"][stage] = {"wall_s": round(time.perf_counter() - start, 1), "output": str(out),
-                                   "peak_rss_gb_so_far": round(peak, 2), "invocation": len(record["invocations"])}
+        ran = in_own_process(f"{stage} stage", RUNNERS[stage], cfg)
+        # the stage's own peak resident memory (its process's), and the process it ran in
+        record["stages"][stage] = {"wall_s": round(time.perf_counter() - start, 1), "output": ran["output"],
+                                   "peak_rss_gb": ran["peak_rss_gb"], "pid": ran["pid"],
+                                   "invocation": len(record["invocations"])}
         write_json(record_dir / "pipeline.json", record)
     this["wall_s"] = round(time.perf_counter() - total, 1)
+    # this process only composes and waits; it runs beside each stage, so the machine holds both
+    this["pipeline_process_peak_rss_gb"] = round(peak_rss_gb(), 3)
     record["stages"] = {s: record["stages"][s] for s in STAGES if s in record["stages"]}  # pipeline order
     record["stages_wall_s"] = round(sum(v["wall_s"] for v in record["stages"].values()), 1)
+    peaks = [v["peak_rss_gb"] for v in record["stages"].values() if "peak_rss_gb" in v]  # older records lack it
+    if peaks:
+        record["peak_rss_gb"] = max(peaks)  # the run's peak: the largest stage's
     write_json(record_dir / "pipeline.json", record)
-    print("\n[d3d.pipeline] stage wall times: " + ", ".join(
-        f"{s} {record['stages'][s]['wall_s'] / 60:.1f} min" for s in stages) + f"; total {this['wall_s'] / 60:.1f} min")
+    print("\n[d3d.pipeline] stage wall times (peak memory): " + ", ".join(
+        f"{s} {record['stages'][s]['wall_s'] / 60:.1f} min ({record['stages'][s]['peak_rss_gb']:.1f} GB)" for s in stages)
+        + f"; total {this['wall_s'] / 60:.1f} min")
     if len(record["stages"]) > len(stages):  # earlier invocations' stages too
         print("[d3d.pipeline] with the earlier invocations' stages (pipeline.json): " + ", ".join(
             f"{s} {v['wall_s'] / 60:.1f} min" for s, v in record["stages"].items())
@@ -130,6 +244,9 @@ def earlier_record(path: Path) -> dict:
     one invocation's `overrides` at the top, becomes that invocation); a fresh one if none."""
     import json
 
+    if path.is_dir():  # checked before any stage: writing the record came after the first one
+        raise ConfigError(f"{path} is a folder, not the pipeline's record. Fix: move it away (the record is "
+                          f"written there).")
     if not path.is_file():
         return {"stages": {}, "invocations": []}
     try:
@@ -155,6 +272,17 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except StageCrashed as err:  # the stage printed its own traceback, if any; say which stage and what next
+        if verbose():
+            raise
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        if verbose():
+            raise
+        print("\n[d3d.pipeline] interrupted: rerun the same command to resume every stage where it stopped",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def _main(argv: list[str] | None) -> None:
@@ -165,7 +293,8 @@ def _main(argv: list[str] | None) -> None:
                         help="the demo this CPU suits (pipeline_qwen with native bf16, else pipeline_cpu); recorded")
     args = parser.parse_args(argv)
     if args.demo:
-        demo = demo_choice()
+        # asked in a process of its own too: reading the CPU's capability imports torch
+        demo = in_own_process("demo choice", "d3d.pipeline:demo_choice", None)["output"]
         print(f"[d3d.pipeline] --demo: +experiment={demo['experiment']} ({demo['why']})", flush=True)
         run_pipeline([f"+experiment={demo['experiment']}", *args.overrides], args.stages or demo["stages"], demo)
     else:

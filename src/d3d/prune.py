@@ -254,6 +254,35 @@ def publish_drafter(model, tok, out_dir: Path, name: str, step: int) -> Path:
     return publish(out_dir, name, step, lambda tmp: save_drafter(model, tok, tmp))
 
 
+def publish_step(model, tok, out_dir: Path, row: dict, writer: JsonlWriter, final: bool) -> None:
+    """A finished step, in the order resume_point relies on: its drafter as step_<k>/ (and as final/
+    when it kept the retention), then the checkpoint to resume from, last.partial, written whole and
+    marked with the step, then the step's row, then last.partial promoted to last/. The row comes
+    after the complete checkpoint and before the promotion, so a kill anywhere leaves a folder that
+    resumes: a complete last.partial with its row is promoted, one without it is redone."""
+    step = row["step"]
+    publish_drafter(model, tok, out_dir, f"step_{step}", step)
+    if final:
+        publish_drafter(model, tok, out_dir, "final", step)
+    partial = out_dir / "last.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    save_drafter(model, tok, partial)
+    mark_complete(partial, step)
+    writer.write([row])
+    promote(out_dir)
+
+
+def fp32_drafter(cfg: PruneConfig, device: str, folder: Path | None = None):
+    """(model, tokenizer) of a drafter in fp32 on `device`: the one saved in `folder` (the checkpoint a
+    resumed run continues from), else the one pruning starts from, drafter.checkpoint or what
+    drafter.init builds (deterministic, so distillation's teacher built again is the same drafter)."""
+    folder = folder or cfg.drafter.checkpoint
+    if folder:
+        return load_drafter(folder, device=device, dtype="float32",
+                            attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+    return build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device, dtype="float32")
+
+
 def final_step(history: list[dict], min_retention: float) -> int:
     """The step final/ holds: the last one that kept the retention (step 0 keeps it by definition)."""
     return next(r["step"] for r in reversed(history) if r["retention"] >= min_retention or r["step"] == 0)
@@ -315,16 +344,9 @@ def _prune(cfg: PruneConfig) -> Path:
     if history:
         with acc.main_process_first():  # the main process repairs the folder; the others then find it whole
             history, last = resume_point(out_dir, history)
+    model, tok = fp32_drafter(cfg, device, last)
     if last is not None:
-        model, tok = load_drafter(last, device=device, dtype="float32",
-                                  attn_implementation=drafter_attention(cfg.drafter, cfg.target))
         log.info("resuming after step %d", history[-1]["step"])
-    elif cfg.drafter.checkpoint:
-        model, tok = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32",
-                                  attn_implementation=drafter_attention(cfg.drafter, cfg.target))
-    else:
-        model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
-                                   dtype="float32")
     model.eval()
     layers = history[0]["layers"] if history else len(decoder_layers(model))  # the starting drafter's count
     if pc.num_layers >= layers:  # it used to save a final/ with no layer left and report success
@@ -352,13 +374,7 @@ def _prune(cfg: PruneConfig) -> Path:
     step = history[-1]["step"]
     teacher = None
     if pc.recovery_loss == "distill" and pc.recovery_steps:  # the unpruned drafter's block laws, as it decodes
-        if cfg.drafter.checkpoint:
-            teacher = load_drafter(cfg.drafter.checkpoint, device=device, dtype="float32",
-                                   attn_implementation=drafter_attention(cfg.drafter, cfg.target))[0]
-        else:  # built from drafter.init, which is deterministic
-            teacher = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device,
-                                    dtype="float32")[0]
-        teacher = as_deployed(teacher).eval()
+        teacher = as_deployed(fp32_drafter(cfg, device)[0]).eval()
     while layers - history[-1]["layers"] < pc.num_layers and history[-1]["retention"] >= pc.min_retention:
         step += 1
         start = time.perf_counter()
@@ -377,14 +393,7 @@ def _prune(cfg: PruneConfig) -> Path:
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc), "choose_s": round(scored_s, 1), "step_s": round(time.perf_counter() - start, 1)}
         if main:
-            publish_drafter(model, tok, out_dir, f"step_{step}", step)
-            if row["retention"] >= pc.min_retention:
-                publish_drafter(model, tok, out_dir, "final", step)
-            shutil.rmtree(out_dir / "last.partial", ignore_errors=True)
-            save_drafter(model, tok, out_dir / "last.partial")
-            mark_complete(out_dir / "last.partial", step)
-            writer.write([row])  # after the complete checkpoint, before promoting it (see resume_point)
-            promote(out_dir)
+            publish_step(model, tok, out_dir, row, writer, final=row["retention"] >= pc.min_retention)
             held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
             print(f"[d3d.prune] step {step}: removed layer(s) {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
                   f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)

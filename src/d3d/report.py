@@ -5,6 +5,7 @@ summary can always be checked against, or rebuilt from, the raw data:
 
     python -m d3d.report outputs/eval/runs/<run>/<time>            # re-summarise + redraw plots
     python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1
+    python -m d3d.report results [--check]    # docs/results.md's and the README's figures from their records (d3d.figures)
 
 Definitions (docs/design.md, Evaluation): TPOT = decode seconds / new tokens (prefill timed apart);
 speedup = TPOT(ar) / TPOT(method) on the same items; speedup_with_prefill does the same with
@@ -80,7 +81,7 @@ def method_stats(rs: list[dict]) -> dict:
         "cut_graded": sum(1 for r, c in zip(rs, correct) if c is not None and _finish(r) == "length"),
         "task_equal_to_ar": _mean_or_none([None if r.get("task_equal_to_ar") is None else float(r["task_equal_to_ar"])
                                            for r in rs]),
-        # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; DESIGN §10); AR
+        # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; docs/design.md#losslessness); AR
         # divergences by class (d3d.decoding.divergence)
         "equal_to_sync": _mean_or_none([None if r.get("equal_to_sync") is None else float(r["equal_to_sync"]) for r in rs]),
         "sync_compared": " / ".join(sorted({r["sync_compared"] for r in rs if r.get("sync_compared")})) or None,
@@ -184,7 +185,7 @@ def summary_markdown(summary: dict) -> str:
                      + f"| {m['tau_token_weighted']:.2f} | | | | | | |")
     notes = [f"{bench}/{method}: equal to sync ({m.get('sync_compared') or 'tokens and tau'}) on "
              f"{m['equal_to_sync']:.2f} of rows" + ("" if m.get("sync_compared") != "tokens" else
-                                                   "; τ is not compared in bf16 (DESIGN §10)")
+                                                   "; τ is not compared in bf16 (docs/design.md#losslessness)")
              for bench, per in summary["benchmarks"].items() for method, m in per.items()
              if m.get("equal_to_sync") is not None]
     notes += [f"{bench}/{method}: differs from AR in {sum(m['divergences'].values())} rows "
@@ -197,6 +198,7 @@ def summary_markdown(summary: dict) -> str:
     notes += [source["fallback"] for source in summary.get("benchmark_sources", {}).values() if source.get("fallback")]
     notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
               if choice.get("why")]  # older run.json files hold the choice without a reason
+    notes += summary.get("run_notes", [])  # d3d.eval's stated choices (run.json `notes`: a block, a given budget)
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     if summary.get("load"):
@@ -340,6 +342,9 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
         summary["auto_budget"] = auto_budget_info(folder)
     if benchmark_sources(folder):
         summary["benchmark_sources"] = benchmark_sources(folder)
+    run = folder / "run.json"
+    if run.is_file() and json.loads(run.read_text()).get("notes"):
+        summary["run_notes"] = json.loads(run.read_text())["notes"]
     summary.update(extra or {})
     summary["plots"] = [str(p.name) for p in plot_summary(summary, folder, summary["methods"])]
     write_json(folder / "summary.json", summary)
@@ -368,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folders", nargs="+", help="result folder(s); start with the word 'compare' to compare")
     parser.add_argument("--labels", nargs="*", help="column labels for compare (default: folder names)")
     parser.add_argument("--out", help="compare: also write the table to this file")
+    parser.add_argument("--check", action="store_true", help="results: compare the pages with their render, write nothing")
     args = parser.parse_args(argv)
     try:
         _main(parser, args)
@@ -378,6 +384,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.folders == ["results"]:  # the pages' figures from docs/results/index.yaml's records
+        from d3d.figures import render
+
+        differ = render(check=args.check)
+        print("\n".join(f"{'differs from its render' if args.check else 'rendered'}: {p}" for p in differ)
+              or "every page equals its render")
+        if args.check and differ:
+            sys.exit(1)
+        return
     if args.folders[0] == "compare":
         folders = [Path(f) for f in args.folders[1:]]
         if len(folders) < 2:

@@ -10,23 +10,32 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import fields, is_dataclass, replace
-from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from d3d.config import ConfigError, config_dir
+from d3d.config import ConfigError, config_dir, literal
 from d3d.specs import (
-    BenchmarkSpec, DrafterSpec, EvalConfig, EvalSettings, ExportConfig, GenerateConfig, ModelSpec, PruneConfig,
-    StepSettings, TargetSpec, TrainConfig, TrainSettings,
+    BenchmarkSpec, EvalConfig, EvalSettings, ExportConfig, GenerateConfig, PruneConfig, StepSettings, TrainConfig,
+    TrainSettings,
 )
 
 if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the models
     from d3d.decoding import DecodeConfig
 
 T = TypeVar("T")
+
+
+def __getattr__(name: str):
+    """The memory and context check lives beside the bound it computes (d3d.decoding.cost); its two
+    entry points stay importable from here, loaded on first use (d3d.decoding loads torch)."""
+    if name in ("check_decode_cost", "placement"):
+        from d3d.decoding import cost
+
+        return getattr(cost, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # d3d.train's own train.* keys. An experiment overlays every job alike, so the ones it sets (max_steps,
 # eval_every, ...) land in prune's `train` section too: they are d3d.train's, and prune skips them by
@@ -48,7 +57,7 @@ def bind(schema: type[T], node: Any, where: str) -> T:
     try:
         if OmegaConf.is_config(node):  # interpolations reach outside the section: resolve them first
             node = OmegaConf.to_container(node, resolve=True)
-        typed = OmegaConf.merge(OmegaConf.structured(schema), node)
+        typed = OmegaConf.merge(OmegaConf.structured(schema), literal(node))  # resolved text stays text
         obj = OmegaConf.to_object(typed)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or ""
@@ -170,6 +179,7 @@ def bind_decode(node: Any, where: str) -> DecodeConfig:
     try:
         cfg = bind(DecodeConfig, plain, where)
         checked(cfg, where)  # what depends on the method, by its row's parts
+        _refuse_half_a_budget(cfg, where)
         return cfg
     except ConfigError as err:  # DecodeConfig's own checks say `decode.<key>`: name the section it came from
         text = str(err)
@@ -178,120 +188,18 @@ def bind_decode(node: Any, where: str) -> DecodeConfig:
         raise ConfigError(text.replace("decode.", f"{where}.")) from None
 
 
-def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, drafter: DrafterSpec | None,
-                      cache_dir: str | Path, batch: int = 1) -> None:
-    """Every method's widest pass against the device's memory, and decode.F against the vocabulary,
-    from the models' config.json only (d3d.decoding.cost): a pass that cannot fit is refused in one
-    line before any weight loads. The one check of eval, the pipeline's up-front check and the bench
-    scripts. `methods` maps the name each was bound under to its config; `batch` = the most requests
-    decoded together (eval.concurrency)."""
-    from d3d.decoding.cost import check_fits
+def _refuse_half_a_budget(cfg: DecodeConfig, where: str) -> None:
+    """A tray budget is given whole or left to the measured choice whole (null): C=4 with F=null
+    would have the chooser overwrite the C the user gave."""
     from d3d.decoding.methods import method_row
-    from d3d.models.target import resolve_model_path, torch_dtype
 
-    target_path = resolve_model_path(target, cache_dir)
-    where = placement(target, drafter, _shape(target_path, 1, None).layers)  # devices named but absent: refused here
-    device = next(iter(where.target))
-    width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
-    shapes = {"target": _shape(target_path, width, target.attn_implementation)}
-    if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
-        shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
-        _check_logits_width(drafter, target, shapes["target"].vocab)
-    for name, dc in methods.items():
-        check_fits(dc, method_row(dc.method), name, shapes, batch, 0, device, placement=where)
-    # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
-    # request of that method would be skipped after the models loaded
-    context = _context(target_path)
-    block, name, dc = max(((method_row(dc.method).block_size(dc), name, dc) for name, dc in methods.items()),
-                          default=(0, None, None))
-    if context and dc is not None and 1 + dc.max_new_tokens + block > context:
-        raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
-                          f"(method {name}) that passes the target's context of {context} tokens, so every request "
-                          f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
-
-
-def placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
-    """Where d3d.eval will put the models (d3d.decoding.cost.Placement): the target on target.device,
-    or over target.device_map's devices (`auto`: its layers evenly over the visible GPUs, as
-    accelerate's balanced placement; a map: each device's share of the `layers` decoder layers, by
-    the longest module name that holds `model.layers.<i>`), the drafter on drafter.device (`same`:
-    the target's first device), each device with the memory it has."""
-    from d3d.decoding.cost import Placement, memory_bytes
-    from d3d.models.target import check_device, map_devices, pick_device
-
-    m = target.device_map
-    if m is None:
-        shares = {str(pick_device(target.device)): 1.0}
-    else:
-        devices = [str(check_device(str(d), "target.device_map")) for d in map_devices(m)]
-        if m == "auto":
-            shares = {d: 1 / len(devices) for d in devices}
-        else:
-            named = {k: str(map_devices({k: v})[0]) for k, v in m.items()}
-            owner = []
-            for i in range(layers):
-                layer = f"model.layers.{i}"
-                keys = [k for k in named if k in ("", layer) or layer.startswith(k + ".")]
-                owner.append(named[max(keys, key=len)] if keys else devices[-1])
-            shares = {d: owner.count(d) / layers for d in devices if owner.count(d)}
-    first = next(iter(shares))
-    at = first if drafter is None or drafter.device == "same" else str(check_device(drafter.device, "drafter.device"))
-    return Placement(shares, at, {d: memory_bytes(d) for d in [*shares, at]})
-
-
-def _check_logits_width(drafter: DrafterSpec, target: ModelSpec, vocab: int) -> None:
-    """A drafter checkpoint built for another vocabulary, said from the two config.json files before
-    any weight loads (d3d.models.drafter.check_fits_target says it again, with the tokenizers, after)."""
-    import json
-
-    from d3d.config import resolve_path
-
-    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
-    try:
-        built_for = json.loads((folder / "config.json").read_text(encoding="utf-8"))["d3d"]["vocab_size"]
-    except (TypeError, OSError, ValueError, KeyError):
-        return  # no checkpoint, or not a drafter's config: said where it loads (check_is_drafter)
-    if built_for != vocab:
-        raise ConfigError(f"drafter.checkpoint={drafter.checkpoint}: the drafter was built for a target with {built_for} "
-                          f"logits; target {target.name} has {vocab}. Fix: use a drafter built (d3d.train) for this "
-                          f"target, or one with the same vocabulary and head.")
-
-
-def _context(path: str) -> int | None:
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-
-
-def _shape(path: str, width: int, attn: str | None):
-    from transformers import AutoConfig
-
-    from d3d.decoding.cost import ModelShape
-
-    return ModelShape.of_config(AutoConfig.from_pretrained(path), width, attn)
-
-
-def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, target_shape, cache_dir, width: int):
-    """The drafter's shape: its checkpoint's config.json, or (a drafter still to be trained, as in the
-    pipeline's up-front check) what its init builds: the target's, a subset of its layers, or the
-    pretrained model's."""
-    from d3d.models.drafter import check_is_drafter, drafter_attention
-    from d3d.models.target import resolve_model_path
-
-    from d3d.config import resolve_path
-
-    attn = drafter_attention(drafter, target)
-    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
-    if folder is not None and (folder / "config.json").is_file():
-        # a folder from another project (a plain model) was sized as a drafter and refused for the
-        # memory its shape would take ("lower decode.block_size"): what it is comes first
-        check_is_drafter(folder)
-        return _shape(str(folder), width, attn)
-    if drafter.init == "pretrained" and drafter.model is not None:
-        return _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
-    if drafter.init == "target_layers" and drafter.layers:
-        return target_shape.with_layers(len(drafter.layers))
-    return target_shape
+    row = method_row(cfg.method)
+    knobs = tuple(row.drafts.tray_grid[0]) if row.trays else ()
+    unset = [k for k in knobs if getattr(cfg, k) is None]
+    if unset and len(unset) < len(knobs):
+        given = " ".join(f"{where}.{k}={getattr(cfg, k)}" for k in knobs if k not in unset)
+        raise ConfigError(f"{where}.{unset[0]}=null (auto) beside {given}: a tray budget is given whole or chosen whole. "
+                          f"Fix: set {' and '.join(f'{where}.{k}' for k in knobs)} to numbers, or all to null (auto).")
 
 
 # ---------------------------------------------------------------------------- eval's methods
@@ -312,7 +220,9 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     in sync and async alike.
     `eval.async_budgets: [4x1, 8x2, 16]` turns each method with trays into one method per entry that
     sets its Drafts' tray knobs (C x F: the chain's, 4x1 and 8x2; tree_trays: the tree's, 16), and
-    `auto` into one whose budget is chosen on this device."""
+    `auto` into one whose budget is chosen on this device. A method whose decode file leaves its
+    budget null (the shipped async files) is chosen on this device too (its knobs stay None until
+    d3d.eval.resolve_auto_budget)."""
     from d3d.decoding.methods import method_row  # torch: imported where used (see DecodeConfig above)
     from d3d.report import BASELINE
 
@@ -339,8 +249,8 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         budgets = [e for e in entries if e == AUTO or len(e) == len(knobs)]
         if budgets:
             for values in budgets:
-                if values == AUTO:
-                    out[f"{name}_{AUTO}"] = dc
+                if values == AUTO:  # its knobs left to the measured choice, as a decode file's nulls are
+                    out[f"{name}_{AUTO}"] = replace(dc, **{k: None for k in knobs})
                     continue
                 setting = dict(zip(knobs, values))  # e.g. async_c4_f1, async_tree_tree_trays16
                 out[f"{name}_" + "_".join(f"{k.lower()}{v}" for k, v in setting.items())] = replace(dc, **setting)

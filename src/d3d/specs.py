@@ -122,9 +122,15 @@ class DrafterSpec:
     seed: int  # init=random: the weights' seed
     device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
     block_attention: str  # BLOCK_ATTENTION: saved with the drafter; a checkpoint trained otherwise is refused
+    # the LM head over the N most frequent response tokens (docs/design.md, Draft vocabulary); None = full head
+    draft_vocab: Optional[int]
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
+        n = self.draft_vocab
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigError(f"drafter.draft_vocab={n!r}: a number of tokens (an integer >= 1; 32000 for a Qwen "
+                              f"drafter), or null for the full LM head. Fix: set drafter.draft_vocab=32000 or null.")
         seeds("drafter", self, "seed")
         if self.block_attention not in BLOCK_ATTENTION:
             raise ConfigError(f"drafter.block_attention={self.block_attention}: not a block rule. Fix: set "

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.examples import StepBatches, StepLoader
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import build_drafter, save_drafter
+from d3d.models.drafter import build_drafter, check_draft_vocab_spec, coverage, save_drafter
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
@@ -62,6 +62,24 @@ def evaluate(accelerator, step_module, val: list, settings: DrafterSettings) -> 
     step_module.train()
     return {"val_tau": tokens / max(rounds, 1), "val_slot_accuracy": [round(h / max(anchors, 1), 4) for h in hits],
             "val_tau_histogram": [int(n) for n in histogram]}
+
+
+def responses(examples):
+    """The response tokens of each example (what a draft vocabulary is chosen from and covers)."""
+    return (ex.ids[ex.prompt_len :] for ex in examples)
+
+
+def draft_vocab_record(drafter, train_set, val) -> dict | None:
+    """A draft vocabulary's size and the share of response tokens it covers, on the training split it was
+    chosen from and on the held-out one (logged, and kept in summary.json); None for a full head."""
+    d2t = getattr(drafter.get_output_embeddings(), "d2t", None)
+    if d2t is None:
+        return None
+    record = {"size": len(d2t), "coverage_train": round(coverage(responses(train_set), d2t), 5),
+              "coverage_val": round(coverage(responses(val), d2t), 5)}
+    log.info("draft vocabulary of %d tokens: covers %.2f%% of the training responses' tokens, %.2f%% of the "
+             "held-out ones'", record["size"], 100 * record["coverage_train"], 100 * record["coverage_val"])
+    return record
 
 
 def check_same_run(resume_dir: Path, state: dict, key: dict) -> None:
@@ -115,6 +133,7 @@ class TrainRecipe:
             self.state = json.loads((resume_dir / "trainer_state.json").read_text())
             check_same_run(resume_dir, self.state, self.key)
 
+        check_draft_vocab_spec(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), responses=True)
         with accelerator.main_process_first():  # one process builds the Arrow cache; the others map it
             examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
         self.key = train_resume_key(cfg, examples.fingerprint())
@@ -123,8 +142,9 @@ class TrainRecipe:
         self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),
-                                                device="cpu", dtype="float32")
+                                                device="cpu", dtype="float32", responses=responses(self.train_set))
         self.settings = settings = DrafterSettings.of(drafter)
+        self.draft_vocab = draft_vocab_record(drafter, self.train_set, self.val)
         if tc.freeze_embeddings:
             freeze_embeddings_except_mask(drafter, settings.mask_token_id)
         if tc.trainable_from_layer:
@@ -238,6 +258,7 @@ class TrainRecipe:
                 "val_tau_first": evals[0]["val_tau"] if evals else None,
                 "val_tau_last": evals[-1]["val_tau"] if evals else None,
                 "train_examples": len(self.train_set), "val_examples": len(val), "drafter": str(final),
+                "draft_vocab": self.draft_vocab,
                 "run": run_info(accelerator.device), "config": to_plain(self.raw),
             })
             print(f"[d3d.train] {out_dir}: {step} steps; held-out τ "

@@ -480,9 +480,12 @@ class DistillStep(D3DTrainingStep):
         th = t_hidden.reshape(-1, t_hidden.shape[-1])[rows]
         w = batch.dn_weights.to(hidden.device)
         kl = hidden.new_zeros((), dtype=torch.float32)
+        # a draft vocabulary: the student's law over its N tokens against the teacher's restricted to them
+        d2t = getattr(self.drafter.get_output_embeddings(), "d2t", None)
         for c in range(0, len(rows), self.loss_chunk_rows):
-            student = logits_at(self.drafter, h[c : c + self.loss_chunk_rows], self.vocab_size).float()
+            student = logits_at(self.drafter, h[c : c + self.loss_chunk_rows], self.vocab_size, draft_ids=True).float()
             target = logits_at(teacher, th[c : c + self.loss_chunk_rows], self.vocab_size).float()
+            target = target if d2t is None else target[..., d2t]
             per_row = torch.nn.functional.kl_div(student.log_softmax(-1), target.log_softmax(-1), log_target=True,
                                                  reduction="none").sum(-1)
             kl = kl + (per_row * w[c : c + self.loss_chunk_rows]).sum()

@@ -641,7 +641,7 @@ def test_a_tree_sampled_at_top_k_1_is_the_greedy_output(models, method):
 def test_the_python_api_refuses_a_pass_the_device_cannot_hold(models):
     """The memory bound was the CLI's only (d3d.settings.check_decode_cost): SpecGenerator built the
     131072-token tray pass of `block_size=256 C=256` (a 17 GB mask at toy size) and trees beyond
-    the block's distinct nodes; scripts/tree_vs_chain.py and any caller reach it. Now the engine
+    the block's distinct nodes; d3d.bench and any caller reach it. Now the engine
     applies the same bound at construction (batch 1) and per call (the call's batch)."""
     from d3d.config import ConfigError
 

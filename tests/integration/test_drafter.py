@@ -143,7 +143,7 @@ def test_tokenizer_mismatch_is_refused(tmp_path):
 
 
 def test_a_drafter_checkpoint_is_checked_against_the_target_it_meets(tmp_path):
-    """Contract 7 at load time (d3d.eval, bench_decode): another vocabulary or logits width is
+    """Contract 7 at load time (d3d.eval, d3d.bench): another vocabulary or logits width is
     refused before any decoding; another target of the same vocabulary is only a warning."""
     from accelerate import PartialState
 

@@ -500,6 +500,38 @@ def test_auto_budget_is_chosen_on_this_device_and_kept_on_resume(tmp_path, monke
     assert again["auto_budget"]["async_auto"] == choice and again["methods"]["async_auto"] == run["methods"]["async_auto"]
 
 
+def test_async_measures_its_budget_unless_given_and_each_row_says_which(tmp_path, monkeypatch):
+    """With nothing said, async's tray budget is measured here (the decode file's null knobs) and
+    its rows say so; a given budget and a block other than the drafter's trained one are stated
+    choices, in the rows, run.json's notes and summary.md."""
+    import d3d.decoding.budget as budget
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the choice's plumbing, not its timings (test_auto_budget_is_chosen_on_this_device_and_kept_on_resume
+    # times them): equal pass costs, so the serial CPU projection finds no budget beating sync
+    monkeypatch.setattr(budget, "pass_costs", lambda target, drafter, prefix, drafts, grid, repeats=5: {
+        "step_ms": 1.0, "verify_ms": 1.0, "draft_ms": 1.0, "packed_ms": {budget.label(s): 1.0 for s in grid}})
+    # SMOKE gives a budget and a block: here the shipped defaults are left alone
+    out = run_eval(compose("eval", ["+experiment=smoke", "eval.n=1", "eval.max_new_tokens=12", "eval.auto_budget_prompts=1",
+                                    f"eval.out_dir={tmp_path}/auto"], tmp_path))
+    run = json.loads((out / "run.json").read_text())
+    assert set(run["auto_budget"]) == {"async"} and run["methods"]["async"]["budget_by"] == "auto"
+    rows = [r for r in read_jsonl(out / "rows.jsonl") if r["method"] == "async"]
+    assert rows and all(r["budget"] == {"by": "auto", "setting": "none", "tokens": 0} for r in rows)
+    assert run["methods"]["async"]["method"] == "sync"  # no trays: it ran as its reference, and says why
+    assert "tray budget `auto` of async: no trays" in (out / "summary.md").read_text()
+    assert not any("budget" in r for r in read_jsonl(out / "rows.jsonl") if r["method"] in ("ar", "sync"))
+    assert run["notes"] == []  # the drafter's own block, a measured budget: nothing to state
+    given = evaluate(tmp_path / "given", "eval.n=1", "decode.C=2", "decode.F=1", "decode.block_size=4")
+    run = json.loads((given / "run.json").read_text())
+    assert "auto_budget" not in run and run["methods"]["async"]["budget_by"] == "given"
+    rows = [r for r in read_jsonl(given / "rows.jsonl") if r["method"] == "async"]
+    assert rows and all(r["budget"] == {"by": "given", "setting": "2x1", "tokens": 4 * (1 * 1 + 2)} for r in rows)
+    summary = (given / "summary.md").read_text()
+    assert "async: tray budget given (2x1, 12 tokens a packed pass)" in summary
+    assert "sync, async: blocks of 4, a stated choice (decode.block_size=4); the drafter was trained with 16" in summary
+
+
 def test_an_over_long_prompt_is_skipped_with_its_reason_not_the_run(tmp_path, monkeypatch):
     """One prompt past the context used to abort the whole eval, on every rerun. Now it is listed
     in skipped.jsonl with the reason, and the other items are decoded and summarised."""

@@ -181,7 +181,7 @@ def race(device: str, new_tokens: int) -> list[dict]:
     the same ops on the same shapes in the same order, so the only thing that can differ is the
     scheduling: a hand-off that does not wait shows up here. (Not async against sync: their drafter
     passes lay the same keys out differently, which moves bf16 SDPA by an ulp and flips near-tie
-    drafts; DESIGN §10, tests/unit/test_sdpa_gaps.py.)"""
+    drafts; docs/design.md#losslessness, tests/unit/test_sdpa_gaps.py.)"""
     target, drafter = tiny_pair(device, torch.bfloat16, block_size=6)
     overlapped = "stream" if device.startswith("cuda") else "thread"
     runs = []
@@ -295,7 +295,7 @@ def test_race_host_syncs_per_round(method, record_property):
     assert res["rounds"] > 1 and res["per_round"] >= 1, res
 
 
-# ---- async against sync: what survives each dtype (DESIGN §10) ----
+# ---- async against sync: what survives each dtype (docs/design.md#losslessness) ----
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("device", AND_CPU)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 import d3d.pipeline as pipeline
-from d3d.utils import hardware
 
 
 @pytest.mark.parametrize("native, experiment, stages", [
@@ -13,7 +12,7 @@ from d3d.utils import hardware
     (False, "pipeline_cpu", ["generate", "train", "prune", "eval"]),
 ])
 def test_demo_picks_the_overlay_this_cpu_suits_and_records_why(monkeypatch, native, experiment, stages):
-    monkeypatch.setattr(hardware, "cpu_prefers_bf16", lambda: native)
+    monkeypatch.setenv("D3D_CPU_BF16", "1" if native else "0")  # the choice is made in a process of its own
     seen = {}
     monkeypatch.setattr(pipeline, "run_pipeline", lambda overrides, stages, demo=None: seen.update(
         overrides=overrides, stages=stages, demo=demo))

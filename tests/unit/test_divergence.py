@@ -24,7 +24,7 @@ def test_tolerance_scales_with_the_dtype_and_the_logit():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equal_to_sync_compares_tau_in_fp32_only(dtype):
     """An async row with sync's tokens but another τ (a near-tie draft flipped by bf16 SDPA's key
-    layout, DESIGN §10) is equal to sync in bf16, where τ is not compared, and not in fp32; the
+    layout, docs/design.md#losslessness) is equal to sync in bf16, where τ is not compared, and not in fp32; the
     summary says what was compared."""
     from types import SimpleNamespace
 

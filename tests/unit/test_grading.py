@@ -284,6 +284,42 @@ def test_the_process_tree_holds_no_more_memory_than_its_budget(who):
     assert ok, why
 
 
+HELD_OUTSIDE = """import ctypes, os
+def held_outside(mb=8, times=30):
+    total = 0
+    for _ in range(times):  # memfd files: written, never mapped, so no address-space limit counts them
+        try:
+            fd = os.memfd_create("x")
+            for _ in range(mb):
+                os.write(fd, b"\\1" * (1 << 20))
+            total += mb
+        except OSError:
+            break
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    for _ in range(times):  # System V segments: filled while attached, kept after detaching
+        segment = libc.shmget(0, mb << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+        if segment < 0:
+            break
+        address = libc.shmat(segment, None, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            break
+        ctypes.memset(address, 1, mb << 20)
+        libc.shmdt(ctypes.c_void_p(address))
+        total += mb
+    return total
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_no_memory_is_held_outside_the_address_space_budget(who):
+    """memfd files and System V shared memory hold pages no address-space limit counts: 2.4 GB in
+    8 s against a 2 GB tree (probed; 256 descriptors of 16 MB per process were in reach). They are
+    refused (EPERM) by the sandbox's seccomp filter."""
+    ok, why = graded(HELD_OUTSIDE, "assert held_outside() == 0, held_outside()\n", who, Limits(memory_mb=256))
+    assert ok, why
+
+
 @pytest.mark.parametrize("who", WHO)
 def test_the_scratch_disk_is_one_budget(who):
     """Six files wrote 90 MB against a 16 MB per-file cap: no cap held their sum."""
@@ -433,3 +469,28 @@ def test_where_bwrap_is_missing_grading_refuses_in_one_line_unless_told_unsafe(m
         monkeypatch.undo()
         grading.isolation.cache_clear()
     assert isolation("bwrap")["sandbox"] == "bwrap" and grading.isolation_warning(isolation("bwrap")) is None
+
+
+def test_where_libseccomp_is_missing_grading_refuses_in_one_line(monkeypatch):
+    """The sandbox's system-call filter comes from libseccomp: without it bwrap would run with the
+    memory loopholes open, so grading refuses, naming the package, as it does without bwrap."""
+    import ctypes.util
+
+    from d3d.config import ConfigError
+    import d3d.grading as grading
+
+    real = ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None if name == "seccomp" else real(name))
+    grading._seccomp_filter.cache_clear()
+    grading.isolation.cache_clear()
+    try:
+        for refuse in (lambda: grading.isolation("bwrap"), lambda: run_tests("x = 1\n", "", 10)):
+            with pytest.raises(ConfigError, match=r"eval.sandbox=bwrap: .*libseccomp not found.*Fix: install libseccomp "
+                                                  r".*eval.sandbox=unsafe_subprocess") as err:
+                refuse()
+            assert "\n" not in str(err.value)
+    finally:
+        monkeypatch.undo()
+        grading._seccomp_filter.cache_clear()
+        grading.isolation.cache_clear()
+    assert isolation("bwrap")["seccomp_denies"] == list(grading.UNCOUNTED_MEMORY_SYSCALLS)

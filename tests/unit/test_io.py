@@ -269,6 +269,19 @@ def test_every_job_refuses_an_output_path_that_is_a_file_in_one_line(tmp_path, j
             run(compose(job, ["+experiment=smoke", f"{key}={out}"], tmp_path))
 
 
+@pytest.mark.parametrize("job, key", [("eval", "eval.out_dir"), ("train", "train.out_dir")])
+def test_an_output_path_through_a_symlink_loop_is_one_line(tmp_path, job, key):
+    """It was an OSError traceback (ELOOP) from Path.resolve, before the job named the key."""
+    import importlib
+
+    run = getattr(importlib.import_module(f"d3d.{job}"), f"run_{job}")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    out = tmp_path / "a" / "run"
+    with pytest.raises(ConfigError, match=rf"^{key}={out} cannot be written \(Too many levels of symbolic links"):
+        run(compose(job, ["+experiment=smoke", f"{key}={out}"], tmp_path))
+
+
 READ_ONLY = ("import sys\nsys.path.insert(0, {src!r})\nfrom d3d.errors import ConfigError\n"
              "from d3d.utils.io import job_folder\n"
              "for out in ({folder!r}, {folder!r} + '/new'):\n"

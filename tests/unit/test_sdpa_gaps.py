@@ -1,4 +1,4 @@
-"""Why async τ is not compared with sync τ in bf16 (DESIGN §10, docs/design.md Losslessness).
+"""Why async τ is not compared with sync τ in bf16 (docs/design.md#losslessness).
 
 The sync drafter pass sees its keys as `[uncommitted | block]`, the async one as `[glue | trays]`
 with masked keys between the visible ones. Same visible keys, other layout: SDPA's output then
@@ -52,7 +52,7 @@ def test_masked_keys_between_visible_ones_move_bf16_sdpa_by_about_an_ulp():
     # layout moves the output; on an AVX2-only CPU (AMD EPYC, 2026-12-02, torch 2.13) bf16 SDPA
     # computes through fp32 and no seed moved it: there the bound above is the whole claim.
     if cpu_info()["native_bf16"]:
-        assert moved > 0, "no seed moved bf16 SDPA: the layout no longer matters on this torch (revisit DESIGN §10)"
+        assert moved > 0, "no seed moved bf16 SDPA: the layout no longer matters on this torch (revisit docs/design.md#facts-about-the-stack)"
 
 
 def test_one_layout_twice_is_bit_equal_in_bf16():

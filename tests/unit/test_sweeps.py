@@ -3,6 +3,8 @@ end is in tests/integration/test_sweeps.py."""
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_swept_keys_win_over_trailing_overrides(sweep, capsys):
     """Trailing overrides change a sweep's defaults (eval.n) but not what it varies: an override of
@@ -116,3 +118,74 @@ def test_results_go_under_outputs_and_into_docs_only_when_published(sweep, tmp_p
     sweep.main([*args, "--publish"])
     published = tmp_path / "docs" / "results" / "async_vs_sync.md"
     assert published.read_text() == (run / "async_vs_sync.md").read_text() and published.read_text().count("\n") == 4
+
+
+def job_paths(sweep, command: list[str]) -> dict:
+    """The paths one sweep command's job reads: its config composed from the command's overrides
+    (the output folders and the drafter) and the Hydra folder its override names."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from omegaconf import OmegaConf
+
+    from d3d.config import compose
+
+    job = next(c for c in command if c.startswith("d3d.")).split(".", 1)[1]
+    overrides = command[command.index(f"d3d.{job}") + 1:]
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra.")])
+    cfg = compose(job, [o for o in overrides if not o.startswith("hydra.")])
+    # Hydra puts the value in its own config (OmegaConf), which reads the escapes of `${`
+    found = {p.key_or_group: OmegaConf.create({"v": p.value()}).v for p in parsed if p.key_or_group.endswith(".dir")}
+    for key in ("drafter.checkpoint", f"{job}.out_dir"):
+        if any(o.startswith(key + "=") for o in overrides):
+            found[key] = OmegaConf.select(cfg, key)
+    return found
+
+
+@pytest.mark.parametrize("claim", ["ar_loss", "budget", "pruning", "recipe"])
+def test_a_root_and_a_drafter_with_any_characters_reach_each_job_as_they_are(sweep, tmp_path, claim):
+    """--root and --drafter paths holding `,` `=` a quote, brackets, spaces, `${` or a non-ASCII letter:
+    they were pasted into the jobs' overrides unquoted, so Hydra read a sweep, a list, a syntax
+    error or an interpolation."""
+    root = tmp_path / "josé's sweeps, run=1 [a] ${x}"
+    drafter = tmp_path / "my drafter, v=2 ${y}" / "final"
+    result = sweep.main([claim, "--dry-run", "--root", str(root), "--drafter", str(drafter), "+experiment=smoke"])
+    paths = [job_paths(sweep, c) for c in result["commands"]]
+    assert all(paths) and all(str(p).startswith((str(root), str(drafter))) for found in paths for p in found.values()), paths
+    if claim != "recipe" and claim != "ar_loss":
+        assert str(drafter) in [found.get("drafter.checkpoint") for found in paths]
+
+
+def test_a_root_that_cannot_be_an_override_is_one_line(sweep, tmp_path, capsys):
+    """A path the override grammar cannot carry (one that ends in a backslash and a line break) is one
+    line naming its key, before any job starts."""
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["budget", "--dry-run", "--drafter", str(tmp_path / "final\\\n")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: drafter.checkpoint=") and "Fix:" in err[0], err
+
+
+def test_a_root_that_is_a_file_is_one_line_before_any_arm(sweep, tmp_path, capsys, monkeypatch):
+    """--root at a file: each arm's Hydra failed making its folder, then the sweep's own traceback."""
+    monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: pytest.fail("an arm ran"))
+    (tmp_path / "root").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["ar_loss", "--root", str(tmp_path / "root"), "+experiment=smoke"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith(f"error: --root={tmp_path / 'root'}: ") and "Fix:" in err[0], err
+
+
+def test_a_failed_arm_is_one_line_after_its_own_message(sweep, tmp_path, capsys, monkeypatch):
+    """An arm that stops (its job said why in one line, exit 2) was followed by the sweep's
+    CalledProcessError traceback; now one line naming the arm, with the arm's exit status."""
+    def job(cmd, check):
+        raise sweep.subprocess.CalledProcessError(2, cmd)
+
+    monkeypatch.setattr(sweep.subprocess, "run", job)
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["ar_loss", "--root", str(tmp_path), "+experiment=smoke"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: the arm `python -m d3d.train") and "exit status 2" in err[0] \
+        and "Fix:" in err[0], err

@@ -1,10 +1,12 @@
-"""Choosing a tray budget from measurements on this device (`eval.async_budgets=[auto]`), for any
-Drafts kind that lists outcomes: the chain's (C, F), the tree's tree_trays (Drafts.tray_grid).
+"""Choosing a tray budget from measurements on this device (d3d.eval does it for every method whose
+budget is not given: the shipped async files' null knobs, or an `eval.async_budgets` entry `auto`),
+for any Drafts kind that lists outcomes: the chain's (C, F), the tree's tree_trays (Drafts.tray_grid).
 
 A packed tray pass of Drafts.budget tokens buys a hit rate h: on a hit the next round skips its
 synchronous draft. Whether that pays depends on the device: on a GPU the packed pass hides behind
-verification while it is small enough; on a CPU it runs serially and costs its full price (DESIGN
-§5: the budget is chosen by projected speedup, never by hit rate). So:
+verification while it is small enough; on a CPU it runs serially and costs its full price. So the
+budget is chosen by projected speedup, never by hit rate (docs/design.md#decoding-decoding, Choosing
+the budget):
 
 1. hit rates, exactly and offline: when the calibration responses are the target's greedy
    outputs, a greedy round accepts exactly the drafts that match the response and then emits the
@@ -115,8 +117,8 @@ def _after_prefix_ms(model, prefix: torch.Tensor, x: torch.Tensor, layout, plain
 
     def one(cache):
         h = hidden_states(model, x, layout, cache=cache, cache_len=n, plain=plain)
-        if logits:  # the decoding loop reads logits at every position of the pass
-            logits_at(model, h)
+        if logits:  # the decoding loop reads logits at every position of the pass (a draft vocabulary's N)
+            logits_at(model, h, draft_ids=True)
 
     return timer(one, prefix.device, repeats, setup=cached_prefix)
 
@@ -135,10 +137,14 @@ def clean_pass_ms(model, prefix: torch.Tensor, width: int, repeats: int = 5, log
 
 
 @torch.inference_mode()
-def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, logits: bool = True, timer=timed):
-    """One drafter pass of `blocks` mask blocks after the prefix: 1 block is a synchronous draft; a
-    tray pass is its budget in whole blocks (a chain's (C-1)*F + 2: the glue counted as a block)."""
-    B, mask_id = int(drafter.config.d3d["block_size"]), int(drafter.config.d3d["mask_token_id"])
+def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, logits: bool = True, timer=timed,
+                  block: int | None = None):
+    """One drafter pass of `blocks` mask blocks of `block` tokens after the prefix: 1 block is a
+    synchronous draft; a tray pass is its budget in whole blocks (a chain's (C-1)*F + 2: the glue
+    counted as a block). `block`: the block the loop drafts (decode.block_size); None = the
+    drafter's trained block."""
+    B = int(block or drafter.config.d3d["block_size"])
+    mask_id = int(drafter.config.d3d["mask_token_id"])
     n, dev = prefix.shape[1], prefix.device
     x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
     layout = block_layout(torch.full((1, blocks), n, device=dev), B)
@@ -147,14 +153,16 @@ def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, 
 
 def pass_costs(target, drafter, prefix: list[int], drafts: Drafts, grid: list[dict], repeats: int = 5) -> dict:
     """Median ms of each pass the loops run, after a cached prefix, on the models' device: the packed
-    pass of each setting as its budget in whole blocks."""
+    pass of each setting as its budget in whole blocks. Every drafter pass is timed at the block the
+    loop will draft (the Drafts' B), the one its budgets are counted in."""
     ids = torch.tensor([prefix], dtype=torch.long, device=next(target.parameters()).device)
     cfg, B = drafts.cfg, drafts.B
     blocks = lambda setting: -(-type(drafts).budget(replace(cfg, **setting)) // B)  # noqa: E731
     return {"step_ms": clean_pass_ms(target, ids, 1, repeats),
             "verify_ms": clean_pass_ms(target, ids, type(drafts).width(cfg), repeats),
-            "draft_ms": block_pass_ms(drafter, ids, 1, repeats),
-            "packed_ms": {label(setting): block_pass_ms(drafter, ids, blocks(setting), repeats) for setting in grid}}
+            "draft_ms": block_pass_ms(drafter, ids, 1, repeats, block=B),
+            "packed_ms": {label(setting): block_pass_ms(drafter, ids, blocks(setting), repeats, block=B)
+                          for setting in grid}}
 
 
 def label(setting: dict) -> str:
@@ -219,17 +227,19 @@ def greedy_pairs(target, tok, prompt_ids: list[list[int]], max_new_tokens: int, 
 
 
 def calibrate(target, drafter, pairs: list[tuple[list[int], int]], drafts: Drafts, overlap: bool,
-              repeats: int = 5, progress: bool = True) -> tuple[BudgetChoice, dict]:
+              repeats: int = 5, progress: bool = True, grid: list[dict] | None = None) -> tuple[BudgetChoice, dict]:
     """Steps 1-3 of the module docstring on calibration pairs for `drafts` (a greedy config of a
-    method with trays) over its tray grid: the choice, and what it rests on (τ, rounds, pass costs).
+    method with trays) over `grid` (default: its Drafts' tray grid; d3d.eval passes the settings
+    whose passes fit the device): the choice, and what it rests on (τ, rounds, pass costs).
     Minutes for a 1.5B target on a CPU (the Qwen pair on a Zen 4 EPYC: 3 to 4), so a bar per response."""
     from tqdm.auto import tqdm
 
     mask_id, vocab = int(drafter.config.d3d["mask_token_id"]), int(drafter.config.d3d["vocab_size"])
-    grid = list(drafts.tray_grid)
+    grid = list(grid or drafts.tray_grid)
     outcomes = [o for ids, n in tqdm(pairs, desc="budget: rounds per response", unit="response", disable=not progress)
                 for o in round_outcomes(drafter, drafts, ids, n, mask_id, vocab)]
     tau = sum(o.accepted + 1 for o in outcomes) / max(len(outcomes), 1)
     costs = pass_costs(target, drafter, pairs[0][0][: max(pairs[0][1], 64)], drafts, grid, repeats)
     return choose(costs, hit_rates(outcomes, drafts, grid), tau, overlap, tuple(grid[0])), \
         {"tau": tau, "rounds": len(outcomes), "costs": costs}
+

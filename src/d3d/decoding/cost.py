@@ -5,8 +5,8 @@ runs q new tokens against kv keys, its cached prefix plus itself. Nothing in Dec
 by what the device holds: `decode.block_size=256 decode.C=256` on the tiny smoke target built a
 17 GB boolean mask, and F above the vocabulary failed in `topk` after the models had loaded. So the
 cost is estimated here from config.json (layers, heads, head size, vocabulary, dtype) and refused
-in one line when it cannot fit (d3d.settings.check_decode_cost calls this for eval, the pipeline's
-up-front check and the bench scripts).
+in one line when it cannot fit (check_decode_cost, below, calls this for eval, the pipeline's up-front
+check and the bench scripts).
 
 Per pass of q tokens over kv keys at batch b, bytes:
 - mask: b·q·kv booleans (models/masks.py builds it whole); SDPA takes it as a float bias of the
@@ -16,17 +16,28 @@ Per pass of q tokens over kv keys at batch b, bytes:
 - KV cache: 2·layers·b·kv_heads·head_dim·kv·dtype;
 - activations of one layer: b·q·(4·hidden + 3·intermediate)·dtype (q, k, v, o and the MLP's gate, up
   and product; layers run one after another);
-- logits: b·q·vocab·(dtype + 4): the LM head's output and the float copy the passes return.
+- logits: b·q·head·(dtype + 4): the LM head's output and the float copy the passes return, `head`
+  the head's rows (a drafter's draft vocabulary, else the vocabulary).
 The estimate leaves out the prompt (a lower bound: kv is q plus the new tokens), so a refusal is a
 pass that cannot fit, not a guess that might.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from transformers import AutoConfig
+
+from d3d.utils.io import resolve_path
+from d3d.decoding.config import DecodeConfig
+from d3d.decoding.methods import method_row
 from d3d.errors import ConfigError
+from d3d.models.drafter import check_is_drafter, drafter_attention
+from d3d.models.target import check_device, map_devices, pick_device, resolve_model_path, torch_dtype
+from d3d.specs import DrafterSpec, ModelSpec, TargetSpec
 
 GIB = 1 << 30
 
@@ -45,17 +56,19 @@ class ModelShape:
     tied: bool
     dtype_bytes: int  # of the dtype the model will be loaded in
     eager: bool  # eager attention materialises the scores (SDPA and flex work in tiles)
+    head: int | None = None  # LM head rows when not one per token (a drafter's draft vocabulary, untied)
 
     @classmethod
     def of_config(cls, config, dtype_bytes: int, attn_implementation: str | None) -> "ModelShape":
         """From a transformers PretrainedConfig (AutoConfig.from_pretrained reads config.json only)."""
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        draft = (getattr(config, "d3d", None) or {}).get("draft_vocab")
         return cls(layers=int(config.num_hidden_layers), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), head_dim=int(head_dim),
                    hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
                    vocab=int(config.vocab_size), tied=bool(getattr(config, "tie_word_embeddings", False)),
-                   dtype_bytes=dtype_bytes, eager=attn_implementation == "eager")
+                   dtype_bytes=dtype_bytes, eager=attn_implementation == "eager", head=draft)
 
     def with_layers(self, layers: int) -> "ModelShape":
         return ModelShape(**{**self.__dict__, "layers": layers})
@@ -64,7 +77,7 @@ class ModelShape:
         """Embeddings (and an untied head), attention projections and the MLP of every layer."""
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        embed = self.hidden * (self.vocab + (0 if self.tied else self.head_rows))
         return (embed + self.layers * (attn + mlp)) * self.dtype_bytes
 
     def pass_bytes(self, batch: int, q: int, kv: int) -> dict[str, int]:
@@ -74,7 +87,11 @@ class ModelShape:
         return {"attention": scores,
                 "kv_cache": 2 * self.layers * batch * self.kv_heads * self.head_dim * kv * d,
                 "activations": batch * q * (4 * self.hidden + 3 * self.intermediate) * d,
-                "logits": batch * q * self.vocab * (d + 4)}
+                "logits": batch * q * self.head_rows * (d + 4)}
+
+    @property
+    def head_rows(self) -> int:
+        return self.head or self.vocab
 
 
 def memory_bytes(device: str) -> int:
@@ -181,9 +198,15 @@ def placement_hint(cfg, method, shapes, batch: int, memory: int) -> str:
 
 def check_loaded(cfg, method, target, drafter, batch: int) -> None:
     """check_fits for models already loaded (SpecGenerator: the Python API and the scripts that build one
-    without d3d.settings.check_decode_cost refuse what the CLI refuses): the same estimate, from the
+    without check_decode_cost refuse what the CLI refuses): the same estimate, from the
     models' configs and their loaded dtype and attention, for a batch of `batch` requests, counted on
-    the devices they are on (the target's share of each by its parameters' bytes)."""
+    the devices they are on (the target's share of each by its parameters' bytes). A budget left
+    to the measured choice (a None tray knob) is refused: d3d.eval chooses it before it builds one."""
+    if method.trays and cfg.auto_budget:
+        knobs = ", ".join(method.drafts.tray_grid[0])
+        raise ConfigError(f"decode.{knobs.split(',')[0]}=None: the tray budget ({knobs}) is left to the measured choice, "
+                          f"which d3d.eval makes once the models load (d3d.decoding.budget). Fix: give {knobs} numbers, "
+                          f"e.g. the choice eval's run.json records (auto_budget).")
     shapes = {}
     for model_name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
@@ -197,3 +220,128 @@ def check_loaded(cfg, method, target, drafter, batch: int) -> None:
     devices = [*shares, drafter_at]
     placement = Placement(shares, drafter_at, {d: memory_bytes(d) for d in devices})
     check_fits(cfg, method, cfg.method, shapes, batch, 0, devices[0], placement=placement)
+
+
+# ---------------------------------------------------------------------------- before any weight loads
+
+
+def candidates(cfg: DecodeConfig) -> list[DecodeConfig]:
+    """The configs a method may run: cfg itself when its budget is given, else one per setting of its
+    Drafts' tray grid (what the measured choice, d3d.decoding.budget, picks from)."""
+    row = method_row(cfg.method)
+    if not (row.trays and cfg.auto_budget):
+        return [cfg]
+    return [replace(cfg, **setting) for setting in row.drafts.tray_grid]
+
+
+def check_decode_cost(methods: dict[str, DecodeConfig], target: TargetSpec, drafter: DrafterSpec | None,
+                      cache_dir: str | Path, batch: int = 1) -> dict[str, list[dict]]:
+    """Every method's widest pass against the device's memory, and decode.F against the vocabulary,
+    from the models' config.json only: a pass that cannot fit is refused in one
+    line before any weight loads. The one check of eval, the pipeline's up-front check and the bench
+    scripts. `methods` maps the name each was bound under to its config; `batch` = the most requests
+    decoded together (eval.concurrency). A method whose budget is left to the measured choice is
+    checked at each setting it may choose: returns {name: the settings that fit}, the grid the choice
+    is made from; none fitting is refused, said for the narrowest."""
+    target_path = resolve_model_path(target, cache_dir)
+    where = placement(target, drafter, _shape(target_path, 1, None).layers)  # devices named but absent: refused here
+    device = next(iter(where.target))
+    width = torch_dtype(target.dtype, device).itemsize  # eval loads the drafter in the target's dtype too
+    shapes = {"target": _shape(target_path, width, target.attn_implementation)}
+    if drafter is not None and any(method_row(dc.method).needs_drafter for dc in methods.values()):
+        shapes["drafter"] = _drafter_shape(drafter, target, target_path, shapes["target"], cache_dir, width)
+        _check_logits_width(drafter, target, shapes["target"].vocab)
+    fitting = {}
+    for name, dc in methods.items():
+        row = method_row(dc.method)
+        if len(options := candidates(dc)) == 1:
+            check_fits(dc, row, name, shapes, batch, 0, device, placement=where)
+            continue
+        fitting[name], refusals = [], []
+        for option in options:
+            try:
+                check_fits(option, row, name, shapes, batch, 0, device, placement=where)
+                fitting[name].append({k: getattr(option, k) for k in row.drafts.tray_grid[0]})
+            except ConfigError as err:
+                refusals.append((row.budget(option), err))
+        if not fitting[name]:
+            raise min(refusals, key=lambda r: r[0])[1]
+    # the widest verify block: with it, even a one-token prompt must leave room in the context, else every
+    # request of that method would be skipped after the models loaded
+    context = _context(target_path)
+    block, name, dc = max(((method_row(dc.method).block_size(dc), name, dc) for name, dc in methods.items()),
+                          default=(0, None, None))
+    if context and dc is not None and 1 + dc.max_new_tokens + block > context:
+        raise ConfigError(f"eval.max_new_tokens={dc.max_new_tokens}: with a one-token prompt and a block of {block} "
+                          f"(method {name}) that passes the target's context of {context} tokens, so every request "
+                          f"would be skipped. Fix: set eval.max_new_tokens={max(1, context - block - 1)} or less.")
+    return fitting
+
+
+def placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
+    """Where d3d.eval will put the models (a Placement): the target on target.device,
+    or over target.device_map's devices (`auto`: its layers evenly over the visible GPUs, as
+    accelerate's balanced placement; a map: each device's share of the `layers` decoder layers, by
+    the longest module name that holds `model.layers.<i>`), the drafter on drafter.device (`same`:
+    the target's first device), each device with the memory it has."""
+    m = target.device_map
+    if m is None:
+        shares = {str(pick_device(target.device)): 1.0}
+    else:
+        devices = [str(check_device(str(d), "target.device_map")) for d in map_devices(m)]
+        if m == "auto":
+            shares = {d: 1 / len(devices) for d in devices}
+        else:
+            named = {k: str(map_devices({k: v})[0]) for k, v in m.items()}
+            owner = []
+            for i in range(layers):
+                layer = f"model.layers.{i}"
+                keys = [k for k in named if k in ("", layer) or layer.startswith(k + ".")]
+                owner.append(named[max(keys, key=len)] if keys else devices[-1])
+            shares = {d: owner.count(d) / layers for d in devices if owner.count(d)}
+    first = next(iter(shares))
+    at = first if drafter is None or drafter.device == "same" else str(check_device(drafter.device, "drafter.device"))
+    return Placement(shares, at, {d: memory_bytes(d) for d in [*shares, at]})
+
+
+def _check_logits_width(drafter: DrafterSpec, target: ModelSpec, vocab: int) -> None:
+    """A drafter checkpoint built for another vocabulary, said from the two config.json files before
+    any weight loads (d3d.models.drafter.check_fits_target says it again, with the tokenizers, after)."""
+    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
+    try:
+        built_for = json.loads((folder / "config.json").read_text(encoding="utf-8"))["d3d"]["vocab_size"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return  # no checkpoint, or not a drafter's config: said where it loads (check_is_drafter)
+    if built_for != vocab:
+        raise ConfigError(f"drafter.checkpoint={drafter.checkpoint}: the drafter was built for a target with {built_for} "
+                          f"logits; target {target.name} has {vocab}. Fix: use a drafter built (d3d.train) for this "
+                          f"target, or one with the same vocabulary and head.")
+
+
+def _context(path: str) -> int | None:
+    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+
+
+def _shape(path: str, width: int, attn: str | None):
+    return ModelShape.of_config(AutoConfig.from_pretrained(path), width, attn)
+
+
+def _drafter_shape(drafter: DrafterSpec, target: ModelSpec, target_path: str, target_shape, cache_dir, width: int):
+    """The drafter's shape: its checkpoint's config.json, or (a drafter still to be trained, as in the
+    pipeline's up-front check) what its init builds: the target's, a subset of its layers, or the
+    pretrained model's."""
+    attn = drafter_attention(drafter, target)
+    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
+    if folder is not None and (folder / "config.json").is_file():
+        # a folder from another project (a plain model) was sized as a drafter and refused for the
+        # memory its shape would take ("lower decode.block_size"): what it is comes first
+        check_is_drafter(folder)
+        return _shape(str(folder), width, attn)
+    if drafter.init == "pretrained" and drafter.model is not None:
+        shape = _shape(resolve_model_path(drafter.model, cache_dir), width, attn)
+    elif drafter.init == "target_layers" and drafter.layers:
+        shape = target_shape.with_layers(len(drafter.layers))
+    else:
+        shape = target_shape
+    # a draft vocabulary: an untied head of that many rows (d3d.models.drafter.attach_draft_head)
+    return replace(shape, head=drafter.draft_vocab, tied=False) if drafter.draft_vocab else shape

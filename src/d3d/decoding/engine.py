@@ -1,4 +1,4 @@
-"""The decoding driver: AR baseline, synchronous and asynchronous speculative decoding (DESIGN §5).
+"""The decoding driver: AR baseline, synchronous and asynchronous speculative decoding (docs/design.md#decoding-decoding).
 
 `SpecGenerator` is the driver every method shares: prefill, the target's verify pass, the accept
 decision, the one host transfer per round, committing text (EOS, max_new_tokens, stop strings),

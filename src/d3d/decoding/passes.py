@@ -20,7 +20,7 @@ from d3d.decoding.drafts import Draft, moved
 from d3d.decoding.kv import KVState, StaticKVState, allocate, batch_bucket
 from d3d.errors import ConfigError
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.models.forward import logits_at
+from d3d.models.forward import in_target_vocab, logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
 from d3d.models.target import input_device
 
@@ -117,6 +117,9 @@ class Passes:
         self.device = input_device(target)
         self.drafter_device = input_device(drafter) if drafter is not None else self.device
         self.settings = DrafterSettings.of(drafter) if drafter is not None else None
+        # a draft vocabulary's map to target ids, where drafts are made (None: the full head)
+        d2t = getattr(drafter.get_output_embeddings(), "d2t", None) if drafter is not None else None
+        self.d2t = None if d2t is None else moved(d2t, self.device)
         self.backend, self.static = backend, backend != "eager"
         spread = {p.device for p in target.parameters()}
         if self.static and len(spread) > 1:
@@ -240,10 +243,18 @@ class Passes:
         target.device_map computes them where its LM head is)."""
         return moved(logits_at(self.target, h).float(), self.device)
 
+    def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's block logits over the target's vocabulary: a draft vocabulary's N columns
+        scattered to their target ids, -inf elsewhere (q is zero there, so rejection sampling keeps
+        the target's law; d3d.models.forward.in_target_vocab). The passes return the N columns, so
+        trays hold and move N-wide logits; this runs once per round, on the block drafts come from."""
+        return in_target_vocab(logits, self.d2t, self.settings.vocab_size)
+
     def draft_pass(self, dr: KVState, pending: torch.Tensor, next_pos: torch.Tensor, unc: torch.Tensor | None = None,
                    unc_n: torch.Tensor | None = None):
         """Commit each row's new tokens (`unc` (b, k), the first unc_n[r] of row r; they end just
-        before next_pos) into the drafter's cache and draft the next block: logits (b, B, V).
+        before next_pos) into the drafter's cache and draft the next block: logits (b, B, V), or (b, B, N)
+        over a draft vocabulary (target_vocab maps them).
         Everything here is on the drafter's device (the caller moves its inputs: to_drafter)."""
         b, B, s, dev = len(pending), self.B, self.settings, self.drafter_device
         if unc is None:
@@ -260,4 +271,4 @@ class Passes:
         layout = concat(Layout(pos, block, pos + 1), block_layout(next_pos[:, None], B))
         h = dr.forward(torch.cat([unc, blocks], dim=1), layout)
         dr.crop(len(dr) - B - (k - real))  # the block's slots (and static padding) are never reused
-        return logits_at(self.drafter, h[:, k:], s.vocab_size).float()  # (b, B, V)
+        return logits_at(self.drafter, h[:, k:], s.vocab_size, draft_ids=True).float()  # (b, B, V or N)

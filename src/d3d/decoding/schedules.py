@@ -117,7 +117,7 @@ class Sync(Schedule):
         q_logits = p.draft_pass(self.dr, *p.to_drafter(r.pending, r.next_pos), self.unc, self.unc_n)
         (q_logits,) = p.to_target(q_logits)  # drafts are made where they are verified (one sampling stream)
         r.clock.span(r.stats, "draft_s", t)
-        r.draft = self.drafts.make(r.pending, q_logits)
+        r.draft = self.drafts.make(r.pending, p.target_vocab(q_logits))
 
     def settle(self, r):
         self.unc, self.unc_n = self.passes.to_drafter(torch.cat([r.pending[:, None], r.path], dim=1), r.accepted + 1)
@@ -176,7 +176,7 @@ class Async(Schedule):
                 r.stats.drafted_rows = len(miss)
             else:
                 q_logits = self.prepared
-            r.draft, r.glue_start = self.drafts.make(r.pending, q_logits), len(self.dr)
+            r.draft, r.glue_start = self.drafts.make(r.pending, p.target_vocab(q_logits)), len(self.dr)
         p.take(ds, *r.draft.handed())
 
     def _draft_misses(self, r, miss: list[int]) -> torch.Tensor:
@@ -257,7 +257,7 @@ class Async(Schedule):
         """The glue and a tray per outcome the Drafts lists, in one packed pass: a tray is
         [t, MASK x (B-1)] at its anchor's position, seeing the cached prefix, the glue as its
         outcome allows (by position for a chain; its node's path for a tree) and itself. Returns
-        (keys (b, n, 2) = (outcome, token), tray logits (b, n, B, V))."""
+        (keys (b, n, 2) = (outcome, token), tray logits (b, n, B, V or a draft vocabulary's N))."""
         p, B, s = self.passes, self.passes.B, self.passes.settings
         o = self.drafts.outcomes(d, pending, next_pos)
         (b, n), g = o.token.shape, o.glue.shape[1]
@@ -271,7 +271,8 @@ class Async(Schedule):
         layout = concat(o.glue_layout, block_layout(o.pos, B))
         h = dr.forward(torch.cat([o.glue, trays.reshape(b, n * B)], dim=1), layout, tree=seen)
         dr.crop(len(dr) - n * B)  # keep the glue; verification decides how much of it stays
-        tray_logits = logits_at(p.drafter, h[:, g:].reshape(b, n, B, -1), s.vocab_size).float()
+        # over a draft vocabulary, N columns: the served tray's are mapped when its drafts are made (propose)
+        tray_logits = logits_at(p.drafter, h[:, g:].reshape(b, n, B, -1), s.vocab_size, draft_ids=True).float()
         return torch.stack([o.at, o.token], dim=-1), tray_logits
 
 

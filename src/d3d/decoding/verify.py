@@ -1,4 +1,4 @@
-"""Verification, shared by every loop: greedy, and lossless rejection sampling (DESIGN §5).
+"""Verification, shared by every loop: greedy, and lossless rejection sampling (docs/design.md#decoding-decoding).
 
 Inputs for a batch of b rows and a block of B positions:
 - `p_logits` (b, B, V): the target's logits at the block's positions; position k scores the token

@@ -8,7 +8,9 @@ give the B-1 drafts and slot B-1 guesses the bonus token (used by the async all-
 
 So a drafter saves and loads with plain `save_pretrained` / `from_pretrained`; its d3d settings
 (block size, mask token id, target vocab size, which original layers it keeps, tokenizer
-fingerprint) ride along in `config.d3d`.
+fingerprint) ride along in `config.d3d`. A drafter with a draft vocabulary (drafter.draft_vocab)
+has a smaller LM head, `DraftHead`, whose rows are the N most frequent response tokens; its folder
+loads through `load_drafter` (docs/design.md, Draft vocabulary, says how a plain HF loader reads it).
 """
 
 from __future__ import annotations
@@ -116,6 +118,106 @@ def skipping_layers(model, drop: list[int]) -> Iterator[None]:
         _set_layers(model, layers)
 
 
+# ---------------------------------------------------------------------------- draft vocabulary
+
+
+class DraftHead(nn.Linear):
+    """The LM head over a draft vocabulary: row i scores target token d2t[i]. `d2t` (N,) int64,
+    sorted ascending (so the first maximum in draft order is the first in target order, as an argmax
+    over the full vocabulary picks it), is a buffer: it is saved beside the weight as `lm_head.d2t`.
+    Its forward gives N logits, like any Linear; d3d.models.forward.logits_at maps them to target ids."""
+
+    def __init__(self, weight: torch.Tensor, d2t: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(weight)
+        self.register_buffer("d2t", d2t.to(device=weight.device, dtype=torch.long))
+
+
+def special_ids(tokenizer, vocab_size: int, mask_id: int | None = None) -> list[int]:
+    """The ids every draft vocabulary keeps whatever their count: the tokenizer's special tokens
+    (end of turn, end of text, padding) and the mask token, inside the target's vocabulary."""
+    ids = {int(i) for i in tokenizer.all_special_ids} | ({mask_id} if mask_id is not None else set())
+    return sorted(i for i in ids if 0 <= i < vocab_size)
+
+
+def check_draft_vocab(n: int | None, tokenizer, vocab_size: int, extra: int = 0) -> None:
+    """drafter.draft_vocab against the vocabulary, from the tokenizer and config.json alone (before any
+    model or response loads): at least every special id (+ `extra` not yet added: the mask), at most
+    the target's vocabulary."""
+    if n is None:
+        return
+    need = len(special_ids(tokenizer, vocab_size)) + extra
+    if not need <= n <= vocab_size:
+        raise ConfigError(f"drafter.draft_vocab={n}: a draft vocabulary holds the {need} special tokens the loop needs "
+                          f"and at most the target's {vocab_size} tokens. Fix: set drafter.draft_vocab between {need} "
+                          f"and {vocab_size} (32000 for a Qwen drafter), or null for the full head.")
+
+
+def choose_draft_vocab(responses, n: int, vocab_size: int, always: list[int]) -> tuple[torch.Tensor, float]:
+    """The draft vocabulary: `always` and then the most frequent tokens of `responses` (token-id
+    sequences: the response part of each training example), ties to the lower id, n in all, sorted.
+    Returns (d2t, the share of the responses' tokens it covers)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in responses:
+        t = torch.as_tensor(ids, dtype=torch.long)
+        counts += torch.bincount(t[(t >= 0) & (t < vocab_size)], minlength=vocab_size)
+    rank = counts.clone()
+    rank[torch.as_tensor(always, dtype=torch.long)] = torch.iinfo(torch.long).max  # in whatever their count
+    order = torch.sort(rank, descending=True, stable=True).indices  # stable: equal counts keep the lower id first
+    d2t = order[:n].sort().values
+    total = int(counts.sum())
+    return d2t, (int(counts[d2t].sum()) / total if total else 1.0)
+
+
+def coverage(responses, d2t: torch.Tensor) -> float:
+    """The share of the responses' tokens that are in the draft vocabulary `d2t`."""
+    inside = total = 0
+    for ids in responses:
+        t = torch.as_tensor(ids, dtype=torch.long)
+        inside += int(torch.isin(t, d2t).sum())
+        total += len(t)
+    return inside / total if total else 1.0
+
+
+def attach_draft_head(model, d2t: torch.Tensor) -> None:
+    """Replace the LM head by a DraftHead of its own rows d2t (the pretrained rows: tied heads take
+    the embedding's), untied from the input embeddings, and say so in the settings."""
+    full = model.get_output_embeddings().weight
+    head = DraftHead(full.detach()[d2t.to(full.device)].clone(), d2t)
+    model.set_output_embeddings(head)
+    model.config.tie_word_embeddings = False  # the draft rows are their own weights now
+    settings = DrafterSettings.of(model)
+    settings.draft_vocab = len(d2t)
+    settings.attach(model)
+
+
+def _load_draft_head(model, path: Path, n: int) -> None:
+    """The saved DraftHead (`lm_head.weight` (N, d), `lm_head.d2t` (N,)) onto a model that from_pretrained
+    built with a full-size head (whose mismatched rows it could not fill)."""
+    from safetensors import safe_open
+
+    name = _head_key(model)
+    found = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in (f"{name}.weight", f"{name}.d2t"):
+                if key in fh.keys():
+                    found[key] = fh.get_tensor(key)
+    weight, d2t = found.get(f"{name}.weight"), found.get(f"{name}.d2t")
+    if weight is None or d2t is None or weight.shape[0] != n or d2t.shape != (n,):
+        raise ConfigError(f"drafter.checkpoint={path}: its config says a {n}-token draft vocabulary but its weights hold "
+                          f"no {name}.weight of {n} rows with its {name}.d2t map. Fix: copy the folder again from where "
+                          "d3d.train or d3d.prune wrote it.")
+    full = model.get_output_embeddings().weight
+    model.set_output_embeddings(DraftHead(weight.to(device=full.device, dtype=full.dtype), d2t))
+
+
+def _head_key(model) -> str:
+    head = model.get_output_embeddings()
+    return next(name for name, module in model.named_modules() if module is head)
+
+
 # ---------------------------------------------------------------------------- building
 
 
@@ -171,14 +273,35 @@ def _random(target_path, spec: DrafterSpec, cache_dir, device, dtype, attn):
 INITS = {"target": _from_target, "target_layers": _from_target, "pretrained": _from_pretrained, "random": _random}
 
 
+def check_draft_vocab_spec(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, responses: bool) -> None:
+    """drafter.draft_vocab before anything large loads (the tokenizer and config.json only): N in range,
+    and responses to choose it from (`responses`: the caller has them; d3d.train does)."""
+    if spec.draft_vocab is None or spec.checkpoint:
+        return  # a checkpoint carries its own vocabulary
+    if not responses:
+        raise ConfigError(f"drafter.draft_vocab={spec.draft_vocab}: a draft vocabulary is chosen from the training "
+                          "responses, so only d3d.train builds one. Fix: train the drafter (d3d.train) and pass its "
+                          "folder as drafter.checkpoint, or set drafter.draft_vocab=null.")
+    from transformers import AutoConfig
+
+    target_path = resolve_model_path(target, Path(cache_dir))
+    tok = load_tokenizer(target_path)
+    vocab = int(AutoConfig.from_pretrained(target_path).vocab_size)
+    mask = tok.get_vocab().get(spec.mask_token)  # None: added when the drafter is built
+    check_draft_vocab(spec.draft_vocab, tok, vocab, int(mask is None or mask not in special_ids(tok, vocab)))
+
+
 def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, device: str = "cpu",
-                  dtype: str | None = "auto"):
-    """A drafter (model, tokenizer) as conf/drafter/*.yaml describes, ready to train."""
+                  dtype: str | None = "auto", responses=None):
+    """A drafter (model, tokenizer) as conf/drafter/*.yaml describes, ready to train. `responses`
+    (token-id sequences: the training examples' responses) choose its draft vocabulary when
+    drafter.draft_vocab is set."""
     cache_dir = Path(cache_dir)
     attn = drafter_attention(spec, target)
     if spec.checkpoint:
         check_block_attention(spec.checkpoint, spec.block_attention)
         return load_drafter(spec.checkpoint, device=device, dtype=dtype, attn_implementation=attn)
+    check_draft_vocab_spec(spec, target, cache_dir, responses is not None)
     target_path = resolve_model_path(target, cache_dir)
     target_tok = load_tokenizer(target_path)
     init = spec.init
@@ -200,6 +323,13 @@ def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, d
         if not spec.layers:
             raise ValueError(f"drafter {spec.name!r}: init=target_layers needs drafter.layers (target layer indices)")
         keep_layers(model, list(spec.layers))
+    if spec.draft_vocab is not None:
+        # checked again against the drafter's own head (init=pretrained: another model of the family)
+        mask = settings.mask_token_id
+        always = special_ids(tok, settings.vocab_size, mask)
+        check_draft_vocab(spec.draft_vocab, tok, settings.vocab_size, len(always) - len(special_ids(tok, settings.vocab_size)))
+        d2t, _ = choose_draft_vocab(responses, spec.draft_vocab, settings.vocab_size, always)
+        attach_draft_head(model, d2t)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
@@ -282,9 +412,28 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
                  attn_implementation: str | None = "sdpa"):
     if (Path(path) / "config.json").is_file():  # a plain model folder: one line with the fix, before it loads
         check_is_drafter(Path(path))
-    model = load_model(str(path), dtype, device, attn_implementation)
+    n = _saved_draft_vocab(Path(path))
+    if n is None:
+        model = load_model(str(path), dtype, device, attn_implementation)
+    else:  # from_pretrained builds the full head the config's vocabulary implies; the saved one replaces it
+        from transformers.utils import logging as hf_logging
+
+        was = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report calls the expected head mismatch a problem
+        try:
+            model = load_model(str(path), dtype, device, attn_implementation, ignore_mismatched_sizes=True)
+        finally:
+            hf_logging.set_verbosity(was)
+        _load_draft_head(model, Path(path), n)
     DrafterSettings.of(model)  # fails clearly on a non-drafter folder
     return model, load_tokenizer(str(path))
+
+
+def _saved_draft_vocab(path: Path) -> int | None:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))["d3d"].get("draft_vocab")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
 
 
 def as_deployed(model):

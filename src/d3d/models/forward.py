@@ -98,13 +98,32 @@ def cache_kwarg(model, cache) -> dict:
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
-def logits_at(model, hidden: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def logits_at(model, hidden: torch.Tensor, vocab_size: int | None = None, draft_ids: bool = False) -> torch.Tensor:
     """LM-head logits of selected hidden rows, cut to the target's vocabulary.
 
     The rows go through the head as one contiguous 2-D matrix: a strided 3-D slice (a block's draft
     slots) makes torch's matmul broadcast the head's weight into a batched one, copying all of it
     once per block when the weight does not require grad (a frozen or untied head): 35 of 39 s of
-    an estimate on the Qwen drafter went to that copy."""
+    an estimate on the Qwen drafter went to that copy.
+
+    A drafter with a draft vocabulary (a head with a `d2t` map, d3d.models.drafter.DraftHead) gives
+    its N logits scattered into the target's vocabulary, -inf elsewhere (so q is 0 there), unless
+    `draft_ids`: then its N logits as they are (the decoding passes keep them so; Passes.target_vocab)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    logits = model.get_output_embeddings()(flat).reshape(*hidden.shape[:-1], -1)
+    head = model.get_output_embeddings()
+    logits = head(flat).reshape(*hidden.shape[:-1], -1)
+    d2t = getattr(head, "d2t", None)
+    if d2t is not None:
+        return logits if draft_ids else in_target_vocab(logits, d2t, vocab_size or model.config.d3d["vocab_size"])
     return logits[..., :vocab_size] if vocab_size else logits
+
+
+def in_target_vocab(logits: torch.Tensor, d2t: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits (..., N) as target-vocabulary logits (..., vocab_size): column d2t[i]
+    holds logit i, every other column -inf, so the argmax is d2t of the draft argmax and a softmax
+    (with any temperature, top-k, top-p) puts exactly zero outside the draft vocabulary. Unchanged
+    when `d2t` is None (a full head)."""
+    if d2t is None:
+        return logits
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return out.index_copy_(-1, d2t.to(logits.device), logits)

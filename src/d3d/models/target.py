@@ -252,9 +252,10 @@ def load_target(target: TargetSpec, cache_dir, device: str | None = "auto"):
 
 
 def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto",
-               attn_implementation: str | None = "sdpa", device_map=None):
+               attn_implementation: str | None = "sdpa", device_map=None, ignore_mismatched_sizes: bool = False):
     """An eval-mode causal LM on `device`, or placed by `device_map` (from_pretrained's: `auto` or
-    {module: device}); flash-attn/flex are GPU-only (docs/design.md, Models)."""
+    {module: device}); flash-attn/flex are GPU-only (docs/design.md, Models). `ignore_mismatched_sizes`:
+    a drafter's draft head, which d3d.models.drafter.load_drafter puts in place afterwards."""
     from transformers import AutoModelForCausalLM
 
     if device_map is not None:
@@ -266,6 +267,8 @@ def load_model(path: str, dtype: str | None = "auto", device: str | None = "auto
     if dev.type != "cuda" and attn_implementation in ("flash_attention_2", "flex_attention"):
         attn_implementation = "sdpa"
     placed = {} if device_map is None else {"device_map": device_map}
+    if ignore_mismatched_sizes:
+        placed["ignore_mismatched_sizes"] = True
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype(dtype, dev), attn_implementation=attn_implementation, **placed

@@ -17,6 +17,16 @@ from typing import Callable, Hashable, Iterable, Iterator
 from d3d.errors import ConfigError
 
 
+def resolve_path(value: str | os.PathLike) -> Path:
+    """Config paths are relative to the directory the job was launched from. A path through a symlink
+    loop is made absolute without resolving links: where it is read or written, the job names its key."""
+    path = Path(os.path.expanduser(str(value)))
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # ELOOP (Python 3.11's resolve raises it; 3.13 returns the path)
+        return Path(os.path.abspath(path))
+
+
 class CorruptFile(ConfigError):
     """A results or weights file that cannot be read; the message names the file (and line)."""
 

@@ -1,0 +1,88 @@
+"""d3d.bench end to end on tiny random models: every kind of row, greedy equality, the drafter's share,
+resume, the refusals before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from d3d.bench import run_bench
+from d3d.config import ConfigError
+from d3d.models.drafter import build_drafter, save_drafter
+from d3d.settings import bind_config
+from tests.conftest import compose
+
+TINY = ["target=tiny_random", "drafter=tiny_random", "bench.max_new_tokens=8", "bench.progress=false"]
+
+
+@pytest.fixture
+def drafter(tmp_path):
+    cfg = bind_config(compose("train", ["+experiment=smoke"], tmp_path), "train")
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    return save_drafter(model, tok, tmp_path / "drafter")
+
+
+def rows_of(folder):
+    return [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
+
+
+def test_every_row_kind_interleaved_equal_and_resumable(tmp_path, drafter, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    overrides = [*TINY, "bench=decode", "bench.methods=[generate,assisted,prompt_lookup,ar,sync,tree,async]",
+                 f"drafter.checkpoint={drafter}", f"+bench.also_drafters.again={drafter}",
+                 "bench.assistant=tiny_random", "bench.n_prompts=2", "bench.pass_cost=false",
+                 "methods.sync.block_size=4", "methods.async.block_size=4", "methods.async.C=3", "methods.async.F=1",
+                 "methods.tree.tree_nodes=3"]
+    out = run_bench(compose("bench", overrides, tmp_path))
+    summary = json.loads((out / "summary.json").read_text())
+    by = {e["method"]: e for e in summary["methods"]}
+    # peers first, then our rows without trays, those with trays last; another drafter's rows beside
+    assert list(by) == ["generate", "assisted", "prompt_lookup", "ar", "sync", "sync@again", "tree", "tree@again",
+                        "async", "async@again"]
+    assert summary["baselines"] == ["generate", "ar"]
+    assert all(e["equal_rate"] == 1.0 for e in by.values())  # greedy, fp32: every call returns generate's tokens
+    assert by["sync@again"]["tau"] == by["sync"]["tau"]  # the same weights: the same rounds
+    assert by["ar"]["drafter_share"] == 0.0 and all(0 < by[m]["drafter_share"] < 1 for m in by if "sync" in m or "tree" in m)
+    assert by["generate"]["x_generate"] == 1.0 and by["ar"]["x_ar"] == 1.0
+    rows = rows_of(out)
+    assert len(rows) == 2 * len(by)
+    # interleaved: every row on prompt 0 is written before any on prompt 1
+    assert [r["prompt"] for r in rows] == [0] * len(by) + [1] * len(by)
+    # the τ to match generate: per call against generate's call on the same prompt, median over calls
+    gen = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "generate"}
+    want = sorted(r["tau"] * gen[r["prompt"]] / r["tokens_per_s"] for r in rows if r["method"] == "tree")
+    assert by["tree"]["tau_to_match"] == pytest.approx(sum(want) / 2) and by["generate"]["tau_to_match"] is None
+    assert "τ to match generate" in (out / "summary.md").read_text()
+    assert json.loads((out / "run.json").read_text())["run"]["cpu"]["model"]
+
+    run_bench(compose("bench", overrides, tmp_path))  # finished prompts are not run again
+    assert len(rows_of(out)) == len(rows)
+    with pytest.raises(ConfigError, match="max_new_tokens differ"):  # nor mixed with other settings
+        run_bench(compose("bench", [*overrides, "bench.max_new_tokens=6"], tmp_path))
+
+
+def test_ar_backends_preset_makes_exact_tokens_per_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = run_bench(compose("bench", [*TINY, "bench=ar_backends", "bench.repeats=2", "bench.backends=[eager,static]",
+                                      "bench.max_new_tokens=6"], tmp_path))
+    rows = rows_of(out)
+    assert [r["method"] for r in rows] == ["generate", "ar", "ar[static]"] * 2  # repeats take turns
+    assert all(r["new_tokens"] == 6 and r["equal_to_reference"] for r in rows)
+
+
+def test_a_pass_the_device_cannot_hold_is_refused_before_the_models_load(tmp_path, monkeypatch):
+    import d3d.bench as bench
+
+    monkeypatch.setattr(bench, "load_models", lambda *a, **k: pytest.fail("the models loaded before the check"))
+    with pytest.raises(ConfigError, match=r"block_size=256"):
+        run_bench(compose("bench", [*TINY, "bench.methods=[ar,async]", "methods.async.block_size=256",
+                                    "methods.async.C=256", "methods.async.F=8"], tmp_path))
+
+
+def test_a_missing_drafter_folder_is_said_before_the_models_load(tmp_path, monkeypatch):
+    import d3d.bench as bench
+
+    monkeypatch.setattr(bench, "load_models", lambda *a, **k: pytest.fail("the models loaded before the check"))
+    with pytest.raises(ConfigError, match=r"^bench.also_drafters.unpruned=.*does not exist"):
+        run_bench(compose("bench", [*TINY, f"+bench.also_drafters.unpruned={tmp_path}/nowhere"], tmp_path))

@@ -1,0 +1,66 @@
+"""d3d.bench's configs and arithmetic, no model: every preset and experiment binds, bad input fails
+in one line naming its key, the summary's ratios and break-even τ from synthetic rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from d3d.bench import bind_bench, summarise, summary_markdown
+from d3d.config import ConfigError, config_dir
+from d3d.decoding.methods import METHODS
+from tests.conftest import compose
+
+PRESETS = sorted(p.stem for p in (config_dir() / "bench").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_binds_every_row_it_names(preset, tmp_path):
+    cfg, ours = bind_bench(compose("bench", [f"bench={preset}"], tmp_path))
+    assert cfg.bench.name == preset
+    assert set(ours) == {m for m in cfg.bench.methods if m not in ("generate", "assisted", "prompt_lookup")}
+    assert all(dc.method in METHODS and dc.max_new_tokens == cfg.bench.max_new_tokens for dc in ours.values())
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_overlays_the_bench(experiment, tmp_path):
+    cfg, _ = bind_bench(compose("bench", [f"+experiment={experiment}"], tmp_path))
+    assert cfg.target.name == compose("eval", [f"+experiment={experiment}"], tmp_path).target.name
+
+
+@pytest.mark.parametrize("override,match", [
+    (["bench.methods=[ar,sinc]"], r"bench.methods names 'sinc'"),
+    (["bench.methods=[sync,tree]"], r"no baseline"),
+    (["bench.backends=[eagre]"], r"bench.backends"),
+    (["bench.repeats=0"], r"bench.repeats=0"),
+    (["bench=qwen_trees", "bench.assistant=qwen9"], r"bench.assistant=qwen9"),
+    (["+methods.sync.C=4"], r"methods.sync.C: method sync does not read it"),
+    (["+bench.nprompts=2"], r"bench.nprompts"),
+    (["+bnech.n_prompts=2"], r"bnech: d3d.bench has no such top-level key"),
+    (["methods.async.C=null", "methods.async.F=null"], r"methods.async: its tray budget is left to measurement .* Fix: set methods.async.C=<n> methods.async.F=<n>"),
+    (["methods.tree.temperature=1"], r"methods.tree.temperature=1.0: d3d.bench times greedy decoding"),
+])
+def test_bad_input_fails_in_one_line_naming_its_key(override, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        bind_bench(compose("bench", override, tmp_path))
+
+
+def test_ratios_are_of_medians_and_the_break_even_tau_is_per_call():
+    rows = []
+    for prompt, (gen, ar, tree) in enumerate([(10.0, 9.0, 20.0), (12.0, 12.0, 18.0), (8.0, 10.0, 20.0)]):
+        rows += [{"method": "generate", "prompt": prompt, "repeat": 0, "tokens_per_s": gen, "equal_to_reference": True},
+                 {"method": "ar", "prompt": prompt, "repeat": 0, "tokens_per_s": ar, "equal_to_reference": True,
+                  "tau": 1.0, "drafter_share": 0.0},
+                 {"method": "tree", "prompt": prompt, "repeat": 0, "tokens_per_s": tree, "tau": 3.0,
+                  "equal_to_reference": prompt != 2, "drafter_share": 0.25, "wall_ms": 100.0, "draft_ms": 25.0,
+                  "verify_ms": 75.0, "tray_ms": 0.0}]
+    s = summarise(rows, ["generate", "ar", "tree"])
+    by = {e["method"]: e for e in s["methods"]}
+    assert s["baselines"] == ["generate", "ar"] and s["prompts"] == 3
+    assert by["tree"]["x_generate"] == pytest.approx(20.0 / 10.0) and by["tree"]["x_ar"] == pytest.approx(20.0 / 10.0)
+    assert by["ar"]["x_generate"] == pytest.approx(10.0 / 10.0)
+    # per call: 3 * 10/20, 3 * 12/18, 3 * 8/20 -> median 1.5
+    assert by["tree"]["tau_to_match"] == pytest.approx(1.5) and by["ar"]["tau_to_match"] is None
+    assert by["tree"]["equal_rate"] == pytest.approx(2 / 3) and by["tree"]["drafter_share"] == 0.25
+    table = summary_markdown(s)
+    assert "| tree | 20.0 | 2.00 | 2.00 | 3.00 | 1.50 | — | 0.67 | 100 (25 / 75 / 0) | 0.25 | — |" in table
