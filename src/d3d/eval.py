@@ -40,7 +40,8 @@ from d3d.models.target import (
     drafter_device, load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path,
 )
 from d3d.models.drafter import (
-    build_drafter, check_fits_target, drafter_attention, drafter_folder, load_drafter, weights_fingerprint,
+    build_drafter, check_block_attention, check_fits_target, drafter_attention, drafter_folder, load_drafter,
+    weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading import grade, isolation, isolation_warning
@@ -201,6 +202,8 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
     where each benchmark read here came from (read_benchmarks)."""
     drafter = cfg.drafter.checkpoint
     folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
+    if folder:
+        check_block_attention(folder, cfg.drafter.block_attention)  # the rule it was trained with, before it loads
     return {"target": cfg.target.name, "dtype": cfg.target.dtype,
             # which weights, not only which name: another target saved under the same name is refused
             "target_weights": model_fingerprint(resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))),

@@ -35,7 +35,7 @@ import torch
 from d3d.decoding.drafts import Drafts
 from d3d.estimator import greedy_rounds, shape_of
 from d3d.models.drafter import decoder_layers, skipping_layers
-from d3d.models.forward import attention_mask_for, logits_at
+from d3d.models.forward import attention_mask_for, causal_blocks, logits_at
 from d3d.models.masks import block_layout, build_mask, clean_layout, concat
 
 
@@ -127,7 +127,7 @@ def score_layers(model, examples, block_size: int, mask_id: int, vocab_size: int
         blocks[:, 0] = seq[anc]
         layout = concat(clean_layout(L - 1, device=dev), block_layout(anc[None], B))
         ids = torch.cat([seq[: L - 1], blocks.reshape(-1)])[None]
-        mask = attention_mask_for(model, build_mask(layout))
+        mask = attention_mask_for(model, build_mask(layout, causal_blocks=causal_blocks(model)))
         pos = layout.pos
         truth_pos = anc[:, None] + 1 + torch.arange(B - 1, device=dev)
         truth = torch.where(truth_pos < L, seq[truth_pos.clamp(max=L - 1)], torch.full_like(truth_pos, -1))

@@ -35,8 +35,8 @@ from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import LayerScores, score_layers
 from d3d.models.drafter import (
-    as_deployed, build_drafter, decoder_layers, drafter_attention, drafter_folder, keep_layers, load_drafter,
-    save_drafter, weights_fingerprint,
+    as_deployed, build_drafter, check_block_attention, decoder_layers, drafter_attention, drafter_folder, keep_layers,
+    load_drafter, save_drafter, weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import pick_device
@@ -211,6 +211,7 @@ def prune_resume_key(cfg: PruneConfig, responses: str | None = None) -> dict:
     checkpoint = cfg.drafter.checkpoint
     if checkpoint:
         drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
+        check_block_attention(checkpoint, cfg.drafter.block_attention)
     start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
              if checkpoint else asdict(cfg.drafter))
     return {"drafter": start, "seed": cfg.seed, "precision": mixed_precision("auto"),

@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from d3d.config import ConfigError, config_dir, literal
 from d3d.specs import (
-    BenchmarkSpec, EvalConfig, EvalSettings, GenerateConfig, PruneConfig, StepSettings, TrainConfig,
+    BenchmarkSpec, EvalConfig, EvalSettings, ExportConfig, GenerateConfig, PruneConfig, StepSettings, TrainConfig,
     TrainSettings,
 )
 
@@ -44,7 +44,7 @@ TRAIN_ONLY_KEYS = frozenset(f.name for f in fields(TrainSettings)) - frozenset(f
 
 # Each root config by the name of its YAML (conf/<name>.yaml).
 ROOT_CONFIGS: dict[str, type] = {"generate": GenerateConfig, "train": TrainConfig, "prune": PruneConfig,
-                                 "eval": EvalConfig}
+                                 "eval": EvalConfig, "export": ExportConfig}
 # Top-level sections bound elsewhere: eval's decode settings, per method (d3d.eval.method_configs).
 BOUND_ELSEWHERE = frozenset({"decode", "methods"})
 EVERY_SECTION = frozenset(f.name for schema in ROOT_CONFIGS.values() for f in fields(schema)) | BOUND_ELSEWHERE
@@ -117,7 +117,7 @@ def _refuse_non_finite(obj: Any, where: str) -> None:
 def bind_config(cfg: DictConfig, name: str):
     """The root config of recipe `name` (d3d.specs.<Name>Config) from its composed config. Sections
     other recipes own, which experiment overlays put in every job, are left out; a top-level key no
-    recipe has fails. prune's `train` skips d3d.train's own keys (TRAIN_ONLY_KEYS)."""
+    recipe has fails. prune's and export's `train` skip d3d.train's own keys (TRAIN_ONLY_KEYS)."""
     schema = ROOT_CONFIGS[name]
     unknown = sorted(set(cfg) - EVERY_SECTION)
     if unknown:
@@ -129,7 +129,7 @@ def bind_config(cfg: DictConfig, name: str):
             continue  # a missing section fails in bind, by its name
         value = cfg[f.name]
         value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-        if (name, f.name) == ("prune", "train"):
+        if f.name == "train" and name in ("prune", "export"):  # the step's keys only (StepSettings)
             value = {k: v for k, v in value.items() if k not in TRAIN_ONLY_KEYS}
         node[f.name] = value
     return bind(schema, node, "")

@@ -103,6 +103,11 @@ class TargetSpec(ModelSpec):
                           f"target.device_map=auto, or e.g. '{{model.layers.0: cuda:0, lm_head: cuda:1}}'.")
 
 
+# drafter.block_attention: what a block token sees of its own block (d3d.models.masks): every slot (the
+# paper's), or only the slots up to its own, as an engine's parallel-draft pass does (docs/design.md, Causal blocks)
+BLOCK_ATTENTION = ("bidirectional", "causal")
+
+
 @dataclass
 class DrafterSpec:
     """conf/drafter/*.yaml: how the drafter starts (d3d.models.drafter.INITS) or which checkpoint."""
@@ -116,6 +121,7 @@ class DrafterSpec:
     checkpoint: Optional[str]  # a trained drafter folder: overrides init
     seed: int  # init=random: the weights' seed
     device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
+    block_attention: str  # BLOCK_ATTENTION: saved with the drafter; a checkpoint trained otherwise is refused
     # the LM head over the N most frequent response tokens (docs/design.md, Draft vocabulary); None = full head
     draft_vocab: Optional[int]
 
@@ -126,6 +132,9 @@ class DrafterSpec:
             raise ConfigError(f"drafter.draft_vocab={n!r}: a number of tokens (an integer >= 1; 32000 for a Qwen "
                               f"drafter), or null for the full LM head. Fix: set drafter.draft_vocab=32000 or null.")
         seeds("drafter", self, "seed")
+        if self.block_attention not in BLOCK_ATTENTION:
+            raise ConfigError(f"drafter.block_attention={self.block_attention}: not a block rule. Fix: set "
+                              f"drafter.block_attention to {' or '.join(BLOCK_ATTENTION)}.")
 
 
 # ---------------------------------------------------------------------------- data
@@ -488,6 +497,25 @@ class PruneConfig(RootConfig):
     drafter: DrafterSpec
     train: StepSettings
     prune: PruneSettings
+
+
+@dataclass
+class ExportSettings:
+    """`export.*` (conf/export.yaml): a drafter as a folder an inference engine serves (docs/serving.md)."""
+
+    out_dir: str
+    num_speculative_tokens: Optional[int]  # K of the engine's speculative_config; null = the block's B-1 drafts
+    mask_token_id: Optional[int]  # the served mask id; null = the trained one, or a spare special token of the target
+
+    def __post_init__(self) -> None:
+        at_least("export", self, num_speculative_tokens=1, mask_token_id=0)
+
+
+@dataclass
+class ExportConfig(RootConfig):
+    drafter: DrafterSpec
+    train: StepSettings  # the held-out responses the served τ is measured on (train.responses_dir, val_size)
+    export: ExportSettings
 
 
 @dataclass

@@ -50,6 +50,21 @@ def models(tmp_path_factory):
     return target, drafter, tok
 
 
+@pytest.fixture(scope="module")
+def causal_models(models):
+    """The `models` pair with the same drafter weights saved as drafter.block_attention=causal."""
+    import copy
+
+    from d3d.models.drafter_settings import DrafterSettings
+
+    target, drafter, tok = models
+    causal = copy.deepcopy(drafter)
+    settings = DrafterSettings.of(causal)
+    settings.block_attention = "causal"
+    settings.attach(causal)
+    return target, causal, tok
+
+
 PROMPTS = ["Hello there, how are you?", "2+2=", "def f(x):\n    return", "Once upon a time"]
 
 
@@ -59,10 +74,11 @@ def reference(target, tok, prompt_ids, n, eos):
     return out[0, len(prompt_ids):].tolist()
 
 
-def tiny_drafter(tmp_path, arch="llama", layers=2, block=4, init="target"):
+def tiny_drafter(tmp_path, arch="llama", layers=2, block=4, init="target", rule="bidirectional"):
     from d3d.settings import bind_config
 
     cfg = bind_config(compose("train", ["+experiment=smoke", f"drafter.block_size={block}", f"drafter.init={init}",
+                                        f"drafter.block_attention={rule}",
                                         f"target.tiny.model_type={arch}", f"target.tiny.num_hidden_layers={layers}",
                                         f"target.name=tiny_{arch}_{layers}"], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")

@@ -19,9 +19,12 @@ from tests.conftest import compose
 from tests.integration.conftest import tiny_drafter
 
 
+@pytest.mark.parametrize("rule", ["bidirectional", "causal"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_contract3_training_forward_equals_inference_forward(arch, tmp_path):
-    model, tok, _ = tiny_drafter(tmp_path, arch)
+def test_contract3_training_forward_equals_inference_forward(arch, rule, tmp_path):
+    """For either drafter.block_attention; a causal block's logits are also those of a plain causal
+    pass over [prefix, anchor, MASK ...] (what an engine's parallel draft runs), a bidirectional one's not."""
+    model, tok, _ = tiny_drafter(tmp_path, arch, rule=rule)
     s = DrafterSettings.of(model)
     B = s.block_size
     g = torch.Generator().manual_seed(0)
@@ -43,6 +46,8 @@ def test_contract3_training_forward_equals_inference_forward(arch, tmp_path):
             hb = hidden_states(model, block, block_layout(torch.tensor([[a]]), B), cache=cache, cache_len=a)
             infer = logits_at(model, hb[0], s.vocab_size)
             torch.testing.assert_close(train_logits[i], infer, atol=2e-5, rtol=1e-4)
+            plain = model(torch.cat([torch.tensor([ids[:a]]), block], dim=1)).logits[0, a:, : s.vocab_size]
+            assert torch.allclose(plain, infer, atol=2e-5, rtol=1e-4) == (rule == "causal")
             # and the labels line up: slot j of the training batch is trained on x_{a+j+1}
             rows = batch.dn_rows[(batch.dn_rows >= len(ids) + i * B) & (batch.dn_rows < len(ids) + (i + 1) * B)]
             targets = batch.dn_targets[(batch.dn_rows >= len(ids) + i * B) & (batch.dn_rows < len(ids) + (i + 1) * B)]

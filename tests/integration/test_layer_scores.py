@@ -38,10 +38,11 @@ def per_layer(model, examples, s, drafts=None) -> list[float]:
                                        drafts=drafts).tau]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("tree_nodes", [None, 5])
-def test_one_sweep_scores_equal_the_estimator_per_layer(tmp_path, arch, tree_nodes):
-    model, _, _ = tiny_drafter(tmp_path, arch=arch, layers=4, block=4)
+# each arch with the chain and a tree; a causal drafter (drafter.block_attention) with both too
+@pytest.mark.parametrize("arch,tree_nodes,rule", [(a, t, "bidirectional") for a in ("llama", "qwen2") for t in (None, 5)]
+                         + [("llama", t, "causal") for t in (None, 5)])
+def test_one_sweep_scores_equal_the_estimator_per_layer(tmp_path, arch, tree_nodes, rule):
+    model, _, _ = tiny_drafter(tmp_path, arch=arch, layers=4, block=4, rule=rule)
     s = DrafterSettings.of(model)
     drafts = scored_drafts(s.block_size, tree_nodes)
     seen_multi = False

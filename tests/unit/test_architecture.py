@@ -15,7 +15,7 @@ SRC = ROOT / "src" / "d3d"
 
 # The job entry points (`python -m d3d.<name>`). d3d.report is a component with a CLI of its own:
 # eval writes its report through it.
-RECIPES = {"d3d.generate", "d3d.train", "d3d.prune", "d3d.eval", "d3d.bench", "d3d.pipeline"}
+RECIPES = {"d3d.generate", "d3d.train", "d3d.prune", "d3d.eval", "d3d.export", "d3d.bench", "d3d.pipeline"}
 # d3d.pipeline is the launcher of the other four: it may call each one's `run_<stage>` entry
 # point, and nothing else of theirs (it does not reach into their internals).
 LAUNCHER = "d3d.pipeline"
@@ -100,7 +100,7 @@ FLOORS = (
     RECIPES,
     {"d3d.settings"},  # the boundary: OmegaConf -> d3d.specs, once
     {"d3d.report", "d3d.figures", "d3d.grading", "d3d.layer_scores", "d3d.estimator", "d3d.training", "d3d.examples", "d3d.objective",
-     "d3d.decoding"},
+     "d3d.decoding", "d3d.serving"},
     {"d3d.models"},
     {"d3d.data"},
     {"d3d", "d3d.fetch", "d3d.utils", "d3d.config", "d3d.configdir", "d3d.specs", "d3d.errors"},

@@ -9,9 +9,9 @@ from d3d.config import config_dir
 from d3d.data.benchmarks import iter_specs
 from tests.conftest import compose
 
-ROOTS = ["generate", "train", "prune", "eval"]
+ROOTS = ["generate", "train", "prune", "eval", "export"]
 GROUPS = {  # group -> root configs that use it
-    "target": ROOTS, "drafter": ["train", "prune", "eval"], "data": ["generate", "train", "prune"],
+    "target": ROOTS, "drafter": ["train", "prune", "eval", "export"], "data": ["generate", "train", "prune", "export"],
     "benchmark": ["eval"], "decode": ["eval"],
 }
 
@@ -90,6 +90,7 @@ SECTIONS = {
     "prune": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "prune"},
     "eval": {"paths", "target", "drafter", "data", "benchmark", "decode", "methods", "task_name", "run_name",
              "seed", "eval"},
+    "export": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "export"},
 }
 # overrides a group option needs before it binds (data=local reads a file nobody ships: `???` in the YAML)
 NEEDS = {("data", "local"): ["data.local_file=prompts.jsonl"]}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from d3d.models.masks import CLEAN, PAD, block_layout, build_mask, clean_layout, concat, pad_layout
 
 
-def brute_force(tokens: list[dict], cache_len: int) -> list[list[bool]]:
-    """tokens: dicts with kind ('clean'|'block'|'pad'), pos, block, anchor. Keys = cache + tokens."""
+def brute_force(tokens: list[dict], cache_len: int, causal: bool = False) -> list[list[bool]]:
+    """tokens: dicts with kind ('clean'|'block'|'pad'), pos, block, anchor. Keys = cache + tokens.
+    `causal`: drafter.block_attention=causal, a block token sees its block only up to its own position."""
     keys = [{"kind": "clean", "pos": p, "block": None} for p in range(cache_len)] + tokens
     rows = []
     for qi, q in enumerate(tokens):
@@ -23,7 +25,8 @@ def brute_force(tokens: list[dict], cache_len: int) -> list[list[bool]]:
             elif q["kind"] == "clean":
                 ok = k["kind"] == "clean" and k["pos"] <= q["pos"]
             else:  # block query
-                ok = (k["kind"] == "clean" and k["pos"] < q["anchor"]) or (k["kind"] == "block" and k["block"] == q["block"])
+                ok = (k["kind"] == "clean" and k["pos"] < q["anchor"]) or (
+                    k["kind"] == "block" and k["block"] == q["block"] and (not causal or k["pos"] <= q["pos"]))
             row.append(ok)
         rows.append(row)
     return rows
@@ -37,32 +40,44 @@ def describe(layout) -> list[dict]:
     return out
 
 
-def test_training_layout_matches_brute_force():
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_layout_matches_brute_force(causal):
     rng = random.Random(0)
     for _ in range(20):
         L, B = rng.randint(2, 12), rng.randint(1, 5)
         anchors = sorted(rng.sample(range(L), rng.randint(0, min(L, 4))))
         layout = concat(clean_layout(L), block_layout(torch.tensor([anchors], dtype=torch.long), B))
         layout = pad_layout(layout, layout.shape[1] + rng.randint(0, 3))
-        got = build_mask(layout)[0, 0].tolist()
-        assert got == brute_force(describe(layout), 0)
+        got = build_mask(layout, causal_blocks=causal)[0, 0].tolist()
+        assert got == brute_force(describe(layout), 0, causal)
 
 
-def test_cached_layouts_match_brute_force():
+@pytest.mark.parametrize("causal", [False, True])
+def test_cached_layouts_match_brute_force(causal):
     """Inference: committed tokens (causal) + blocks / async trays over a KV cache."""
     rng = random.Random(1)
     for _ in range(20):
         cache, commit, B = rng.randint(0, 8), rng.randint(0, 5), rng.randint(1, 4)
         anchors = [cache + rng.randint(0, commit) for _ in range(rng.randint(1, 4))]
         layout = concat(clean_layout(commit, start=cache), block_layout(torch.tensor([anchors]), B))
-        got = build_mask(layout, cache_len=cache)[0, 0].tolist()
-        assert got == brute_force(describe(layout), cache)
+        got = build_mask(layout, cache_len=cache, causal_blocks=causal)[0, 0].tolist()
+        assert got == brute_force(describe(layout), cache, causal)
+
+
+def test_a_causal_block_is_the_causal_mask_of_prefix_and_block():
+    """What an engine's parallel-draft pass computes: a causal block after its prefix sees exactly
+    what plain causal attention over [prefix, anchor, MASK ...] sees, and the bidirectional one more."""
+    cache, B = 5, 4
+    block = block_layout(torch.tensor([[cache]]), B)
+    plain = build_mask(clean_layout(B, start=cache), cache_len=cache, causal_blocks=False)
+    assert torch.equal(build_mask(block, cache_len=cache, causal_blocks=True), plain)
+    assert not torch.equal(build_mask(block, cache_len=cache, causal_blocks=False), plain)
 
 
 def test_hand_checked_case():
     # clean x0 x1 x2, one block of 2 anchored at position 2: [x2, M] sees x0, x1 and itself.
     layout = concat(clean_layout(3), block_layout(torch.tensor([[2]]), 2))
-    m = build_mask(layout)[0, 0].int().tolist()
+    m = build_mask(layout, causal_blocks=False)[0, 0].int().tolist()
     assert m == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -76,7 +91,7 @@ def test_hand_checked_case():
 def test_left_padded_cache_is_hidden():
     layout = clean_layout(2, start=3)
     valid = torch.tensor([[False, True, True]])
-    m = build_mask(layout, cache_len=3, cache_valid=valid)[0, 0].int().tolist()
+    m = build_mask(layout, cache_len=3, cache_valid=valid, causal_blocks=False)[0, 0].int().tolist()
     assert m == [[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
 
 
@@ -112,7 +127,8 @@ def test_tree_mask_matches_brute_force_on_random_trees():
         anc = tree_ancestors(torch.tensor(parents))
         layout = tree_layout(torch.tensor(root), anc)
         got = build_mask(layout, cache_valid=torch.tensor(valid, dtype=torch.bool).reshape(b, cache),
-                         cache_pos=torch.tensor(cpos, dtype=torch.long).reshape(b, cache), tree=anc)
+                         cache_pos=torch.tensor(cpos, dtype=torch.long).reshape(b, cache), tree=anc,
+                         causal_blocks=False)
         for r in range(b):
             want, positions = tree_brute_force(parents[r], root[r], cpos[r], valid[r])
             assert got[r, 0].tolist() == want, (parents[r], r)
@@ -124,4 +140,5 @@ def test_a_tree_that_is_a_chain_has_the_causal_mask():
 
     anc = tree_ancestors(torch.tensor([[-1, 0, 1, 2, 3]]))
     layout = tree_layout(torch.tensor([4]), anc)
-    assert torch.equal(build_mask(layout, cache_len=4, tree=anc), build_mask(clean_layout(5, start=4), cache_len=4))
+    assert torch.equal(build_mask(layout, cache_len=4, tree=anc, causal_blocks=False),
+                       build_mask(clean_layout(5, start=4), cache_len=4, causal_blocks=False))

@@ -37,18 +37,19 @@ def test_deepspeed_plugin_carries_train_settings(monkeypatch):
     assert deepspeed_plugin(cfg.train, "bf16") is None
 
 
-def test_mask_mod_equals_build_mask():
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_mod_equals_build_mask(causal):
     """The flex_attention rule (evaluated per (q, kv) index) is build_mask's, on a packed training
-    layout with padding and on a decoding layout after a cache."""
+    layout with padding and on a decoding layout after a cache, for either block rule."""
     anchors = torch.tensor([[3, 6, 9]])
     train = pad_layout(concat(clean_layout(12), block_layout(anchors, 4)), 30)
     short = pad_layout(concat(clean_layout(7), block_layout(torch.tensor([[2, 5, 6]]), 4)), 30)
     both = type(train)(*(torch.cat([getattr(train, f), getattr(short, f)]) for f in ("pos", "block", "limit")))
     decode = block_layout(torch.tensor([[5, 8]]), 4)
     for layout, cache_len in ((both, 0), (decode, 5)):
-        dense = build_mask(layout, cache_len)[:, 0]
+        dense = build_mask(layout, cache_len, causal_blocks=causal)[:, 0]
         b, t, k = dense.shape
-        mod = mask_mod_for(layout, cache_len)
+        mod = mask_mod_for(layout, cache_len, causal_blocks=causal)
         bi, qi, ki = torch.meshgrid(torch.arange(b), torch.arange(t), torch.arange(k), indexing="ij")
         assert torch.equal(mod(bi, torch.zeros_like(bi), qi, ki), dense)
 

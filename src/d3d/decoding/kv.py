@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from d3d.errors import ConfigError
-from d3d.models.forward import attention_mask_for, cache_kwarg, hidden_states
+from d3d.models.forward import attention_mask_for, cache_kwarg, causal_blocks, hidden_states
 from d3d.models.masks import CLEAN, Layout, build_mask
 from d3d.models.target import input_device
 
@@ -266,7 +266,8 @@ def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid
     slots = torch.arange(q, device=input_ids.device) + length
     live = slot_valid & (torch.arange(n, device=input_ids.device) < length)
     layout = Layout(pos, block, limit)
-    both = build_mask(layout, cache_valid=live, cache_pos=slot_pos)  # (b, 1, q, n + q): slots, then the new tokens
+    # (b, 1, q, n + q): slots, then the new tokens
+    both = build_mask(layout, cache_valid=live, cache_pos=slot_pos, causal_blocks=causal_blocks(model))
     mask = both[..., :n].index_copy(-1, slots, both[..., n:])  # the new tokens' columns are their slots
     slot_pos.index_copy_(1, slots, pos)
     slot_valid.index_copy_(1, slots, block == CLEAN)

@@ -299,6 +299,7 @@ def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, d
     cache_dir = Path(cache_dir)
     attn = drafter_attention(spec, target)
     if spec.checkpoint:
+        check_block_attention(spec.checkpoint, spec.block_attention)
         return load_drafter(spec.checkpoint, device=device, dtype=dtype, attn_implementation=attn)
     check_draft_vocab_spec(spec, target, cache_dir, responses is not None)
     target_path = resolve_model_path(target, cache_dir)
@@ -313,7 +314,7 @@ def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, d
         block_size=spec.block_size,
         vocab_size=vocab_size,
         kept_layers=list(range(model.config.num_hidden_layers)),
-        init=init, target=target.name,
+        init=init, target=target.name, block_attention=spec.block_attention,
     )
     settings.mask_token_id = _add_mask_token(model, tok, spec.mask_token, settings.vocab_size)
     settings.tokenizer_fingerprint = tokenizer_fingerprint(tok, ignore=(spec.mask_token,))
@@ -372,6 +373,21 @@ def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
     if torn:
         raise ConfigError(f"{key}={path}: its {torn.name} is empty or torn. Fix: copy that file again from where the "
                           f"drafter was saved (the tokenizer is the target's), or pass a whole drafter folder.")
+
+
+def check_block_attention(folder, wanted: str, key: str = "drafter.checkpoint") -> None:
+    """A drafter decodes with the block rule it was trained with (it rides in its config.d3d, and
+    d3d.models.forward reads it there), so a run that asks for the other rule is refused before the
+    weights load rather than silently running the saved one."""
+    try:
+        raw = json.loads((Path(os.path.expanduser(str(folder))) / "config.json").read_text(encoding="utf-8"))["d3d"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a drafter folder: check_is_drafter says so where it loads
+    saved = DrafterSettings(**raw).block_attention
+    if saved != wanted:
+        raise ConfigError(f"{key}={folder} was trained with drafter.block_attention={saved}, but this run sets "
+                          f"{wanted}. Fix: set drafter.block_attention={saved} (a drafter's block rule is its "
+                          f"training's), or train a {wanted} drafter.")
 
 
 def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:

@@ -20,6 +20,9 @@ class DrafterSettings:
     init: str = "target"
     target: str = ""
     tokenizer_fingerprint: str = ""
+    # what a block token sees of its own block (d3d.specs.BLOCK_ATTENTION, d3d.models.masks); folders
+    # saved before the choice existed were trained bidirectional
+    block_attention: str = "bidirectional"
 
     @classmethod
     def of(cls, model) -> "DrafterSettings":

@@ -5,13 +5,25 @@ It works on any HF causal LM, not only a drafter: a packed input of clean tokens
 d3d.models.masks.Layout), optionally after a KV cache, goes through the backbone under the one d3d
 mask in the form the attention backend takes (SDPA's boolean mask, eager's additive one, flex's
 BlockMask), and the LM head runs only on the rows a caller picks.
+
+Whether a block attends causally inside itself is the model's own setting (`causal_blocks`, from the
+drafter's saved `block_attention`), read here for every pass: training, the estimator, pruning's
+scorer and every decoding pass build their masks with it, so none of them can disagree.
 """
 
 from __future__ import annotations
 
 import torch
 
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.masks import Layout, block_mask, build_mask, float_mask
+
+
+def causal_blocks(model) -> bool:
+    """True for a drafter saved with block_attention=causal (docs/design.md, Causal blocks). A model
+    without d3d settings (the target) never sees a block, so the rule does not matter for it."""
+    raw = getattr(model.config, "d3d", None)
+    return raw is not None and DrafterSettings(**raw).block_attention == "causal"
 
 
 def attention_mask_for(model, mask):
@@ -32,9 +44,10 @@ def attention_mask_for(model, mask):
 def packed_attention_mask(model, layout: Layout):
     """The d3d mask of a packed training input, built on the layout's device (move the layout
     first): a BlockMask under flex_attention, else build_mask's dense mask as the backend wants it."""
+    causal = causal_blocks(model)
     if model.config._attn_implementation == "flex_attention":
-        return block_mask(layout)
-    return attention_mask_for(model, build_mask(layout))
+        return block_mask(layout, causal_blocks=causal)
+    return attention_mask_for(model, build_mask(layout, causal_blocks=causal))
 
 
 def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, cache_len: int = 0,
@@ -53,7 +66,8 @@ def hidden_states(model, input_ids: torch.Tensor, layout: Layout, cache=None, ca
     if plain:
         attention_mask = None
     else:
-        attention_mask = attention_mask_for(model, build_mask(layout, cache_len, cache_valid, cache_pos, tree).to(input_ids.device))
+        mask = build_mask(layout, cache_len, cache_valid, cache_pos, tree, causal_blocks=causal_blocks(model))
+        attention_mask = attention_mask_for(model, mask.to(input_ids.device))
     out = model.base_model(
         input_ids=input_ids, attention_mask=attention_mask,
         position_ids=layout.pos.to(input_ids.device), use_cache=cache is not None, **cache_kwarg(model, cache),

@@ -8,6 +8,12 @@ Every token is either *clean* (part of the committed text, processed causally) o
       and every token of its own block (bidirectional inside the block);
     nothing else: blocks never see each other, clean tokens never see blocks, padding is unseen.
 
+A drafter trained with `drafter.block_attention=causal` (docs/design.md, Causal blocks) changes one
+clause: a block query at position p sees only the tokens of its own block at positions <= p. Its
+block pass is then an ordinary causal pass over [prefix, anchor, MASK ...], which is what an
+inference engine runs for a parallel draft. Every builder below takes that choice as
+`causal_blocks`, and d3d.models.forward reads it from the model, so no pass can disagree with training.
+
 Keys already in a KV cache are clean tokens at positions 0..C-1. A layout is described per token
 by three integer tensors: `pos` (its position id), `block` (block index, -1 for clean) and `limit`
 (the exclusive upper bound on the clean positions it may see: p+1 for clean tokens, the anchor
@@ -80,7 +86,8 @@ def tree_layout(root_pos: torch.Tensor, ancestors: torch.Tensor) -> Layout:
 
 
 def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: torch.Tensor | None = None,
-               cache_pos: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+               cache_pos: torch.Tensor | None = None, tree: torch.Tensor | None = None, *,
+               causal_blocks: bool) -> torch.Tensor:
     """Boolean mask (b, 1, T, cache_len + T): True where a query may attend to a key.
 
     Keys are the `cache_len` cached clean tokens followed by the query tokens themselves. Cached
@@ -88,7 +95,8 @@ def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: to
     decoding, where rows advance at different speeds); `cache_valid` (b, cache_len) hides cache
     slots that hold padding or rejected drafts. `tree` (b, T, T), for a tree of drafts
     (`tree_ancestors`): query token i sees query token j only where tree[i, j] (the cached keys
-    follow the clean rule as they are).
+    follow the clean rule as they are). `causal_blocks`: a block token sees only its block's tokens
+    at positions up to its own (module docstring); asked of every caller, so none forgets it.
     """
     b, t = query.shape
     dev = query.pos.device
@@ -103,6 +111,8 @@ def build_mask(query: Layout, cache_len: int | torch.Tensor = 0, cache_valid: to
         key_clean = key_clean & torch.cat([cache_valid.to(dev), torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
     sees_clean = key_clean[:, None, :] & (key_pos[:, None, :] < query.limit[:, :, None])
     same_block = (key_block[:, None, :] == query.block[:, :, None]) & (query.block[:, :, None] >= 0)
+    if causal_blocks:
+        same_block = same_block & (key_pos[:, None, :] <= query.pos[:, :, None])
     mask = sees_clean | same_block
     if tree is not None:
         mask = torch.cat([mask[:, :, :c], mask[:, :, c:] & tree.to(dev)], dim=2)
@@ -129,7 +139,7 @@ def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
-def mask_mod_for(query: Layout, cache_len: int = 0):
+def mask_mod_for(query: Layout, cache_len: int = 0, *, causal_blocks: bool):
     """build_mask's rule as a flex_attention `mask_mod(b, h, q, kv) -> bool`, for a layout whose
     cached keys (if any) are the clean positions 0..cache_len-1. Index tensors, no (T, K) tensor:
     flex evaluates it per tile on the device, so a long packed row never builds a dense mask."""
@@ -144,17 +154,20 @@ def mask_mod_for(query: Layout, cache_len: int = 0):
         q_block = block[b, q]
         sees_clean = (key_block == CLEAN) & (key_pos < limit[b, q])
         same_block = (key_block == q_block) & (q_block >= 0)
+        if causal_blocks:
+            same_block = same_block & (key_pos <= pos[b, q])
         # A padding query sees only itself (as in build_mask), so its softmax row is never empty.
         return torch.where(q_block == PAD, kv == q + c, sees_clean | same_block)
 
     return mask_mod
 
 
-def block_mask(query: Layout, cache_len: int = 0, block_size: int = 128):
+def block_mask(query: Layout, cache_len: int = 0, block_size: int = 128, *, causal_blocks: bool):
     """The d3d mask as a flex_attention `BlockMask`, built on the layout's device (docs/design.md, Training: flex on
     CUDA). Tiles that nothing in them may see are skipped, which a dense SDPA mask cannot do."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, t = query.shape
-    return create_block_mask(mask_mod_for(query, cache_len), b, None, t, int(cache_len) + t,
+    mask_mod = mask_mod_for(query, cache_len, causal_blocks=causal_blocks)
+    return create_block_mask(mask_mod, b, None, t, int(cache_len) + t,
                              device=query.pos.device, BLOCK_SIZE=block_size)

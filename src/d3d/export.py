@@ -1,0 +1,184 @@
+"""`python -m d3d.export drafter.checkpoint=<folder> export.out_dir=<folder>`: a trained drafter as a
+folder vLLM serves as a parallel draft model (docs/serving.md).
+
+vLLM's parallel drafting (speculative_config method=draft_model, parallel_drafting=true) runs the
+draft model once per step over the committed tokens it has not seen, then `[last committed, MASK x
+(K-1)]` at consecutive positions, and reads a draft at each of the K positions: d3d's block, under
+ordinary causal attention. So a drafter trained with drafter.block_attention=causal is served as it
+was trained, and its τ under vLLM is the offline estimator's with a block of K+1 (a causal slot
+never sees the slots after it, so the first K outputs of that block are vLLM's K drafts). A
+bidirectional drafter runs there under a mask it was not trained with: it is exported with a
+warning that gives that τ, measured.
+
+What the folder holds, and why:
+- the drafter's weights cut to the target's vocabulary (vLLM requires the draft's `vocab_size` to
+  be the target's); its config.json names the mask id where vLLM reads it (`mask_token_id`);
+- a mask id inside that vocabulary: the trained one when it is (Qwen's padded rows), else a special
+  token of the target no prompt or chat template uses, whose embedding row becomes the mask's. The
+  LM head keeps the trained rows (the head is untied if it was tied), so the drafts are the drafter's;
+- the target's tokenizer; `speculative_config.json` (what to pass to vLLM) and `export.json` (what was
+  exported from what, and the τ measured). Its d3d settings say block_attention=causal and the
+  served mask id, so d3d loads the folder as the drafter vLLM runs (tests/integration/test_serving.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from d3d.config import ConfigError, hydra_job, resolve_path
+from d3d.models.drafter import (
+    check_block_attention, check_same_tokenizer, drafter_folder, load_drafter, weights_fingerprint,
+)
+from d3d.models.drafter_settings import DrafterSettings
+from d3d.models.target import load_tokenizer, resolve_model_path
+from d3d.serving import served_taus, speculative_config
+from d3d.settings import bind_config
+from d3d.specs import ExportConfig
+from d3d.training import cut_responses, load_examples, split_examples
+from d3d.utils.io import published, write_json
+
+log = logging.getLogger("d3d.export")
+
+
+def spare_special_token(tok, vocab_size: int) -> int:
+    """The last special token of the target's tokenizer that is not its bos/eos/pad/unk and that its
+    chat template never writes: a row whose embedding no prompt reads, so it can carry the mask."""
+    reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
+    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template or "")
+    spare = [i for i, added in tok.added_tokens_decoder.items()
+             if added.special and i < vocab_size and i not in reserved and added.content not in template]
+    if not spare:
+        raise ConfigError("export.mask_token_id: the drafter's mask id lies outside the target's vocabulary and the "
+                          "target's tokenizer has no spare special token to carry it. Fix: set export.mask_token_id to "
+                          "an id below the vocabulary size that prompts never contain.")
+    return max(spare)
+
+
+def served_mask_id(s: DrafterSettings, tok, wanted: int | None) -> int:
+    if wanted is not None:
+        if wanted >= s.vocab_size:
+            raise ConfigError(f"export.mask_token_id={wanted}: vLLM needs it inside the target's vocabulary of "
+                              f"{s.vocab_size}. Fix: pick an id below {s.vocab_size} that prompts never contain.")
+        return wanted
+    return s.mask_token_id if s.mask_token_id < s.vocab_size else spare_special_token(tok, s.vocab_size)
+
+
+def as_served(model, s: DrafterSettings, mask_id: int) -> None:
+    """Cut the drafter to the target's vocabulary in place, the mask's input row at `mask_id`; the LM
+    head keeps its trained rows, untied from the input embeddings when the mask moved into a row that
+    the head also reads."""
+    emb = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    if head.shape[0] < s.vocab_size:  # a head narrower than the target's vocabulary is not a d3d drafter's yet
+        raise ConfigError(f"drafter.checkpoint: its LM head has {head.shape[0]} rows, the target's vocabulary "
+                          f"{s.vocab_size}. Fix: export a drafter with a full-vocabulary head (docs/serving.md).")
+    rows = emb[: s.vocab_size].clone()
+    rows[mask_id] = emb[s.mask_token_id]
+    moved = mask_id != s.mask_token_id
+    tied = head.data_ptr() == emb.data_ptr()
+    model.set_input_embeddings(torch.nn.Embedding.from_pretrained(rows, freeze=False))
+    if tied and moved:
+        model.config.tie_word_embeddings = False
+        for config in (model.config, model.config.get_text_config(decoder=True)):
+            config.tie_word_embeddings = False
+    out = torch.nn.Linear(head.shape[1], s.vocab_size, bias=False, dtype=head.dtype, device=head.device)
+    out.weight = torch.nn.Parameter(rows if tied and not moved else head[: s.vocab_size].clone())
+    model.set_output_embeddings(out)
+    model.config.vocab_size = s.vocab_size
+    model.config.mask_token_id = mask_id  # where vLLM reads the parallel-drafting token
+    served = DrafterSettings(**{**asdict(s), "mask_token_id": mask_id, "block_attention": "causal"})
+    served.attach(model)
+
+
+def check_out_dir(out: Path, source: Path) -> None:
+    if out == source:
+        raise ConfigError(f"export.out_dir={out} is the drafter's own folder. Fix: pass another folder.")
+    if out.exists() and any(out.iterdir()) and not (out / "export.json").is_file():
+        raise ConfigError(f"export.out_dir={out} exists and holds something else than an export. Fix: pass a new "
+                          f"folder, or remove that one.")
+
+
+def held_out(cfg: ExportConfig):
+    """The held-out responses of the drafter's training (d3d.train's split with this seed), cut as
+    its validation cuts them; None when there are none here."""
+    tc = cfg.train
+    try:
+        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+    except ConfigError as err:
+        log.info("no responses to measure τ on: %s", err)
+        return None
+    return cut_responses(list(split_examples(examples, tc.val_size, cfg.seed)[1]), tc.val_max_new_tokens)
+
+
+def export(cfg: ExportConfig) -> Path:
+    ec = cfg.export
+    if not cfg.drafter.checkpoint:
+        raise ConfigError("drafter.checkpoint: unset; export serves a trained drafter. Fix: pass "
+                          "drafter.checkpoint=<the final/ folder of a d3d.train or d3d.prune run>.")
+    source = drafter_folder(cfg.drafter.checkpoint)
+    check_block_attention(source, cfg.drafter.block_attention)
+    out = resolve_path(ec.out_dir)
+    check_out_dir(out, source)
+    model, tok = load_drafter(source, device="cpu", dtype="float32")
+    model.eval()
+    s = DrafterSettings.of(model)
+    k = ec.num_speculative_tokens or s.block_size - 1
+    if k > s.block_size:
+        raise ConfigError(f"export.num_speculative_tokens={k}: a drafter trained on blocks of {s.block_size} has "
+                          f"{s.block_size} trained slots. Fix: set it to {s.block_size - 1} (d3d's block) or "
+                          f"{s.block_size} (with the bonus slot's guess).")
+    target_path = resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))
+    target_tok = load_tokenizer(target_path)
+    check_same_tokenizer(tok, target_tok, s)
+    examples = held_out(cfg)
+    taus = served_taus(model, examples, k) if examples else None
+    if s.block_attention != "causal":
+        if taus is None:
+            raise ConfigError(f"drafter.checkpoint={source} was trained with bidirectional blocks, which vLLM runs "
+                              f"causally: export measures what that costs first, on the held-out responses in "
+                              f"train.responses_dir, and there are none. Fix: run d3d.generate for it (or set "
+                              f"train.responses_dir), or export a drafter trained with drafter.block_attention=causal.")
+        log.warning("drafter %s was trained with bidirectional blocks; vLLM drafts causally: its τ is %.3f there "
+                    "(K=%d) against %.3f in d3d's loop (B=%d), on %d held-out responses. Train with "
+                    "drafter.block_attention=causal to serve it as trained.", source,
+                    taus[f"tau_served_causal_K{k}"], k, taus[f"tau_d3d_bidirectional_B{s.block_size}"], s.block_size,
+                    taus["responses"])
+    mask_id = served_mask_id(s, target_tok, ec.mask_token_id)
+    if mask_id != s.mask_token_id:
+        log.info("mask id %d is outside the target's vocabulary of %d: served as %d (%s)", s.mask_token_id,
+                 s.vocab_size, mask_id, target_tok.convert_ids_to_tokens(mask_id))
+    as_served(model, s, mask_id)
+    spec = speculative_config(out, k)
+    record = {"source": str(source), "source_weights": weights_fingerprint(source), "target": cfg.target.name,
+              "target_path": str(target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
+              "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
+              "speculative_config": spec, **({"measured": taus} if taus else {})}
+    if out.exists():
+        shutil.rmtree(out)  # a previous export (check_out_dir): replaced whole
+    with published(out) as tmp:
+        model.save_pretrained(tmp)
+        target_tok.save_pretrained(tmp)
+        write_json(tmp / "speculative_config.json", spec)
+        write_json(tmp / "export.json", record)
+    print(json.dumps(spec), flush=True)
+    return out
+
+
+def run_export(cfg: DictConfig) -> Path:
+    return export(bind_config(cfg, "export"))
+
+
+@hydra_job("export")
+def main(cfg: DictConfig) -> None:
+    run_export(cfg)
+
+
+if __name__ == "__main__":
+    main()

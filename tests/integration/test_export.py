@@ -1,0 +1,113 @@
+"""d3d.export on the smoke setup: the folder vLLM loads (vocabulary, mask id, speculative_config) runs
+the drafter's causal block as a plain causal LM, and a bidirectional drafter is exported only with its
+served τ said. vLLM itself runs it in tests/integration/test_serving.py (slow)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from d3d.config import ConfigError
+from d3d.export import run_export
+from d3d.generate import run_generate
+from d3d.models.drafter import build_drafter, load_drafter, save_drafter
+from d3d.models.drafter_settings import DrafterSettings
+from d3d.models.forward import hidden_states, logits_at
+from d3d.models.masks import block_layout, clean_layout
+from d3d.settings import bind_config
+from tests.conftest import compose
+
+SMOKE = ["+experiment=smoke", "data.limit=6", "generate.max_new_tokens=24", "train.val_size=3"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("export_root")
+    run_generate(compose("generate", SMOKE, path))
+    return path
+
+
+def drafter(root, rule: str):
+    """A tiny drafter with lively weights, saved as a checkpoint of `rule`."""
+    cfg = bind_config(compose("train", SMOKE + [f"drafter.block_attention={rule}"], root), "train")
+    model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return save_drafter(model, tok, root / f"drafter_{rule}")
+
+
+def export(root, folder, rule: str, *extra):
+    cfg = compose("export", SMOKE + [f"drafter.checkpoint={folder}", f"drafter.block_attention={rule}",
+                                     f"export.out_dir={root}/served_{rule}", *extra], root)
+    return run_export(cfg)
+
+
+@pytest.mark.parametrize("mask", [None, 7])  # the trained id (inside this vocabulary), or moved into row 7
+def test_a_causal_drafter_exports_as_a_plain_causal_lm_with_its_drafts(root, capsys, mask):
+    folder = drafter(root, "causal")
+    out = export(root, folder, "causal", *([f"export.mask_token_id={mask}"] if mask is not None else []))
+    spec = json.loads((out / "speculative_config.json").read_text())
+    original, _ = load_drafter(folder, dtype="float32")
+    s = DrafterSettings.of(original)
+    assert spec == {"method": "draft_model", "model": str(out), "num_speculative_tokens": s.block_size - 1,
+                    "parallel_drafting": True}
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == spec  # printed for the user too
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == s.vocab_size and 0 <= config["mask_token_id"] < s.vocab_size
+    assert config["mask_token_id"] == (s.mask_token_id if mask is None else mask)
+    assert config["tie_word_embeddings"] == (mask is None)  # a moved mask row is not the head's row
+    served = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert served.get_output_embeddings().weight.shape[0] == s.vocab_size
+    # vLLM's pass: the committed tokens, then [last committed, MASK x (K-1)], plain causal attention,
+    # the served mask id; d3d's: the trained mask id in its causal block. The same K drafts' logits.
+    ids = torch.randint(4, 200, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    k, a = spec["num_speculative_tokens"], len(ids) - 1
+    with torch.no_grad():
+        vllm_like = served(torch.tensor([ids + [config["mask_token_id"]] * (k - 1)])).logits[0, a:]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=original.config)
+        hidden_states(original, torch.tensor([ids[:a]]), clean_layout(a), cache=cache)
+        h = hidden_states(original, torch.tensor([[ids[a]] + [s.mask_token_id] * (s.block_size - 1)]),
+                          block_layout(torch.tensor([[a]]), s.block_size), cache=cache, cache_len=a)
+        d3d = logits_at(original, h[0, :k], s.vocab_size)
+    torch.testing.assert_close(vllm_like, d3d, atol=1e-4, rtol=1e-4)
+    record = json.loads((out / "export.json").read_text())
+    assert record["trained_block_attention"] == "causal" and record["measured"]["responses"] == 3
+    # d3d loads the export as the drafter vLLM runs (causal, the served mask id)
+    again = DrafterSettings.of(load_drafter(out, dtype="float32")[0])
+    assert (again.block_attention, again.mask_token_id) == ("causal", config["mask_token_id"])
+
+
+def test_a_bidirectional_drafter_is_exported_with_its_served_tau_said(root, caplog):
+    folder = drafter(root, "bidirectional")
+    with caplog.at_level(logging.WARNING, logger="d3d.export"):
+        out = export(root, folder, "bidirectional", "export.num_speculative_tokens=2")
+    record = json.loads((out / "export.json").read_text())
+    served = record["measured"]["tau_served_causal_K2"]
+    assert f"its τ is {served:.3f} there (K=2)" in caplog.text
+    assert 1.0 <= served <= 3.0 and record["speculative_config"]["num_speculative_tokens"] == 2
+
+
+def test_a_bidirectional_drafter_without_responses_to_measure_is_refused(root, tmp_path):
+    folder = drafter(root, "bidirectional")
+    with pytest.raises(ConfigError, match="trained with bidirectional blocks.*Fix: run d3d.generate"):
+        export(root, folder, "bidirectional", f"train.responses_dir={tmp_path}/none")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["drafter.block_attention=causal"], "trained with drafter.block_attention=bidirectional"),
+    (["export.num_speculative_tokens=99"], "export.num_speculative_tokens=99: a drafter trained on blocks of"),
+    (["export.mask_token_id=100000000"], "export.mask_token_id=100000000: vLLM needs it inside"),
+])
+def test_bad_export_settings_are_refused_in_one_line(root, extra, message):
+    folder = drafter(root, "bidirectional")
+    cfg = compose("export", SMOKE + [f"drafter.checkpoint={folder}", f"export.out_dir={root}/x", *extra], root)
+    with pytest.raises(ConfigError, match=message):
+        run_export(cfg)
