@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT, compose
 
-JOBS = ("generate", "train", "prune", "eval")  # the Hydra recipes; pipeline/report take their own flags
+JOBS = ("generate", "train", "prune", "eval", "export")  # the Hydra recipes; pipeline/report take their own flags
 
 
 def gpu_section() -> str:
@@ -71,7 +71,7 @@ def test_the_section_has_the_order_a_researcher_follows():
     jobs = [c[0] for c in map(hydra_call, lines) if c]
     assert any("gpu_check.py" in line for line in lines[:3]), "the GPU check comes first"
     seen = [j for k, j in enumerate(jobs) if j not in jobs[:k]]
-    assert seen == ["generate", "train", "prune", "eval"], seen
+    assert seen == ["generate", "train", "prune", "eval", "export"], seen
     assert any(" -m " in f" {line} " and "sweep" in line or "hydra/launcher" in line for line in lines), "sweeps last"
 
 
