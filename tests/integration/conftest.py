@@ -68,6 +68,27 @@ def causal_models(models):
 PROMPTS = ["Hello there, how are you?", "2+2=", "def f(x):\n    return", "Once upon a time"]
 
 
+def two_token_tv(target, prompt: list[int], sampling, token_ids: list[list[int]]) -> float:
+    """Total variation between the sampled pairs (x1, x2) and the target's exact joint law under
+    `sampling` (d3d.decoding.verify.Sampling), computed by brute force over the law's support; a pair
+    outside the support fails at once (a draft accepted where the target gives it zero mass)."""
+    from d3d.decoding.verify import probs
+
+    with torch.no_grad():
+        p1 = probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
+        exact = {}
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            p2 = probs(target(torch.tensor([prompt + [x1]])).logits[0, -1], sampling)
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                exact[(x1, x2)] = (p1[x1] * p2[x2]).item()
+    counts: dict = {}
+    for t in token_ids:
+        counts[tuple(t)] = counts.get(tuple(t), 0) + 1
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    n = len(token_ids)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
+
+
 def reference(target, tok, prompt_ids, n, eos):
     out = target.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
                           eos_token_id=eos, pad_token_id=0)

@@ -95,7 +95,7 @@ def _sections():
             sub = next((a for a in typing.get_args(sub) if a is not type(None)), sub)
             if dataclasses.is_dataclass(sub) and f.name in cfg and cfg[f.name] is not None:
                 value = OmegaConf.to_container(cfg[f.name], resolve=True)
-                if (root, f.name) == ("prune", "train"):
+                if root in ("prune", "export") and f.name == "train":  # their view of the step's keys
                     value = {k: v for k, v in value.items() if k not in TRAIN_ONLY_KEYS}
                 yield root, f.name, sub, value
         if root == "eval":  # the benchmark group's specs: a section per benchmark
