@@ -238,13 +238,20 @@ def build_rows(cfg: BenchConfig, methods: dict, target, tok, drafter, also: dict
 
 def pass_costs(target, drafter, also: dict, prompt: list[int], widths: list[int]) -> dict:
     """Median ms of one cached forward of w new tokens after the warm-up prompt, lm_head excluded, per
-    model: a sync round costs draft(B) + verify(B) and yields τ tokens, an AR step verify(1) and one."""
-    from d3d.decoding.budget import clean_pass_ms
+    model: a sync round costs draft(B) + verify(B) and yields τ tokens, an AR step verify(1) and one.
+    `drafter_block`: each drafter's own draft pass, one mask block at its trained block with its LM head
+    (the head is what a draft vocabulary cuts, so it is timed here and not above), and the head's rows."""
+    from d3d.decoding.budget import block_pass_ms, clean_pass_ms
 
     ids = torch.tensor([prompt], device=target.device)
-    models = {"target": target, **({"drafter": drafter} if drafter is not None else {}),
-              **{f"drafter@{k}": d for k, d in also.items()}}
-    return {name: {w: clean_pass_ms(m, ids, w, 5, logits=False) for w in widths} for name, m in models.items()}
+    drafters = {**({"drafter": drafter} if drafter is not None else {}),
+                **{f"drafter@{k}": d for k, d in also.items()}}
+    models = {"target": target, **drafters}
+    out = {name: {w: clean_pass_ms(m, ids, w, 5, logits=False) for w in widths} for name, m in models.items()}
+    out["drafter_block"] = {name: {"ms": block_pass_ms(d, ids, 1, 5), "block": int(d.config.d3d["block_size"]),
+                                   "head_rows": int(d.get_output_embeddings().weight.shape[0])}
+                            for name, d in drafters.items()}
+    return out
 
 
 def resume_key(cfg: BenchConfig, rows: dict[str, Timed]) -> dict:
@@ -343,6 +350,7 @@ def run_bench(raw: DictConfig) -> Path:
         summary = summarise(all_rows, list(rows), warmup_s)
         summary |= {"target": cfg.target.name, "dtype": str(target.dtype), "preset": b.name,
                     "run": run_info(target.device), "pass_cost": cost}
+        summary["best_with_drafts"] = {label: e["method"] for label, e in best_rows(summary).items()}
         write_json(out / "summary.json", summary)
         text = summary_markdown(summary)
         (out / "summary.md").write_text(text + "\n")
@@ -404,14 +412,37 @@ def summary_markdown(summary: dict) -> str:
     device = run.get("cuda") or (run.get("cpu") or {}).get("model")
     lines.append(f"\n{summary['prompts']} prompts, medians over calls; {summary.get('target')} in "
                  f"{summary.get('dtype')} on {device} ({run.get('cpu_threads')} threads).")
+    best = best_rows(summary)
+    if best:
+        lines += ["", "Fastest row with drafts per drafter: " + "; ".join(
+            f"{label}: {e['method']} {fmt(e['tokens_per_s'], '.1f')} tokens/s"
+            + "".join(f", {fmt(e[f'x_{b}'])}x {b}" for b in bases) + f", drafter share {fmt(e['drafter_share'])}"
+            for label, e in best.items()) + "."]
     cost = summary.get("pass_cost")
     if cost:
-        models = list(cost)
+        blocks = cost.get("drafter_block") or {}
+        models = [m for m in cost if m != "drafter_block"]
         lines += ["", "One cached forward pass, lm_head excluded (ms, median of 5 after the warm-up prompt):", "",
                   "| tokens in the pass | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
         for w in cost["target"]:
             lines.append(f"| {w} | " + " | ".join(f"{cost[m][w]:.1f}" for m in models) + " |")
+        if blocks:
+            lines += ["", "One drafter pass of one block with its head (ms, median of 5): " + "; ".join(
+                f"{m}: {c['ms']:.1f} (B = {c['block']}, {c['head_rows']} head rows)" for m, c in blocks.items()) + "."]
     return "\n".join(lines)
+
+
+def best_rows(summary: dict) -> dict[str, dict]:
+    """The fastest row that drafts (drafter share > 0), per drafter: rows `<method>@<label>` run the
+    drafter bench.also_drafters.<label> names, the others the composed drafter ("drafter")."""
+    best = {}
+    for e in summary["methods"]:
+        if not e.get("drafter_share"):
+            continue
+        label = e["method"].split("@", 1)[1] if "@" in e["method"] else "drafter"
+        if label not in best or e["tokens_per_s"] > best[label]["tokens_per_s"]:
+            best[label] = e
+    return best
 
 
 @hydra_job("bench")

@@ -9,7 +9,7 @@ import pytest
 
 from d3d.bench import run_bench
 from d3d.config import ConfigError
-from d3d.models.drafter import build_drafter, save_drafter
+from d3d.models.drafter import attach_draft_head, build_drafter, load_drafter, save_drafter, special_ids
 from d3d.settings import bind_config
 from tests.conftest import compose
 
@@ -86,3 +86,29 @@ def test_a_missing_drafter_folder_is_said_before_the_models_load(tmp_path, monke
     monkeypatch.setattr(bench, "load_models", lambda *a, **k: pytest.fail("the models loaded before the check"))
     with pytest.raises(ConfigError, match=r"^bench.also_drafters.unpruned=.*does not exist"):
         run_bench(compose("bench", [*TINY, f"+bench.also_drafters.unpruned={tmp_path}/nowhere"], tmp_path))
+
+
+def test_a_draft_vocabulary_drafter_beside_the_full_head_reports_each_pass_and_best_row(tmp_path, drafter, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tok = load_drafter(drafter, dtype="float32")
+    V = model.get_output_embeddings().weight.shape[0]
+    d2t = torch.tensor(sorted(set(range(0, V, 3)) | set(special_ids(tok, V))))
+    attach_draft_head(model, d2t)
+    dv = save_drafter(model, tok, tmp_path / "dv")
+    out = run_bench(compose("bench", [*TINY, "bench.methods=[generate,ar,sync,tree]", f"drafter.checkpoint={dv}",
+                                      f"+bench.also_drafters.full={drafter}", "bench.n_prompts=2",
+                                      "methods.sync.block_size=4", "methods.tree.tree_nodes=3"], tmp_path))
+    summary = json.loads((out / "summary.json").read_text())
+    blocks = summary["pass_cost"]["drafter_block"]
+    assert {k: v["head_rows"] for k, v in blocks.items()} == {"drafter": len(d2t), "drafter@full": V}
+    assert all(v["ms"] > 0 for v in blocks.values())
+    by = {e["method"]: e for e in summary["methods"]}
+    assert set(summary["best_with_drafts"]) == {"drafter", "full"}
+    for label, method in summary["best_with_drafts"].items():  # the fastest drafting row of each drafter
+        mine = [e for m, e in by.items() if e["drafter_share"] and (m.endswith("@full") == (label == "full"))]
+        assert by[method]["tokens_per_s"] == max(e["tokens_per_s"] for e in mine)
+    text = (out / "summary.md").read_text()
+    best = next(line for line in text.splitlines() if line.startswith("Fastest row with drafts per drafter: "))
+    assert "drafter: " in best and "full: " in best and f", {len(d2t)} head rows)" in text

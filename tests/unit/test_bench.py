@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from d3d.bench import bind_bench, summarise, summary_markdown
+from d3d.bench import best_rows, bind_bench, summarise, summary_markdown
 from d3d.config import ConfigError, config_dir
 from d3d.decoding.methods import METHODS
 from tests.conftest import compose
@@ -64,3 +64,15 @@ def test_ratios_are_of_medians_and_the_break_even_tau_is_per_call():
     assert by["tree"]["equal_rate"] == pytest.approx(2 / 3) and by["tree"]["drafter_share"] == 0.25
     table = summary_markdown(s)
     assert "| tree | 20.0 | 2.00 | 2.00 | 3.00 | 1.50 | — | 0.67 | 100 (25 / 75 / 0) | 0.25 | — |" in table
+
+
+def test_the_fastest_row_with_drafts_is_found_per_drafter():
+    blank = dict.fromkeys(["tau", "tau_to_match", "hit_rate", "equal_rate", "wall_ms", "warmup_s"])
+    entry = lambda m, tps, share: {**blank, "method": m, "tokens_per_s": tps, "drafter_share": share,
+                                   "x_generate": tps / 10}
+    s = {"baselines": ["generate"], "prompts": 1, "methods": [
+        entry("generate", 10.0, None), entry("ar", 30.0, 0.0), entry("sync", 12.0, 0.3), entry("tree", 15.0, 0.25),
+        entry("sync@full", 14.0, 0.35), entry("tree@full", 13.0, 0.3)]}
+    # ar is fastest of all but drafts nothing; each drafter's own best row is kept apart
+    assert {k: e["method"] for k, e in best_rows(s).items()} == {"drafter": "tree", "full": "sync@full"}
+    assert "drafter: tree 15.0 tokens/s, 1.50x generate, drafter share 0.25; full: sync@full" in summary_markdown(s)
