@@ -2,6 +2,7 @@
 
     python scripts/bench_train.py [--batch-size 4 --anchors 32 --max-len 512 --repeats 3] [hydra overrides]
     python scripts/bench_train.py --precisions no bf16 ...   # fp32 against bf16 autocast, interleaved
+    python scripts/bench_train.py --draft-vocab 32000 ...    # the D3D step with a draft vocabulary's head, too
 
 The D3D step is the real one (d3d.training.D3DTrainingStep: clean sequence + N noisy blocks, logits only at loss
 rows); the baseline is `model(input_ids, labels=...)` of the same backbone on the same clean
@@ -9,6 +10,10 @@ sequences (full logits, causal mask). `--precisions` times each step in each pre
 `bf16` = bf16 autocast around fp32 weights, what `train.mixed_precision=bf16` runs), the repeats
 interleaved so a change in machine load hits every precision alike. Prints medians, tokens/s and the
 ratios; writes outputs/bench/train.json. Needs target responses (python -m d3d.generate) for real sequences.
+`--draft-vocab N ...` adds the D3D step with the head over N tokens (drafter.draft_vocab: chosen from the
+loaded responses as d3d.train chooses it, the pretrained rows), swapped in place on the same backbone and
+interleaved with the full head's step; forward and backward only, as every step here (the optimizer's
+update of the head's rows is not timed).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
-from d3d.models.drafter import build_drafter
+from d3d.models.drafter import DraftHead, build_drafter, choose_draft_vocab, special_ids
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, pack
 from d3d.training import D3DTrainingStep, load_examples
@@ -39,6 +44,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precisions", nargs="+", default=["no"], choices=["no", "bf16"],
                     help="no = fp32; bf16 = bf16 autocast (train.mixed_precision=bf16)")
+    ap.add_argument("--draft-vocab", nargs="*", type=int, default=[],
+                    help="also time the D3D step with a draft vocabulary of N tokens (drafter.draft_vocab)")
     ap.add_argument("--out", default="outputs/bench/train.json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -47,16 +54,26 @@ def main() -> None:
     model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), dtype="float32")
     s = DrafterSettings.of(model)
     model.train()
-    examples = load_examples(resolve_path(cfg.train.responses_dir), args.max_len)[: args.batch_size]
+    loaded = load_examples(resolve_path(cfg.train.responses_dir), args.max_len)
+    examples = loaded[: args.batch_size]
     ocfg = ObjectiveConfig.shipped(s.block_size, anchors_per_seq=args.anchors)
     batch = pack(examples, ocfg, s.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
 
     step = D3DTrainingStep(model, s.vocab_size, 1.0)  # the module d3d.train runs
+    heads = {"d3d": model.get_output_embeddings()}
+    always = special_ids(tok, s.vocab_size, s.mask_token_id)
+    coverage = {}
+    for n in args.draft_vocab:
+        d2t, coverage[n] = choose_draft_vocab([e.ids[e.prompt_len:] for e in loaded], n, s.vocab_size, always)
+        heads[f"d3d_dv{n}"] = DraftHead(heads["d3d"].weight.detach()[d2t].clone(), d2t)
 
-    def d3d_step():
-        loss, _ = step(batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    def d3d_step(head):
+        def run():
+            model.set_output_embeddings(heads[head])  # the step reads the head each forward
+            loss, _ = step(batch)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return run
 
     width = max(len(e.ids) for e in examples)
     ids = torch.full((len(examples), width), tok.pad_token_id)
@@ -68,6 +85,7 @@ def main() -> None:
         labels[r, e.prompt_len : len(e.ids)] = torch.tensor(e.ids[e.prompt_len :])
 
     def causal_step():
+        model.set_output_embeddings(heads["d3d"])
         out = model(input_ids=ids, attention_mask=attn, labels=labels)
         out.loss.backward()
         model.zero_grad(set_to_none=True)
@@ -82,7 +100,8 @@ def main() -> None:
         return run
 
     cpu = torch.device("cpu")  # this benchmark builds its model on the CPU
-    steps = {(p, kind): under(p, fn) for p in args.precisions for kind, fn in (("d3d", d3d_step), ("causal", causal_step))}
+    kinds = [(head, d3d_step(head)) for head in heads] + [("causal", causal_step)]
+    steps = {(p, kind): under(p, fn) for p in args.precisions for kind, fn in kinds}
     times = {key: [] for key in steps}
     for _ in range(args.repeats):  # interleaved: every step of every precision once per repeat
         for key, fn in steps.items():
@@ -101,6 +120,12 @@ def main() -> None:
                      "d3d_clean_tokens_per_s": round(clean_tokens / t_d3d, 1),
                      "causal_tokens_per_s": round(clean_tokens / t_ar, 1),
                      "step_time_ratio_d3d_over_causal": round(t_d3d / t_ar, 2)}
+        for n in args.draft_vocab:  # the same step with the draft head: steps a minute up by the ratio
+            t_dv = med[(p, f"d3d_dv{n}")]
+            result[p][f"d3d_dv{n}_step_s"] = round(t_dv, 3)
+            result[p][f"d3d_step_full_over_dv{n}"] = round(t_d3d / t_dv, 3)
+    if coverage:
+        result["draft_vocab_coverage"] = {n: round(c, 5) for n, c in coverage.items()}  # of the loaded responses
     if "no" in args.precisions and "bf16" in args.precisions:
         result["d3d_step_fp32_over_bf16"] = round(med[("no", "d3d")] / med[("bf16", "d3d")], 2)
     result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
