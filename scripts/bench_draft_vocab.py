@@ -4,6 +4,7 @@ real shapes, and how much of a response set N tokens cover.
     python scripts/bench_draft_vocab.py passes [--shapes qwen25_coder_05b qwen3_1p7b --draft-vocab 32000
                                                 --prefix 256 --rounds 5 --repeats 3 --device cpu]
     python scripts/bench_draft_vocab.py coverage RESPONSES_DIR ... [--texts FILE.jsonl:FIELD --tokenizer DIR]
+                                                 [--ids ROWS.jsonl:token_ids --drafter DRAFTER_DIR]
                                                  [--sizes 1000 2000 ...]
 
 `passes` times, on random weights of each shape (a pass's time does not depend on the weights), one
@@ -18,7 +19,8 @@ its repeats after a warm-up, and the table's is the median over rounds. `coverag
 cover, as d3d.models.drafter.choose_draft_vocab picks them (here without the tokenizer's specials,
 which the responses' own counts already rank): chosen on the even rows, measured on them and on the odd
 rows; `--tokenizer DIR` gives the vocabulary's size (else the largest id seen + 1), and
-`--texts FILE.jsonl:FIELD` adds texts (reference answers, say) tokenised there. Both write JSON (default under docs/results/) with the
+`--texts FILE.jsonl:FIELD` adds texts (reference answers, say) tokenised there, `--ids` token-id lists
+(a d3d.bench run's responses), and `--drafter DIR` measures a trained drafter's own map on every set. Both write JSON (default under docs/results/) with the
 machine's CPU or GPU recorded.
 """
 
@@ -162,14 +164,29 @@ def coverage(args) -> dict:
             path, field = spec.rsplit(":", 1)
             texts = [json.loads(line)[field] for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
             sets[f"{path}:{field}"] = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    out = {"sizes": args.sizes, "tokenizer": str(args.tokenizer), "sets": {}}
+    for spec in args.ids:
+        path, field = spec.rsplit(":", 1)
+        lists = [json.loads(line)[field] for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        sets[f"{path}:{field}"] = [list(ids) for ids in dict.fromkeys(map(tuple, lists))]
+    d2t = None
+    if args.drafter:  # the map d3d.train chose and saved (lm_head.d2t), measured on every set as it is
+        from safetensors import safe_open
+
+        with safe_open(str(next(Path(args.drafter).glob("*.safetensors"))), framework="pt") as fh:
+            key = next(k for k in fh.keys() if k.endswith("lm_head.d2t"))
+            d2t = fh.get_tensor(key)
+    out = {"sizes": args.sizes, "tokenizer": str(args.tokenizer), "drafter": str(args.drafter) if d2t is not None else None,
+           "drafter_vocab": len(d2t) if d2t is not None else None, "sets": {}}
     for name, rows in sets.items():
         v = vocab or 1 + max(t for ids in rows for t in ids)
         row = {"rows": len(rows), "tokens": sum(map(len, rows)),
                "distinct": len({t for ids in rows for t in ids}), "in_sample": {}, "held_out": {}}
         for n in [n for n in args.sizes if n <= v]:
-            d2t, row["in_sample"][n] = choose_draft_vocab(rows[0::2], n, v, [])
-            row["in_sample"][n], row["held_out"][n] = round(row["in_sample"][n], 5), round(covered(rows[1::2], d2t), 5)
+            chosen, row["in_sample"][n] = choose_draft_vocab(rows[0::2], n, v, [])
+            row["in_sample"][n], row["held_out"][n] = round(row["in_sample"][n], 5), round(covered(rows[1::2], chosen), 5)
+        if d2t is not None:
+            row["drafter_map"] = round(covered(rows, d2t), 5)
+            print(f"{name}: the drafter's map of {len(d2t)} covers {100 * row['drafter_map']:.2f}%", flush=True)
         out["sets"][name] = row
         print(f"{name}: {row['rows']} rows, {row['tokens']} tokens, {row['distinct']} distinct; chosen on the even rows, "
               "covers (in sample / odd rows): " + ", ".join(f"N={n}: {100 * row['in_sample'][n]:.2f}% / "
@@ -208,6 +225,10 @@ def main() -> None:
     c.add_argument("--texts", nargs="*", default=[], help="FILE.jsonl:FIELD texts (e.g. reference answers)")
     c.add_argument("--tokenizer", type=Path, help="the tokenizer folder that --texts are tokenised with")
     c.add_argument("--sizes", nargs="+", type=int, default=[500, 1000, 2000, 4000, 8000, 16000, 32000])
+    c.add_argument("--ids", nargs="*", default=[], help="FILE.jsonl:FIELD token-id lists (a d3d.bench rows.jsonl's "
+                   "token_ids: the target's responses to its prompts; equal lists are counted once)")
+    c.add_argument("--drafter", type=Path, default=None,
+                   help="a trained draft-vocabulary drafter: also the share of each set its saved map covers")
     c.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = passes(args) if args.what == "passes" else coverage(args)
