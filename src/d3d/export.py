@@ -16,6 +16,9 @@ What the folder holds, and why:
 - a mask id inside that vocabulary: the trained one when it is (Qwen's padded rows), else a special
   token of the target no prompt or chat template uses, whose embedding row becomes the mask's. The
   LM head keeps the trained rows (the head is untied if it was tied), so the drafts are the drafter's;
+- a draft vocabulary's head (drafter.draft_vocab) as a full one: its N rows at their token ids, every
+  other row zero. The heads vLLM runs have no bias, so a row cannot say -inf: an excluded token scores 0
+  and wins only at a slot where every kept logit is below 0; export.json holds τ both ways;
 - the target's tokenizer; `speculative_config.json` (what to pass to vLLM) and `export.json` (what was
   exported from what, and the τ measured). Its d3d settings say block_attention=causal and the
   served mask id, so d3d loads the folder as the drafter vLLM runs (tests/integration/test_serving.py).
@@ -76,9 +79,10 @@ def as_served(model, s: DrafterSettings, mask_id: int) -> None:
     the head also reads."""
     emb = model.get_input_embeddings().weight.detach()
     head = model.get_output_embeddings().weight.detach()
-    if head.shape[0] < s.vocab_size:  # a head narrower than the target's vocabulary is not a d3d drafter's yet
-        raise ConfigError(f"drafter.checkpoint: its LM head has {head.shape[0]} rows, the target's vocabulary "
-                          f"{s.vocab_size}. Fix: export a drafter with a full-vocabulary head (docs/serving.md).")
+    d2t = getattr(model.get_output_embeddings(), "d2t", None)
+    if d2t is not None:  # a draft vocabulary: its rows at their token ids, every other row zero (a logit of 0)
+        head = torch.zeros(s.vocab_size, head.shape[1], dtype=head.dtype, device=head.device).index_copy_(
+            0, d2t.to(head.device), head)
     rows = emb[: s.vocab_size].clone()
     rows[mask_id] = emb[s.mask_token_id]
     moved = mask_id != s.mask_token_id
@@ -93,7 +97,7 @@ def as_served(model, s: DrafterSettings, mask_id: int) -> None:
     model.set_output_embeddings(out)
     model.config.vocab_size = s.vocab_size
     model.config.mask_token_id = mask_id  # where vLLM reads the parallel-drafting token
-    served = DrafterSettings(**{**asdict(s), "mask_token_id": mask_id, "block_attention": "causal"})
+    served = DrafterSettings(**{**asdict(s), "mask_token_id": mask_id, "block_attention": "causal", "draft_vocab": None})
     served.attach(model)
 
 
@@ -155,11 +159,17 @@ def export(cfg: ExportConfig) -> Path:
         log.info("mask id %d is outside the target's vocabulary of %d: served as %d (%s)", s.mask_token_id,
                  s.vocab_size, mask_id, target_tok.convert_ids_to_tokens(mask_id))
     as_served(model, s, mask_id)
+    full_head = served_taus(model, examples, k) if examples and s.draft_vocab else None
+    if full_head:
+        log.info("draft vocabulary of %d tokens served as a head of %d rows (the others zero): τ under vLLM %.3f, "
+                 "against %.3f with the draft vocabulary's -inf outside it, on %d held-out responses", s.draft_vocab,
+                 s.vocab_size, full_head[f"tau_served_causal_K{k}"], taus[f"tau_served_causal_K{k}"], taus["responses"])
     spec = speculative_config(out, k)
     record = {"source": str(source), "source_weights": weights_fingerprint(source), "target": cfg.target.name,
               "target_path": str(target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
               "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
-              "speculative_config": spec, **({"measured": taus} if taus else {})}
+              "draft_vocab": s.draft_vocab, "speculative_config": spec, **({"measured": taus} if taus else {}),
+              **({"measured_full_head": full_head} if full_head else {})}
     if out.exists():
         shutil.rmtree(out)  # a previous export (check_out_dir): replaced whole
     with published(out) as tmp:

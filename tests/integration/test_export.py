@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from d3d.config import ConfigError
 from d3d.export import run_export
 from d3d.generate import run_generate
-from d3d.models.drafter import build_drafter, load_drafter, save_drafter
+from d3d.models.drafter import attach_draft_head, build_drafter, load_drafter, save_drafter, special_ids
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
@@ -83,6 +83,27 @@ def test_a_causal_drafter_exports_as_a_plain_causal_lm_with_its_drafts(root, cap
     # d3d loads the export as the drafter vLLM runs (causal, the served mask id)
     again = DrafterSettings.of(load_drafter(out, dtype="float32")[0])
     assert (again.block_attention, again.mask_token_id) == ("causal", config["mask_token_id"])
+
+
+def test_a_draft_vocabulary_drafter_exports_with_a_full_head_and_its_tau_both_ways(root, caplog):
+    model, tok = load_drafter(drafter(root, "causal"), dtype="float32")
+    s = DrafterSettings.of(model)
+    d2t = torch.tensor(sorted(set(range(0, s.vocab_size, 2)) | set(special_ids(tok, s.vocab_size, s.mask_token_id))))
+    attach_draft_head(model, d2t)
+    dv = save_drafter(model, tok, root / "drafter_dv")
+    with caplog.at_level(logging.INFO, logger="d3d.export"):
+        out = export(root, dv, "causal", "export.out_dir=" + str(root / "served_dv"))
+    served = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    head = served.get_output_embeddings().weight.detach()
+    assert head.shape[0] == s.vocab_size and json.loads((out / "config.json").read_text())["vocab_size"] == s.vocab_size
+    torch.testing.assert_close(head[d2t], model.get_output_embeddings().weight.detach())  # its rows at their ids
+    outside = torch.ones(s.vocab_size, dtype=torch.bool).index_fill_(0, d2t, False)
+    assert not head[outside].any()  # and nothing anywhere else
+    record = json.loads((out / "export.json").read_text())
+    assert record["draft_vocab"] == len(d2t) and set(record["measured_full_head"]) == set(record["measured"])
+    assert all(1.0 <= record[m]["tau_served_causal_K15"] <= 16 for m in ("measured", "measured_full_head"))
+    assert "served as a head of" in caplog.text
+    assert DrafterSettings.of(load_drafter(out, dtype="float32")[0]).draft_vocab is None  # d3d reads a full head
 
 
 def test_a_bidirectional_drafter_is_exported_with_its_served_tau_said(root, caplog):
