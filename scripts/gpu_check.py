@@ -281,7 +281,7 @@ class Estimate:
         "placement": 8,  # a tiny target saved and reloaded by device_map, 3 methods x (greedy + sampled) +
         # generate per prompt: 15 s on the CPU; the 2-GPU cases (skipped on one GPU) as many again
         "train": 45,  # accelerate start, flex_attention's forward and backward compiles, 20 tiny steps
-        "readiness": 64,  # 8B + 1.7B init ~10 s, 10 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
+        "readiness": 64,  # 8B + 1.7B init ~10 s, 11 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
         # the draft vocabulary's 12 more passes x 11 runs and a 1.7B copy ~6 s,
         # 7 eager loops of 64 rounds at 20-80 ms (the trees' ~100 more small ops per round)
         "compiled_equal": 5,  # 3 tiny eager and compiled runs of 24 tokens, without their compiles
