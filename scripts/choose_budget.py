@@ -25,7 +25,7 @@ from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.decoding import DecodeConfig
 from d3d.decoding.budget import calibrate, greedy_pairs
-from d3d.decoding.methods import method_row
+from d3d.decoding.methods import METHODS, ROLES, method_row
 from d3d.models import load_target
 from d3d.models.drafter import load_drafter
 from d3d.models.drafter_settings import DrafterSettings
@@ -48,7 +48,8 @@ def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--method", default="async", help="a method with trays: async (C x F), async_tree (tree_trays)")
+    ap.add_argument("--method", default=ROLES["trays"], choices=[n for n, r in METHODS.items() if r.trays],
+                    help="a method with trays (its tray knobs are the budget's)")
     ap.add_argument("--responses", default=None)
     ap.add_argument("--n", type=int, default=6, help="calibration responses")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{len(pairs)} calibration responses, {rounds} rounds, τ {tau:.3f}; packed pass "
           f"{'overlapped' if overlap else 'serial'}")
     print(f"costs ms: step {costs['step_ms']:.1f}, verify {costs['verify_ms']:.1f}, draft {costs['draft_ms']:.1f}; "
-          f"sync projected {best.sync_speedup:.3f}×\n")
+          f"{row.reference} projected {best.sync_speedup:.3f}×\n")
     print(f"| {' | '.join(knobs)} | packed tokens | packed ms | hit rate | round ms | projected speedup |\n"
           f"|{'---|' * (len(knobs) + 5)}")
     for r in sorted(best.table, key=lambda r: tuple(r[k] for k in knobs)):

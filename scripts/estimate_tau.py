@@ -25,11 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="score the first N response tokens")
-    ap.add_argument("--tree-nodes", type=int, default=None, help="τ of tree verification with N draft nodes")
+    ap.add_argument("--tree-nodes", type=int, default=None, help="τ of the drafts decode.tree_nodes=N verifies at once (d3d.decoding.methods.scored_drafts)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.tree_nodes is not None and args.tree_nodes < 1:
-        ap.error(f"--tree-nodes {args.tree_nodes}: a tree needs at least 1 draft node")
+        ap.error(f"--tree-nodes {args.tree_nodes}: at least 1 draft node")
     cfg = bind_config(compose("train", args.overrides), "train")
     examples = load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len)
     _, val = split_examples(examples, cfg.train.val_size, cfg.seed)

@@ -69,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # d3d from this checkout, installed or not
 
 from d3d.decoding import DecodeConfig  # noqa: E402
+from d3d.decoding.methods import METHODS, ROLES  # noqa: E402
 from d3d.models.random_models import as_drafter, random_model  # noqa: E402
 
 
@@ -168,15 +169,18 @@ def stage_train(device: str, out_dir: Path, toy: bool, st: Stage | None = None) 
             "tail": (proc.stdout + proc.stderr)[-2000:]}
 
 
+# no paper hit rate fits the toy budgets: the toy preset's rows with trays get these
+TOY_HIT_RATES = ["async_2x1=0.3", "async_3x2=0.6", "async_tree_3x2=0.5"]
+
+
 def stage_readiness(device: str, out_dir: Path, toy: bool, st: Stage | None = None) -> dict:
     st = st or Stage()
     out = str(out_dir / "gpu_readiness.json")
     if toy:
-        argv = ["--target", "toy", "--drafter", "toy", "--device", device, "--dtype", "float32", "--prefix", "32",
-                "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
-                "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--trees", "3", "--async-trees", "3x2",
-                "--tray-tokens", "8",
-                "--out", out]
+        # the toy preset's rows (conf/bench/gpu_readiness_toy.yaml), each row with trays its own hit rate
+        argv = ["--preset", "gpu_readiness_toy", "--target", "toy", "--drafter", "toy", "--device", device, "--dtype",
+                "float32", "--prefix", "32", "--block-size", "4", "--block-sizes", "1", "4", "--hit-rate", *TOY_HIT_RATES,
+                "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--tray-tokens", "8", "--out", out]
     else:
         argv = ["--target", "qwen3_8b", "--drafter", "qwen3_1p7b", "--device", device, "--dtype", "bfloat16",
                 "--prefix", "2048", "--loop-tokens", "32", "--out", out,
@@ -193,17 +197,26 @@ def stage_readiness(device: str, out_dir: Path, toy: bool, st: Stage | None = No
 TIMING_SHAPES = {True: ("toy", "toy_drafter", torch.float32, 32, 8), False: ("qwen3_8b", "qwen3_1p7b", torch.bfloat16, 512, 32)}
 
 
-def stage_compiled_timing(device: str, toy: bool, methods=("ar",), st: Stage | None = None,
+# compiled_timing's loops by role (d3d.decoding.methods.ROLES): the plain loop (AR), and the drafted
+# one (sync) that --timing-methods adds
+TIMED = {role: ROLES[role] for role in ("plain", "drafted")}
+
+
+def role_of(method: str) -> str:
+    return "drafted" if METHODS[method].needs_drafter else "plain"
+
+
+def stage_compiled_timing(device: str, toy: bool, methods=(TIMED["plain"],), st: Stage | None = None,
                           room_s=lambda: float("inf")) -> dict:
     """Per-round wall time, eager against compiled (CUDA graphs on CUDA), at Qwen3-8B (target) /
-    1.7B (drafter, only when sync is timed) shapes in bf16. Each compiled method costs cold compiles
-    of the large graphs (ESTIMATE), so only AR runs by default; a sub-step that `room_s()` (the
-    budget left) cannot hold is recorded as skipped."""
+    1.7B (drafter, only when a drafted loop is timed) shapes in bf16. Each compiled method costs
+    cold compiles of the large graphs (ESTIMATE), so only the plain loop runs by default; a sub-step
+    that `room_s()` (the budget left) cannot hold is recorded as skipped."""
     st = st or Stage()
     name_t, name_d, dtype, prefix, tokens = TIMING_SHAPES[toy]
     dev = torch.device(device)
     big_t = random_model(name_t, dev, dtype, seed=0)
-    big_d = as_drafter(random_model(name_d, dev, dtype, seed=1), 16) if "sync" in methods else None
+    big_d = as_drafter(random_model(name_d, dev, dtype, seed=1), 16) if "drafted" in map(role_of, methods) else None
     out = {"target": name_t, "drafter": name_d if big_d is not None else None, "dtype": str(dtype), "prefix": prefix,
            "skipped": []}
     for method in methods:
@@ -253,7 +266,8 @@ class Estimate:
     # pair's target and drafter share a structure, so they share graphs of equal shapes: only the
     # total counts there; on CUDA async's side-stream drafter passes (no CUDA graphs) are compiled
     # apart, which can add one graph per shape they shared on CPU: TINY_CUDA_EXTRA
-    GRAPHS = {"compiled_equal": {"target": 2, "drafter": 5}, "ar": {"target": 1}, "sync": {"target": 1, "drafter": 2}}
+    # (compiled_equal's, and per role of a compiled_timing loop: TIMED)
+    GRAPHS = {"compiled_equal": {"target": 2, "drafter": 5}, "plain": {"target": 1}, "drafted": {"target": 1, "drafter": 2}}
     TINY_CUDA_EXTRA = 2
     STAGES_S = {  # stage: seconds on one H200, without its compiles. Tiny stages: their time on
         # this project's CPU (2-core AMD EPYC, one thread, default sizes, measured) rounded up
@@ -267,7 +281,7 @@ class Estimate:
         "placement": 8,  # a tiny target saved and reloaded by device_map, 3 methods x (greedy + sampled) +
         # generate per prompt: 15 s on the CPU; the 2-GPU cases (skipped on one GPU) as many again
         "train": 45,  # accelerate start, flex_attention's forward and backward compiles, 20 tiny steps
-        "readiness": 64,  # 8B + 1.7B init ~10 s, 10 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
+        "readiness": 64,  # 8B + 1.7B init ~10 s, 11 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
         # the draft vocabulary's 12 more passes x 11 runs and a 1.7B copy ~6 s,
         # 7 eager loops of 64 rounds at 20-80 ms (the trees' ~100 more small ops per round)
         "compiled_equal": 5,  # 3 tiny eager and compiled runs of 24 tokens, without their compiles
@@ -279,10 +293,10 @@ class Estimate:
 
     def substep(self, method: str, backend: str) -> float:
         """A compiled_timing sub-step: its cold compiles, plus 64 rounds at eager speed."""
-        compiles = sum(n * self.TIMING_GRAPH_S[role] for role, n in self.graphs[method].items())
+        compiles = sum(n * self.TIMING_GRAPH_S[model] for model, n in self.graphs[role_of(method)].items())
         return (compiles if backend == "compiled" else 0.0) + 5.0
 
-    def stage(self, name: str, timing_methods=("ar",)) -> float:
+    def stage(self, name: str, timing_methods=(TIMED["plain"],)) -> float:
         extra = 0.0
         if name == "compiled_equal":
             extra = (sum(self.graphs["compiled_equal"].values()) + self.TINY_CUDA_EXTRA) * self.TINY_GRAPH_S
@@ -290,7 +304,7 @@ class Estimate:
             extra = sum(self.substep(m, "compiled") - 5.0 for m in timing_methods)
         return self.STAGES_S[name] + extra
 
-    def table(self, stages, timing_methods=("ar",)) -> dict:
+    def table(self, stages, timing_methods=(TIMED["plain"],)) -> dict:
         rows = {"startup": self.STAGES_S["startup"], **{n: self.stage(n, timing_methods) for n in stages}}
         return {"seconds": rows, "total_s": sum(rows.values())}
 
@@ -379,8 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="a stage (or compiled_timing sub-step) whose estimate does not fit in what is left of this "
                         "is recorded as skipped, not started (the README wraps the run in `timeout 480`)")
-    p.add_argument("--timing-methods", nargs="+", default=["ar"], choices=["ar", "sync"],
-                   help="loops compiled_timing times at 8B shapes (sync adds ~220 s of cold compiles)")
+    p.add_argument("--timing-methods", nargs="+", default=[TIMED["plain"]], choices=list(TIMED.values()),
+                   help=f"loops compiled_timing times at 8B shapes ({TIMED['drafted']} adds ~220 s of cold compiles)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)
@@ -410,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in chosen:
         st = report.begin(name)
         # the toy run's stages are CPU-sized: only a budget already spent skips them
-        # (compiled_timing guards each of its sub-steps: AR may fit where sync does not)
+        # (compiled_timing guards each of its sub-steps: the plain loop may fit where the drafted does not)
         need = 0.0 if args.toy else ESTIMATE.STAGES_S[name] if name == "compiled_timing" else \
             ESTIMATE.stage(name, args.timing_methods)
         if need > room_s() or room_s() <= 0:

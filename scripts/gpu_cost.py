@@ -20,7 +20,8 @@ Per stage (N parameters of the model that runs, counted from its config.json num
   over the ranks, recovery sharded) at the same MFU.
 - eval: every item of benchmark=all x eval.methods at one request, each round memory-bound: a pass
   reads the model's bf16 weights at a share of the HBM bandwidth; a drafting method's round is one
-  target pass + one drafter pass (sync) or the slower of the two (async) for an assumed τ tokens;
+  target pass + one drafter pass (sync, tree) or the slower of the two when its row overlaps them
+  (async, async_tree: d3d.decoding.methods) for an assumed τ tokens;
   on the GPUs the memory plan gives a request (two where the target needs its own, target.device_map).
 Left out: model downloads, compile warm-up (~90 s per 8B graph and shape, docs/design.md), evaluation
 and checkpoints inside training, prefill.
@@ -36,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_plan as plan  # noqa: E402  (scripts/ is not a package)
+from d3d.decoding.methods import method_row  # noqa: E402
 
 OVERLAYS = ["qwen3_8b", "qwen3_32b", "qwen3_8b_d8b", "qwen3_32b_d8b"]
 
@@ -120,11 +122,18 @@ def stage_rows(overrides: list[str], x: Inputs) -> list[dict]:
     def pass_s(n: int) -> float:
         return 2 * n / (x.hbm_bandwidth * x.bandwidth_share)
 
-    per_token = {"ar": pass_s(Nt), "sync": (pass_s(Nt) + pass_s(Nd)) / x.tau,
-                 "async": max(pass_s(Nt), pass_s(Nd)) / x.tau}
+    def per_token_s(name: str) -> float:
+        """Seconds per token of eval method `name`, by its row of the table: one target pass a token
+        without a drafter; else a target and a drafter pass per τ tokens, the slower of the two when
+        the row overlaps them (the drafter's tray pass beside verification), their sum when not."""
+        row = method_row(ecfg_raw.methods[name].method)
+        if not row.needs_drafter:
+            return pass_s(Nt)
+        return (max if row.overlaps else sum)((pass_s(Nt), pass_s(Nd))) / x.tau
+
     methods = list(ecfg.eval.methods)
     eval_reply = min(x.reply_tokens, ecfg.eval.max_new_tokens)
-    eval_s = sum(x.eval_items * eval_reply * per_token.get(m, per_token["sync"]) for m in methods)
+    eval_s = sum(x.eval_items * eval_reply * per_token_s(m) for m in methods)
     decode_gpus = max(plan.decode_gpus(r, "H100") for r in plan.decode_plan(overrides, 1))  # target.device_map when > 1
     rows.append({"stage": "eval", "gpus": decode_gpus, "seconds": eval_s,
                  "how": f"{x.eval_items} items x {eval_reply} tokens x {'/'.join(methods)}, τ {x.tau}"})

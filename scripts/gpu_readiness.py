@@ -7,21 +7,26 @@ This script measures, on one device, at a 2k-token context by default:
    (d3d.utils.timing.device_and_host_ms: on CUDA the device is given a `torch.cuda._sleep` first,
    so the host issues the pass while the device still sleeps and the CUDA events time the kernels
    back to back; a pass whose host issue time is above its device time is host-bound there):
-   verify over B tokens for each block size B; the synchronous draft of one block; the packed
-   tray pass over B * ((C-1)*F + 2) tokens for each budget C x F; and the AR step twice, with and
-   without an explicit mask (the fair-baseline gap, below);
-2. the real loops (d3d.decoding.SpecGenerator): AR, sync, async at each budget, and (eager only)
-   trees of drafts (--trees) and async trees (--async-trees), on a random
-   prompt of the prefix length, on each backend of --backends (eager, and compiled: static KV
-   buffers + torch.compile, CUDA graphs on CUDA, where one replay is issued per pass and the host
-   no longer paces the device): per round, the host wall time next to the passes' CUDA-event times;
-3. projections over AR on the same backend, from those *measured round times* only:
-   sync = τ · t_AR / t_sync; async = τ · t_AR / (h · t_hit + (1 − h) · t_miss) with the budget's
-   own hit rate h (flags; defaults are the paper's AIME25 budget study), t_miss the measured async
-   round (random weights: every round misses) and t_hit = t_miss − that round's draft pass;
-   overlap = 1 − (t_miss − t_sync) / t_tray: the share of the tray pass (t_tray, its device time
-   in the same rounds) that an async round hides beside verification, against the sync round
-   that does the same draft and verify without it; clipped to [0, 1], unclipped kept;
+   verify over B tokens for each block size B; the synchronous draft of one block; each preset
+   row's tray pass (`packed_<row>`: its budget in B-token blocks); and the AR step twice, with and without an explicit mask (the
+   fair-baseline gap, below);
+2. the real loops (d3d.decoding.SpecGenerator) of the rows of a conf/bench preset (--preset; the
+   default, conf/bench/gpu_readiness.yaml: AR, sync, async at three budgets, a tree, an async tree),
+   on a random prompt of the prefix length, each on the backends of --backends its method runs on
+   (eager, and compiled: static KV buffers + torch.compile, CUDA graphs on CUDA, where one replay
+   is issued per pass and the host no longer paces the device; a tree's loops are eager only): per
+   round, the host wall time next to the passes' CUDA-event times;
+3. projections over the preset's plain row (no drafter: AR) on the same backend, from those
+   *measured round times* only, at τ = --tau (random weights give no τ; ROW=TAU for one row):
+   a row without trays = τ · t_AR / t_round; a row with trays = τ · t_AR / (h · t_hit + (1 − h) ·
+   t_miss) with its own hit rate h (--hit-rate ROW=RATE; default the paper's AIME25 budget study,
+   PAPER_HIT_RATES, keyed by block size and tray tokens), t_miss its measured round (random
+   weights: every round misses) and t_hit = t_miss − that round's draft pass; overlap = 1 − (t_miss
+   − t_ref) / t_tray: the share of the tray pass (t_tray, its device time in the same rounds) that
+   its round hides beside verification, against the round of the preset's row it equals without
+   trays (t_ref: async's sync, an async tree's tree); clipped to [0, 1], unclipped kept; and for
+   every row the τ it needs to match the preset's sync row (`tau_to_match`: a tree round costs
+   more, the tree mask, build_tree's per-node ops, the path's cache gather, and its τ must pay);
 4. the fair baseline: the eager AR step takes SDPA's unmasked causal path, while a verify pass
    with any mask makes HF's SDPA path copy K/V for every head. `ar_mask_cost_ms` is what the mask
    adds to one AR step (device time), and every eager row also carries the projection with the AR
@@ -29,15 +34,13 @@ This script measures, on one device, at a 2k-token context by default:
    compiled backend's AR step always takes the mask (a static pass does), so it has no such bias.
 5. the draft vocabulary (drafter.draft_vocab; docs/design.md, Draft vocabulary): the drafter's
    synchronous draft and a tray pass of --tray-tokens tokens with its full LM head and with a head
-   of --draft-vocab rows, interleaved, device-time medians and their ratios;
-6. trees: projected like the chain at τ = --tree-tau (default the chain's --tau: random weights give
-   no tree τ) and hit rate --tree-hit-rate, with the τ each tree needs to match sync's projection
-   (its round costs more: the tree mask, build_tree's per-node ops, the path's cache gather).
+   of --draft-vocab rows, interleaved, device-time medians and their ratios.
 The JSON file is rewritten after every stage, so a crash or a timeout keeps what finished;
 `problems` lists what makes the run unusable (exit status 1 when any).
 
     python scripts/gpu_readiness.py --target qwen3_8b --drafter qwen3_1p7b --tau 7.88
-    python scripts/gpu_readiness.py --target toy --drafter toy --device cpu   # what the tests run
+    python scripts/gpu_readiness.py --preset gpu_readiness_toy --target toy --drafter toy --device cpu
+        --block-size 4 --hit-rate async_2x1=0.3 async_3x2=0.6 async_tree_3x2=0.5  # the tests' (one line)
 
 Results: a printed table and a JSON file (default outputs/bench/gpu_readiness_<target>.json).
 """
@@ -50,6 +53,7 @@ import json
 import statistics
 import time
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -146,16 +150,87 @@ def hit_round(lp: dict) -> float:
     return max(lp["round_wall_ms"] - lp["draft_ms"], 1e-9)
 
 
-def projection_row(method: str, backend: str, budget_tokens: int | None, tau: float, hit: float | None, t_ar: float,
-                   t_round: float, t_hit: float | None, overlap: float | None, mask_cost_ms: float | None) -> dict:
+# The paper's AIME25 hit rates (B = 16, async at C x F = 12x2, 16x2, 12x5), keyed by what a row's
+# settings fix, its block size and its tray pass's tokens (the row's budget): a preset row with
+# trays takes the rate of its budget, whatever its method (the 15-node async tree with 23 trays packs
+# 12x2's 384 tokens and takes its rate); `--hit-rate ROW=RATE` gives a row its own.
+PAPER_HIT_RATES = {(16, 384): 0.713, (16, 512): 0.783, (16, 912): 0.818}
+
+
+def preset_rows(name: str, block_size: int) -> dict:
+    """{row: DecodeConfig} of conf/bench/<name>.yaml, in its bench.methods order: each row its
+    `methods.<row>` entry, a drafted row at the drafter's `block_size`. Read with PyYAML (a
+    transformers dependency), as the GPU machines have no Hydra: a row must name its method there."""
+    import yaml
+    from d3d.configdir import config_dir
+    from d3d.decoding import DecodeConfig
+    from d3d.decoding.methods import method_row
+
+    path = config_dir() / "bench" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"--preset {name}: no {path}")
+    preset = yaml.safe_load(path.read_text())
+    rows = {}
+    for row in preset["bench"]["methods"]:
+        settings = dict((preset.get("methods") or {}).get(row) or {})
+        if "method" not in settings:
+            raise ValueError(f"--preset {name}: bench.methods names {row!r}, which has no methods.{row}.method in "
+                             f"{path} (this script reads no conf/decode/ defaults)")
+        settings.pop("block_size", None)
+        drafted = method_row(settings["method"]).needs_drafter
+        rows[row] = DecodeConfig(**settings, **({"block_size": block_size} if drafted else {}))
+    return rows
+
+
+def roles(rows: dict) -> tuple[str, str]:
+    """The preset's plain row (no drafter: every projection's baseline) and its first row of the
+    table's drafted role (ROLES: the row the first row with trays equals without them): what a
+    tree or a budget must beat."""
+    from d3d.decoding.methods import ROLES, method_row
+
+    plain = next((n for n, dc in rows.items() if not method_row(dc.method).needs_drafter), None)
+    drafted = next((n for n, dc in rows.items() if dc.method == ROLES["drafted"]), None)
+    if plain is None or drafted is None:
+        raise ValueError(f"the preset's rows {list(rows)} need a row without a drafter and a {ROLES['drafted']} row: "
+                         f"the projections are over the first and against the second")
+    return plain, drafted
+
+
+def without_trays(name: str, rows: dict) -> str | None:
+    """The preset's row that `name` equals without its trays (its method's reference, on the same
+    settings): the round an overlap is measured against; None when the preset times none."""
+    from d3d.decoding.methods import method_row
+
+    dc = rows[name]
+    ref = method_row(dc.method).reference
+    keys = method_row(ref).keys if ref else ()
+    return next((n for n, o in rows.items() if o.method == ref and all(getattr(o, k) == getattr(dc, k) for k in keys)),
+                None)
+
+
+def per_row(values: list[str], rows: dict, flag: str, default: float | None = None) -> dict:
+    """`--flag X ROW=X ...` as {row: value}: a bare X for every row, ROW=X for one row of the preset."""
+    out = {row: default for row in rows}
+    for v in values:
+        row, eq, x = v.rpartition("=")
+        if eq and row not in rows:
+            raise ValueError(f"{flag} {v}: no row {row!r} in the preset ({', '.join(rows)})")
+        for r in ([row] if eq else rows):
+            out[r] = float(x)
+    return out
+
+
+def projection_row(row: str, method: str, backend: str, budget_tokens: int, tau: float, hit: float | None,
+                   t_ar: float, t_round: float, t_hit: float | None, overlap: float | None,
+                   mask_cost_ms: float | None) -> dict:
     """One projection row: the speedup over an AR round t_ar, and over one that pays the AR mask cost."""
     speed = project(tau, hit, t_ar, t_sync=t_round, t_miss=t_round, t_hit=t_hit)
     # a mask costs nothing or more: a negative difference of two timed passes is timer noise (toy
     # sizes on a busy CPU), and credited to AR it could make the round's time negative
     fair = None if mask_cost_ms is None else project(tau, hit, t_ar + max(mask_cost_ms, 0.0), t_sync=t_round,
                                                         t_miss=t_round, t_hit=t_hit)
-    return {"method": method, "backend": backend, "budget_tokens": budget_tokens, "hit_rate": hit,
-            "round_ms": t_round, "hit_round_ms": t_hit, "overlap": None if overlap is None else
+    return {"row": row, "method": method, "backend": backend, "budget_tokens": budget_tokens, "tau_used": tau,
+            "hit_rate": hit, "round_ms": t_round, "hit_round_ms": t_hit, "overlap": None if overlap is None else
             max(0.0, min(1.0, overlap)), "overlap_unclipped": overlap, "projected_speedup": speed,
             "projected_speedup_masked_ar": fair}
 
@@ -170,47 +245,34 @@ def overlap_from_rounds(t_sync: float, t_miss: float, t_tray: float) -> float | 
     return 1.0 - (t_miss - t_sync) / t_tray
 
 
-def packed_blocks(block_size: int, C: int, F: int) -> int:
-    """Blocks in the async chain's tray pass at budget (C, F): its row's budget, in blocks."""
-    from d3d.decoding import DecodeConfig
-    from d3d.decoding.methods import METHODS
-
-    return METHODS["async"].budget(DecodeConfig(method="async", block_size=block_size, C=C, F=F)) // block_size
-
-
-def projections(loops: dict, suffix: str, tau: float, budgets, hit_rates, block_size: int,
+def projections(loops: dict, rows: dict, suffix: str, taus: dict, hit_rates: dict,
                 mask_cost_ms: float | None) -> list[dict]:
-    """The projection rows of one backend (its loops' keys end in `suffix`), from its rounds."""
-    ar, sync = loops[f"ar{suffix}"], loops[f"sync{suffix}"]
-    t_ar, t_sync = ar["round_wall_ms"], sync["round_wall_ms"]
-    backend = ar["backend"]
+    """The projection rows of one backend (its loops' keys end in `suffix`), from its rounds: every
+    row timed there but the plain one, over the plain row's round; a row with trays at its own hit
+    rate, with the overlap against the row it equals without trays; each with the τ it needs to
+    match the drafted row's projection (`tau_to_match`, `against`: a tree round costs more host and
+    device time than a chain round of the same width, and its τ must pay for that)."""
+    from d3d.decoding.methods import method_row
 
-    def row(method, budget_tokens, hit, t_round, t_hit, overlap):
-        return projection_row(method, backend, budget_tokens, tau, hit, t_ar, t_round, t_hit, overlap, mask_cost_ms)
-
-    rows = [row("sync", block_size, None, t_sync, None, None)]
-    for (C, F), hit in zip(budgets, hit_rates):
-        lp = loops[f"async_{C}x{F}{suffix}"]
-        t_miss = lp["round_wall_ms"]
-        rows.append(row(f"async C={C} F={F}", block_size * packed_blocks(block_size, C, F), hit, t_miss, hit_round(lp),
-                        overlap_from_rounds(t_sync, t_miss, lp["tray_ms"])))
-    return rows
-
-
-def tree_projections(loops: dict, tau: float, hit: float, mask_cost_ms: float, chain_tau: float) -> list[dict]:
-    """Projection rows of the eager tree loops, as `projections` makes the chain's, plus the τ a
-    tree needs to match the chain's sync projection (`tau_to_match_sync`: a tree round costs more
-    host and device time than a chain round of the same width; its τ must pay for that)."""
-    t_ar, t_sync = loops["ar"]["round_wall_ms"], loops["sync"]["round_wall_ms"]
-    rows = []
-    for name, lp in loops.items():
-        if not name.startswith(("tree_", "async_tree_")):
+    plain, drafted = roles(rows)
+    t_ar, t_ref = loops[plain + suffix]["round_wall_ms"], loops[drafted + suffix]["round_wall_ms"]
+    out = []
+    for name, dc in rows.items():
+        lp = loops.get(name + suffix)
+        if name == plain or lp is None:
             continue
-        t_round = lp["round_wall_ms"]
-        h, t_hit = (hit, hit_round(lp)) if name.startswith("async") else (None, None)
-        row = projection_row(name, "eager", None, tau, h, t_ar, t_round, t_hit, None, mask_cost_ms)
-        rows.append({**row, "tau_used": tau, "tau_to_match_sync": chain_tau * expected_round(h, t_round, t_hit) / t_sync})
-    return rows
+        row, t_round = method_row(dc.method), lp["round_wall_ms"]
+        hit = t_hit = overlap = None
+        if row.trays:
+            hit, t_hit = hit_rates[name], hit_round(lp)
+            ref = without_trays(name, rows)
+            if ref is not None and ref + suffix in loops:
+                overlap = overlap_from_rounds(loops[ref + suffix]["round_wall_ms"], t_round, lp["tray_ms"])
+        r = projection_row(name, dc.method, lp["backend"], row.budget(dc), taus[name], hit, t_ar, t_round, t_hit,
+                           overlap, mask_cost_ms)
+        out.append({**r, "tau_to_match": taus[drafted] * expected_round(hit, t_round, t_hit) / t_ref,
+                    "against": drafted})
+    return out
 
 
 def problems(res: dict) -> list[str]:
@@ -230,11 +292,11 @@ def problems(res: dict) -> list[str]:
     bad += [f"loops[{k}] ran on {lp['backend']}" for k, lp in res.get("loops", {}).items()
             if lp["backend"] != (k.partition("@")[2] or "eager")]
     for r in res.get("projection", []):
-        where = f"projection[{r['method']}, {r['backend']}]"
+        where = f"projection[{r['row']}, {r['backend']}]"
         bad += [where] * (not good(r["projected_speedup"]))
-        if r["method"].startswith("async ") and res.get("device", "").startswith("cuda"):
-            ov = r["overlap_unclipped"]
-            bad += [f"{where}: overlap {ov}"] * (ov is None or not -0.25 <= ov <= 1.25)
+        ov = r["overlap_unclipped"]
+        if ov is not None and res.get("device", "").startswith("cuda"):
+            bad += [f"{where}: overlap {ov}"] * (not -0.25 <= ov <= 1.25)
     missing = [k for k in ("passes", "verify_ms", "sync_draft_ms", "packed_ms", "loops", "projection") if k not in res]
     return bad + [f"{k} missing" for k in missing]
 
@@ -259,59 +321,72 @@ class Results(dict):
 
 def main(argv: list[str] | None = None, on_stage=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpu_readiness",
+                   help="conf/bench/<preset>.yaml: the rows whose loops are timed and projected (bench.methods)")
     p.add_argument("--target", default="qwen3_8b", choices=sorted(SHAPES))
     p.add_argument("--drafter", default="qwen3_1p7b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prefix", type=int, default=2048, help="cached context before the timed passes (2-4k is typical)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    p.add_argument("--block-size", type=int, default=16, help="block size of the drafter and of the projections")
-    p.add_argument("--budgets", nargs="+", default=["12x2", "16x2", "12x5"], help="C x F")
+    p.add_argument("--block-size", type=int, default=16, help="block size of the drafter and of every drafted row")
     p.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
-                   help="decode.backend of the loops (compiled: cold compiles, ~90 s per 8B graph)")
+                   help="decode.backend of the loops, each row on those its method runs on (compiled: cold "
+                        "compiles, ~90 s per 8B graph)")
     p.add_argument("--loop-tokens", type=int, default=64, help="tokens each real loop decodes (random weights: τ = 1)")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tau", type=float, default=7.88, help="τ measured elsewhere (paper: 7.88, Qwen3-8B)")
-    p.add_argument("--hit-rate", type=float, nargs="+", default=[0.713, 0.783, 0.818],
-                   help="one hit rate per --budgets entry (defaults: the paper's AIME25 study, B = 16)")
-    p.add_argument("--trees", type=int, nargs="*", default=[15],
-                   help="decode.method=tree loops with these node counts (eager; verify width = nodes + 1)")
-    p.add_argument("--async-trees", nargs="*", default=["15x23"],
-                   help="decode.method=async_tree loops, NODESxTRAYS (eager; 15x23 packs async 12x2's 384 tokens)")
-    p.add_argument("--tree-tau", type=float, default=None,
-                   help="τ of the trees, measured elsewhere (default: the chain's --tau, a floor at equal width)")
-    p.add_argument("--tree-hit-rate", type=float, default=0.713,
-                   help="hit rate of the async trees (default: the paper's C=12 F=2, the same 384-token budget)")
+    p.add_argument("--tau", nargs="+", default=["7.88"], metavar="TAU|ROW=TAU",
+                   help="τ measured elsewhere, for every row (paper: 7.88, Qwen3-8B) and ROW=TAU for one row of "
+                        "the preset (random weights give no τ)")
+    p.add_argument("--hit-rate", nargs="*", default=[], metavar="ROW=RATE",
+                   help="a row's hit rate (default: the paper's AIME25 study at its block size and tray tokens, "
+                        "PAPER_HIT_RATES); every row with trays needs one")
     p.add_argument("--draft-vocab", type=int, default=32000,
                    help="rows of the draft-vocabulary head timed beside the full one (0: not timed)")
     p.add_argument("--tray-tokens", type=int, default=384, help="tokens of the tray pass timed with each head")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
+    from d3d.decoding.methods import method_row
+
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     B = args.block_size
-    budgets = [tuple(int(x) for x in b.lower().split("x")) for b in args.budgets]
-    async_trees = [tuple(int(x) for x in t.lower().split("x")) for t in args.async_trees]
-    if len(args.hit_rate) != len(budgets):  # a budget's hit rate is its own: never one for all
-        p.error(f"--hit-rate takes one value per --budgets entry ({len(budgets)} budgets, {len(args.hit_rate)} rates)")
-    from d3d.decoding import DecodeConfig
+    try:
+        rows = preset_rows(args.preset, B)
+        plain, drafted = roles(rows)
+        taus = per_row(args.tau, rows, "--tau")
+        hits = per_row(args.hit_rate, rows, "--hit-rate")
+    except ValueError as err:
+        p.error(str(err))
+    budget = {name: method_row(dc.method).budget(dc) for name, dc in rows.items()}
+    trays = [name for name, dc in rows.items() if method_row(dc.method).trays]
+    for name in trays:  # a budget's hit rate is its own: never one for all
+        hits[name] = PAPER_HIT_RATES.get((B, budget[name])) if hits[name] is None else hits[name]
+    hits = {name: hits[name] for name in trays}
+    missing = [name for name, h in hits.items() if h is None] + [name for name, t in taus.items() if t is None]
+    if missing:
+        p.error(f"no hit rate or τ for {', '.join(missing)}: the paper's hit rates are for B = 16 at "
+                f"{sorted(t for _, t in PAPER_HIT_RATES)} tray tokens. Fix: --hit-rate ROW=RATE, --tau ROW=TAU")
 
     res = Results(Path(args.out or f"outputs/bench/gpu_readiness_{args.target}.json"), on_stage,
                   target=args.target, drafter=args.drafter, device=str(device),
                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  dtype=args.dtype, prefix=args.prefix, block_size=B, tau_assumed=args.tau,
-                  budgets=args.budgets, hit_rates=args.hit_rate, backends=args.backends)
+                  dtype=args.dtype, prefix=args.prefix, block_size=B, preset=args.preset,
+                  rows={name: {k: getattr(dc, k) for k in method_row(dc.method).reads() if k != "backend"}
+                        for name, dc in rows.items()},
+                  taus=taus, hit_rates=hits, backends=args.backends)
     target = random_model(args.target, device, dtype, seed=0)
     drafter = as_drafter(random_model(args.drafter, device, dtype, seed=1), B)
     split = lambda model, **kw: pass_split(model, args.prefix, device, args.repeats, **kw)  # noqa: E731
     passes = {f"verify_{b}": split(target, width=b) for b in sorted({*args.block_sizes, 1, B})}
     passes["ar_step_masked"] = split(target, width=1, masked=True)
     passes["sync_draft"] = split(drafter, blocks=1)
-    passes.update({f"packed_{C}x{F}": split(drafter, blocks=packed_blocks(B, C, F)) for C, F in budgets})
+    # each row's tray pass as B-token blocks of its budget (a tree's trays pack as many tokens)
+    passes.update({f"packed_{name}": split(drafter, blocks=-(-budget[name] // B)) for name in trays})
     res.stage("passes", passes)
     res.stage("verify_ms", {b: passes[f"verify_{b}"]["device_ms"] for b in sorted({*args.block_sizes, 1, B})})
     res.stage("sync_draft_ms", passes["sync_draft"]["device_ms"])
-    res.stage("packed_ms", {f"{C}x{F}": passes[f"packed_{C}x{F}"]["device_ms"] for C, F in budgets})
+    res.stage("packed_ms", {name: passes[f"packed_{name}"]["device_ms"] for name in trays})
     if args.draft_vocab:
         dv = draft_vocab_passes(drafter, args.draft_vocab, args.prefix, device, args.repeats, max(1, args.tray_tokens // B))
         res.stage("draft_vocab", dv)
@@ -320,27 +395,22 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     loops = {}
     for backend in args.backends:
         suffix = "" if backend == "eager" else f"@{backend}"
-        trees = [] if backend != "eager" else (  # a tree's caches keep a path's slots: eager only
-            [(f"tree_{n}", DecodeConfig(method="tree", block_size=B, tree_nodes=n)) for n in args.trees] +
-            [(f"async_tree_{n}x{t}", DecodeConfig(method="async_tree", block_size=B, tree_nodes=n, tree_trays=t))
-             for n, t in async_trees])
-        for name, cfg in [("ar", DecodeConfig(method="ar", backend=backend)),
-                          ("sync", DecodeConfig(method="sync", block_size=B, backend=backend))] + \
-                [(f"async_{C}x{F}", DecodeConfig(method="async", block_size=B, C=C, F=F, backend=backend))
-                 for C, F in budgets] + trees:
+        for name, dc in rows.items():
+            if backend not in method_row(dc.method).backends:  # a tree's caches keep a path's slots: eager only
+                continue
+            cfg = replace(dc, backend=backend)
             loops[name + suffix] = {**loop_rounds(target, drafter, cfg, args.prefix, args.loop_tokens, device),
-                                    "backend": cfg.backend}
+                                    "method": cfg.method, "backend": cfg.backend}
             res.stage("loops", loops)
-    rows = []
+    projected = []
     for backend in args.backends:
-        rows += projections(loops, "" if backend == "eager" else f"@{backend}", args.tau, budgets, args.hit_rate, B,
-                            mask_cost if backend == "eager" else None)
-    rows += tree_projections(loops, args.tau if args.tree_tau is None else args.tree_tau, args.tree_hit_rate,
-                             mask_cost, args.tau)
-    res.stage("projection", rows)
+        projected += projections(loops, rows, "" if backend == "eager" else f"@{backend}", taus, hits,
+                                 mask_cost if backend == "eager" else None)
+    res.stage("projection", projected)
     res.stage("problems", problems(res))
 
-    print(f"{args.target} target, {args.drafter} drafter, {res['device_name']}, {args.dtype}, prefix {args.prefix}")
+    print(f"{args.target} target, {args.drafter} drafter, {res['device_name']}, {args.dtype}, prefix {args.prefix}, "
+          f"preset {args.preset}")
     print("\n| pass | device ms | host issue ms | host-bound |\n|---|---|---|---|")
     for name, ps in passes.items():
         print(f"| {name} | {ps['device_ms']:.3f} | {ps['host_issue_ms']:.3f} | "
@@ -356,19 +426,15 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     for name, lp in loops.items():
         print(f"| {name} | {lp['backend']} | {lp['round_wall_ms']:.2f} | {lp['draft_ms']:.2f} | {lp['verify_ms']:.2f} | "
               f"{lp['tray_ms']:.2f} | {lp['overhead_ms']:.2f} |")
-    print(f"\n| method | backend | packed tokens | hit rate | round ms (miss / hit) | overlap | projected speedup "
-          f"(τ = {args.tau}) | with AR masked |\n|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    print(f"\n| row | backend | packed tokens | τ | hit rate | round ms (miss / hit) | overlap | projected speedup over "
+          f"{plain} | with {plain} masked | τ to match {drafted} |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in projected:
         hr = "—" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         rt = f"{r['round_ms']:.2f}" + ("" if r["hit_round_ms"] is None else f" / {r['hit_round_ms']:.2f}")
         ov = "—" if r["overlap"] is None else f"{r['overlap']:.2f}"
         fair = "—" if r["projected_speedup_masked_ar"] is None else f"{r['projected_speedup_masked_ar']:.2f}×"
-        print(f"| {r['method']} | {r['backend']} | {r['budget_tokens'] or '—'} | {hr} | {rt} | {ov} | "
-              f"{r['projected_speedup']:.2f}× | {fair} |")
-    for r in rows:
-        if "tau_to_match_sync" in r:
-            print(f"{r['method']}: projected at τ = {r['tau_used']}; it matches sync's speed from τ = "
-                  f"{r['tau_to_match_sync']:.2f} (its round costs {r['round_ms']:.2f} ms)")
+        print(f"| {r['row']} | {r['backend']} | {r['budget_tokens'] or '—'} | {r['tau_used']} | {hr} | {rt} | {ov} | "
+              f"{r['projected_speedup']:.2f}× | {fair} | {r['tau_to_match']:.2f} |")
     print(f"\nproblems: {res['problems'] or 'none'}\nwritten: {res.path}")
     return res
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from d3d.config import ConfigError, config_dir, quoted, stage_overrides
+from d3d.decoding.methods import METHODS, ROLES
 from d3d.report import read_rows, summarise
 from d3d.utils.plotting import pyplot, save_figure
 from d3d.utils.io import output_folder, read_jsonl
@@ -77,6 +78,12 @@ PRESETS = {
             "arms": ["base", "train.lr=1e-4", "train.anchors_per_seq=64", "train.gamma=3", "train.trainable_from_layer=14"]},
 }
 DEFAULT_DRAFTER = "checkpoints/cpu_default_lam1/final"
+# The rows the claims evaluate, by role in the method table (d3d.decoding.methods.ROLES): the plain
+# loop (the speedups' baseline), the drafted loop without trays, and the first row with trays; a
+# claim's columns are named after them (e.g. <drafted>_speedup)
+PLAIN, DRAFTED, TRAYS = (ROLES[role] for role in ("plain", "drafted", "trays"))
+WITHOUT_TRAYS = f"eval.methods=[{PLAIN},{DRAFTED}]"
+WITH_TRAYS = f"eval.methods=[{PLAIN},{DRAFTED},{TRAYS}]"
 
 
 @dataclass(frozen=True)
@@ -191,7 +198,7 @@ def ar_loss(sw: Sweep) -> dict:
             sw.run("train", f"lam{lam}", *sw.train_budget(),
                    fixed=(f"train.ar_weight={lam}", path_override("train.out_dir", sw.ckpts / f"lam{lam}")))
     with sw.together():
-        evs = {lam: None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", "eval.methods=[ar,sync]",
+        evs = {lam: None if sw.skip_eval else sw.eval(f"lam{lam}", f"{sw.ckpts}/lam{lam}/final", WITHOUT_TRAYS,
                                                       n=sw.p["suite_n"], suite=sw.p["suite"]) for lam in lams}
     rows = []
     for lam, ev in evs.items():
@@ -200,14 +207,14 @@ def ar_loss(sw: Sweep) -> dict:
         row = {"lambda": float(lam), **trained(sw.ckpts / f"lam{lam}")}
         if ev is not None:
             s = summarise(read_rows(ev))
-            row.update({f"tau_{b}": per["sync"]["tau_token_weighted"] for b, per in s["benchmarks"].items()})
+            row.update({f"tau_{b}": per[DRAFTED]["tau_token_weighted"] for b, per in s["benchmarks"].items()})
         rows.append(row)
     return {"rows": rows, "x": "lambda", "plot": [k for k in (rows[0] if rows else {}) if k.startswith("tau_") or k == "val_tau"]}
 
 
 def budget(sw: Sweep) -> dict:
     budgets = sw.p["budgets"]
-    ev = sw.eval("budgets", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.async_budgets=[{','.join(budgets)}]",),
+    ev = sw.eval("budgets", sw.drafter, WITH_TRAYS, fixed=(f"eval.async_budgets=[{','.join(budgets)}]",),
                  n=sw.p["budget_n"], max_new=sw.p["budget_max_new"], suite=sw.p["budget_suite"])
     if sw.dry:
         return {"rows": []}
@@ -215,7 +222,7 @@ def budget(sw: Sweep) -> dict:
     methods = json.loads((ev / "run.json").read_text())["methods"]
     rows = []
     for name, info in methods.items():
-        if info["method"] == "ar":
+        if not METHODS[info["method"]].needs_drafter:
             continue
         per = [b[name] for b in s["benchmarks"].values() if name in b]
         # run.json records the keys a method reads: sync has no trays (C = 1 covered slot, F = 0 alternatives)
@@ -236,7 +243,7 @@ def pruning(sw: Sweep) -> dict:
     steps = [] if sw.dry else list(read_jsonl(out / "steps.jsonl"))
     removed = range(sw.p["prune_layers"] + 1)
     with sw.together():
-        evs = [sw.eval(f"step{k}", sw.drafter if k == 0 else f"{out}/step_{k}", "eval.methods=[ar,sync,async]")
+        evs = [sw.eval(f"step{k}", sw.drafter if k == 0 else f"{out}/step_{k}", WITH_TRAYS)
                for k in removed]
     for k, ev in zip(removed, evs):
         if sw.dry:
@@ -245,26 +252,25 @@ def pruning(sw: Sweep) -> dict:
         st = steps[k]
         held = {"holdout_tau": st["holdout_tau"]} if "holdout_tau" in st else {}  # with prune.holdout_size
         rows.append({"removed": k, "layers": st["layers"], "calib_tau": st["tau"], **held, "retention": st["retention"],
-                     "draft_ms": st["draft_latency_ms"], "eval_tau": s["sync"]["tau_token_weighted"],
-                     "sync_speedup": s["sync"]["speedup_token_weighted"],
-                     "async_speedup": s["async"]["speedup_token_weighted"]})
-    return {"rows": rows, "x": "removed", "plot": ["retention", "sync_speedup", "async_speedup"]}
+                     "draft_ms": st["draft_latency_ms"], "eval_tau": s[DRAFTED]["tau_token_weighted"],
+                     **{f"{m}_speedup": s[m]["speedup_token_weighted"] for m in (DRAFTED, TRAYS)}})
+    return {"rows": rows, "x": "removed", "plot": ["retention", f"{DRAFTED}_speedup", f"{TRAYS}_speedup"]}
 
 
 def async_vs_sync(sw: Sweep) -> dict:
-    ev = sw.eval("suite", sw.drafter, "eval.methods=[ar,sync,async]", n=sw.p["suite_n"], suite=sw.p["suite"])
+    ev = sw.eval("suite", sw.drafter, WITH_TRAYS, n=sw.p["suite_n"], suite=sw.p["suite"])
     if sw.dry:
         return {"rows": []}
     s = summarise(read_rows(ev))
-    rows = [{"benchmark": b, "tau": per["sync"]["tau_token_weighted"], "sync_speedup": per["sync"]["speedup_token_weighted"],
-             "async_speedup": per["async"]["speedup_token_weighted"], "hit_rate": per["async"]["hit_rate"],
-             "equal_to_ar": min(per["sync"]["equal_to_ar"], per["async"]["equal_to_ar"])}
+    rows = [{"benchmark": b, "tau": per[DRAFTED]["tau_token_weighted"],
+             **{f"{m}_speedup": per[m]["speedup_token_weighted"] for m in (DRAFTED, TRAYS)},
+             "hit_rate": per[TRAYS]["hit_rate"], "equal_to_ar": min(per[m]["equal_to_ar"] for m in (DRAFTED, TRAYS))}
             for b, per in s["benchmarks"].items()]
-    return {"rows": rows, "x": "benchmark", "plot": ["sync_speedup", "async_speedup"]}
+    return {"rows": rows, "x": "benchmark", "plot": [f"{DRAFTED}_speedup", f"{TRAYS}_speedup"]}
 
 
 def load(sw: Sweep) -> dict:
-    ev = sw.eval("load", sw.drafter, "eval.methods=[ar,sync,async]", fixed=(f"eval.concurrency={sw.p['concurrency']}",),
+    ev = sw.eval("load", sw.drafter, WITH_TRAYS, fixed=(f"eval.concurrency={sw.p['concurrency']}",),
                  n=sw.p["load_n"], suite=sw.p["load_suite"])
     if sw.dry:
         return {"rows": []}
@@ -280,7 +286,7 @@ def block_size(sw: Sweep) -> dict:
         for B in sizes:
             sw.run("train", f"B{B}", *sw.train_budget(), fixed=(f"drafter.block_size={B}", path_override("train.out_dir", sw.ckpts / f"B{B}")))
     with sw.together():
-        evs = {B: None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", "eval.methods=[ar,sync]",
+        evs = {B: None if sw.skip_eval else sw.eval(f"B{B}", f"{sw.ckpts}/B{B}/final", WITHOUT_TRAYS,
                                                     fixed=(f"decode.block_size={B}",)) for B in sizes}
     rows = []
     for B, ev in evs.items():
@@ -288,7 +294,7 @@ def block_size(sw: Sweep) -> dict:
             continue
         row = {"B": B, **trained(sw.ckpts / f"B{B}")}
         if ev is not None:
-            s = summarise(read_rows(ev))["benchmarks"]["gsm8k"]["sync"]
+            s = summarise(read_rows(ev))["benchmarks"]["gsm8k"][DRAFTED]
             row.update(tau=s["tau_token_weighted"], speedup=s["speedup_token_weighted"])
         rows.append(row)
     return {"rows": rows, "x": "B", "plot": ["val_tau"] if sw.skip_eval else ["tau", "speedup"]}

@@ -22,30 +22,31 @@ def test_projection_hand_case(script):
     assert script.project(4, 0.5, 10, t_miss=50, t_hit=30) == pytest.approx(1.0)  # half: 40 ms a round
 
 
-TOY = ["--target", "toy", "--drafter", "toy", "--device", "cpu", "--dtype", "float32", "--prefix", "32",
-       "--block-size", "4", "--block-sizes", "1", "4", "--budgets", "2x1", "3x2", "--hit-rate", "0.3", "0.6",
-       "--loop-tokens", "12", "--repeats", "1", "--backends", "eager", "--tray-tokens", "8"]
-TREES = ["--trees", "3", "--async-trees", "3x2"]  # a tree and an async tree at toy size (the defaults are 15, 15x23)
+TOY = ["--preset", "gpu_readiness_toy", "--target", "toy", "--drafter", "toy", "--device", "cpu", "--dtype", "float32",
+       "--prefix", "32", "--block-size", "4", "--block-sizes", "1", "4", "--loop-tokens", "12", "--repeats", "1",
+       "--backends", "eager", "--tray-tokens", "8", "--hit-rate", "async_2x1=0.3", "async_3x2=0.6", "async_tree_3x2=0.5"]
 
 
 def test_runs_at_toy_size_on_cpu(script, tmp_path):
     out = tmp_path / "gr.json"
-    res = script.main(TOY + TREES + ["--out", str(out)])
+    res = script.main(TOY + ["--out", str(out)])
     saved = json.loads(out.read_text())
-    assert set(saved["verify_ms"]) == {"1", "4"} and set(saved["packed_ms"]) == {"2x1", "3x2"}
-    assert set(saved["loops"]) == {"ar", "sync", "async_2x1", "async_3x2", "tree_3", "async_tree_3x2"}
-    chain, trees = res["projection"][:3], res["projection"][3:]
-    assert [r["budget_tokens"] for r in chain] == [4, 4 * 3, 4 * 6]
-    assert [r["hit_rate"] for r in chain[1:]] == [0.3, 0.6]  # each budget its own
-    assert all(r["projected_speedup"] > 0 for r in res["projection"])
-    assert all(0.0 <= r["overlap"] <= 1.0 for r in chain[1:])
-    # trees: eager loops, projected at the chain's τ (no --tree-tau), with the τ that matches sync
-    assert [r["method"] for r in trees] == ["tree_3", "async_tree_3x2"] and trees[1]["hit_rate"] == 0.713
+    trays = ["async_2x1", "async_3x2", "async_tree_3x2"]  # the toy preset's rows with trays
+    assert set(saved["verify_ms"]) == {"1", "4"} and list(saved["packed_ms"]) == trays
+    assert list(saved["loops"]) == ["ar", "sync", *trays[:2], "tree_3", trays[2]]  # the preset's rows, in order
+    assert saved["preset"] == "gpu_readiness_toy" and saved["rows"]["async_3x2"]["C"] == 3
+    rows = {r["row"]: r for r in res["projection"]}
+    assert list(rows) == ["sync", *trays[:2], "tree_3", trays[2]]
+    assert [rows[r]["budget_tokens"] for r in ("sync", *trays)] == [0, 4 * 3, 4 * 6, 4 + 2 * 4]
+    assert [rows[r]["hit_rate"] for r in trays] == [0.3, 0.6, 0.5]  # each budget its own
+    assert all(r["projected_speedup"] > 0 and r["tau_used"] == 7.88 for r in res["projection"])
+    assert all(0.0 <= rows[r]["overlap"] <= 1.0 for r in trays)  # the async tree's against tree_3's round
+    # every row with the τ it needs to match sync's projection
     sync_round = saved["loops"]["sync"]["round_wall_ms"]
-    assert trees[0]["tau_to_match_sync"] == pytest.approx(7.88 * saved["loops"]["tree_3"]["round_wall_ms"] / sync_round)
+    assert rows["tree_3"]["tau_to_match"] == pytest.approx(7.88 * saved["loops"]["tree_3"]["round_wall_ms"] / sync_round)
     assert saved["loops"]["ar"]["rounds"] == 12 and saved["loops"]["sync"]["draft_ms"] > 0
     # every pass twice over (CPU: device time is the call's wall time), the AR step masked too
-    assert {"verify_1", "verify_4", "ar_step_masked", "sync_draft", "packed_2x1", "packed_3x2"} == set(saved["passes"])
+    assert {"verify_1", "verify_4", "ar_step_masked", "sync_draft", *(f"packed_{r}" for r in trays)} == set(saved["passes"])
     assert all(p["device_ms"] == p["host_issue_ms"] > 0 and not p["ran_dry"] for p in saved["passes"].values())
     assert saved["ar_mask_cost_ms"] == saved["passes"]["ar_step_masked"]["device_ms"] - saved["verify_ms"]["1"]
     assert all(r["backend"] == "eager" and r["projected_speedup_masked_ar"] > 0 for r in res["projection"])
@@ -58,7 +59,7 @@ def test_runs_at_toy_size_on_cpu(script, tmp_path):
 
 
 def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatch):
-    """--backends eager compiled: every loop runs once per backend, the compiled ones with
+    """--backends eager compiled: every row runs once per backend its method runs on, the compiled ones with
     decode.backend=compiled, and each backend's projections use its own AR round (the compiled AR
     step takes the mask as verification does: no masked-AR row there). The loops are stubbed:
     this checks the selection, not a compile."""
@@ -72,7 +73,7 @@ def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatc
 
     monkeypatch.setattr(script, "loop_rounds", rounds)
     i = TOY.index("--backends")
-    res = script.main(TOY[:i] + ["--backends", "eager", "compiled", *TREES, "--out", str(tmp_path / "gr.json")])
+    res = script.main(TOY[:i] + ["--backends", "eager", "compiled"] + TOY[i + 2:] + ["--out", str(tmp_path / "gr.json")])
     # trees run eager only (their caches keep a path's slots)
     assert seen == [(m, "eager") for m in ("ar", "sync", "async", "async", "tree", "async_tree")] + \
         [(m, "compiled") for m in ("ar", "sync", "async", "async")]
@@ -81,14 +82,20 @@ def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatc
         "async_tree_3x2": "eager", "ar@compiled": "compiled",
         "sync@compiled": "compiled", "async_2x1@compiled": "compiled", "async_3x2@compiled": "compiled"}
     compiled = [r for r in res["projection"] if r["backend"] == "compiled"]
-    assert compiled[0]["method"] == "sync" and compiled[0]["projected_speedup"] == pytest.approx(7.88 * 4.0 / 12.0)
+    assert compiled[0]["row"] == "sync" and compiled[0]["projected_speedup"] == pytest.approx(7.88 * 4.0 / 12.0)
     assert all(r["projected_speedup_masked_ar"] is None for r in compiled)
 
 
-def test_one_hit_rate_for_all_budgets_is_refused(script, tmp_path, capsys):
+def test_a_row_with_trays_and_no_hit_rate_is_refused(script, tmp_path, capsys):
+    """A budget's hit rate is its own: the toy budgets have no paper figure, and a row left without
+    one is named, as is a row the preset does not have."""
+    i = TOY.index("--hit-rate")
     with pytest.raises(SystemExit):
-        script.main(TOY[:-9] + ["--hit-rate", "0.5", "--loop-tokens", "4", "--out", str(tmp_path / "x.json")])
-    assert "one value per --budgets entry (2 budgets, 1 rates)" in capsys.readouterr().err
+        script.main(TOY[:i] + ["--hit-rate", "async_2x1=0.3", "--out", str(tmp_path / "x.json")])
+    assert "no hit rate or τ for async_3x2, async_tree_3x2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main(TOY + ["async_9x9=0.3", "--out", str(tmp_path / "x.json")])
+    assert "--hit-rate async_9x9=0.3: no row 'async_9x9'" in capsys.readouterr().err
 
 
 def test_json_is_written_after_each_stage(script, tmp_path, monkeypatch):

@@ -126,6 +126,14 @@ METHODS: dict[str, Method] = {
 }
 
 
+# The rows the scripts time and project, found by what they are, not by name (no file under scripts/
+# names a method: tests/unit/test_scripts_methods.py): `plain` the first row without a drafter (the
+# baseline), `trays` the first that prepares trays, `drafted` the row `trays` equals without them.
+_TRAYS = next(name for name, row in METHODS.items() if row.trays)
+ROLES: dict[str, str] = {"plain": next(name for name, row in METHODS.items() if not row.needs_drafter),
+                         "drafted": METHODS[_TRAYS].reference, "trays": _TRAYS}
+
+
 def method_row(name: str, where: str = "decode") -> Method:
     if name not in METHODS:
         *most, last = METHODS
