@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -170,11 +171,12 @@ def coverage(args) -> dict:
         sets[f"{path}:{field}"] = [list(ids) for ids in dict.fromkeys(map(tuple, lists))]
     d2t = None
     if args.drafter:  # the map d3d.train chose and saved (lm_head.d2t), measured on every set as it is
-        from safetensors import safe_open
+        from d3d.models.drafter import read_draft_head
 
-        with safe_open(str(next(Path(args.drafter).glob("*.safetensors"))), framework="pt") as fh:
-            key = next(k for k in fh.keys() if k.endswith("lm_head.d2t"))
-            d2t = fh.get_tensor(key)
+        d2t = read_draft_head(args.drafter)[1]
+        if d2t is None:
+            sys.exit(f"error: --drafter {args.drafter}: no lm_head.d2t in its weights (a full-head drafter). "
+                     "Fix: name a drafter trained with drafter.draft_vocab=N.")
     out = {"sizes": args.sizes, "tokenizer": str(args.tokenizer), "drafter": str(args.drafter) if d2t is not None else None,
            "drafter_vocab": len(d2t) if d2t is not None else None, "sets": {}}
     for name, rows in sets.items():

@@ -11,7 +11,7 @@ sequences (full logits, causal mask). `--precisions` times each step in each pre
 interleaved so a change in machine load hits every precision alike. Prints medians, tokens/s and the
 ratios; writes outputs/bench/train.json. Needs target responses (python -m d3d.generate) for real sequences.
 `--draft-vocab N ...` adds the D3D step with the head over N tokens (drafter.draft_vocab: chosen from the
-loaded responses as d3d.train chooses it, the pretrained rows), swapped in place on the same backbone and
+training split of the responses as d3d.train chooses it, the pretrained rows), swapped in place on the same backbone and
 interleaved with the full head's step; forward and backward only, as every step here (the optimizer's
 update of the head's rows is not timed).
 """
@@ -27,9 +27,10 @@ import torch
 
 from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
-from d3d.models.drafter import DraftHead, build_drafter, choose_draft_vocab, special_ids
+from d3d.models.drafter import build_drafter, choose_draft_vocab, draft_head_of, special_ids
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, pack
+from d3d.examples import split_examples
 from d3d.training import D3DTrainingStep, load_examples
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
@@ -63,9 +64,10 @@ def main() -> None:
     heads = {"d3d": model.get_output_embeddings()}
     always = special_ids(tok, s.vocab_size, s.mask_token_id)
     coverage = {}
+    train_set, _ = split_examples(loaded, cfg.train.val_size, cfg.seed)  # d3d.train chooses from this split
     for n in args.draft_vocab:
-        d2t, coverage[n] = choose_draft_vocab([e.ids[e.prompt_len:] for e in loaded], n, s.vocab_size, always)
-        heads[f"d3d_dv{n}"] = DraftHead(heads["d3d"].weight.detach()[d2t].clone(), d2t)
+        d2t, coverage[n] = choose_draft_vocab([e.ids[e.prompt_len:] for e in train_set], n, s.vocab_size, always)
+        heads[f"d3d_dv{n}"] = draft_head_of(model, d2t)  # swapped in on the same backbone, settings unchanged
 
     def d3d_step(head):
         def run():
@@ -125,7 +127,7 @@ def main() -> None:
             result[p][f"d3d_dv{n}_step_s"] = round(t_dv, 3)
             result[p][f"d3d_step_full_over_dv{n}"] = round(t_d3d / t_dv, 3)
     if coverage:
-        result["draft_vocab_coverage"] = {n: round(c, 5) for n, c in coverage.items()}  # of the loaded responses
+        result["draft_vocab_coverage"] = {n: round(c, 5) for n, c in coverage.items()}  # of the training split
     if "no" in args.precisions and "bf16" in args.precisions:
         result["d3d_step_fp32_over_bf16"] = round(med[("no", "d3d")] / med[("bf16", "d3d")], 2)
     result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)

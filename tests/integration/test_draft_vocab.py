@@ -14,7 +14,8 @@ from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.methods import scored_drafts
 from d3d.decoding.verify import Sampling
 from d3d.layer_scores import score_layers
-from d3d.models.drafter import DraftHead, attach_draft_head, load_drafter, save_drafter, special_ids
+from d3d.models.drafter import (DraftHead, attach_draft_head, load_drafter, read_draft_head, save_drafter,
+                                special_ids)
 from d3d.models.drafter_settings import DrafterSettings
 from tests.integration.conftest import PROMPTS, reference, two_token_tv, tiny_drafter
 from tests.integration.test_layer_scores import lively_examples
@@ -131,12 +132,15 @@ def test_the_estimator_gives_the_loops_rounds_with_a_draft_vocabulary(vocab_mode
 
 
 def test_save_load_decode_round_trip(vocab_models, tmp_path):
-    target, dv, tok, d2t, _, _ = vocab_models
+    target, dv, tok, d2t, _, full = vocab_models
     folder = save_drafter(dv, tok, tmp_path / "dv")
     from safetensors import safe_open
 
     with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as fh:
         assert torch.equal(fh.get_tensor("lm_head.d2t"), d2t) and fh.get_tensor("lm_head.weight").shape[0] == len(d2t)
+    weight, saved = read_draft_head(folder)  # the one reader (load_drafter, scripts/bench_draft_vocab.py --drafter)
+    assert torch.equal(saved, d2t) and torch.equal(weight, dv.get_output_embeddings().weight)
+    assert read_draft_head(save_drafter(full, tok, tmp_path / "full")) == (None, None)
     loaded, _ = load_drafter(folder, dtype="float32")
     head = loaded.get_output_embeddings()
     assert isinstance(head, DraftHead) and torch.equal(head.d2t, d2t)

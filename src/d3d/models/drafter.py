@@ -180,31 +180,44 @@ def coverage(responses, d2t: torch.Tensor) -> float:
     return inside / total if total else 1.0
 
 
-def attach_draft_head(model, d2t: torch.Tensor) -> None:
-    """Replace the LM head by a DraftHead of its own rows d2t (the pretrained rows: tied heads take
-    the embedding's), untied from the input embeddings, and say so in the settings."""
+def draft_head_of(model, d2t: torch.Tensor) -> DraftHead:
+    """A DraftHead of the model's own head rows d2t (the pretrained rows: tied heads take the embedding's)."""
     full = model.get_output_embeddings().weight
-    head = DraftHead(full.detach()[d2t.to(full.device)].clone(), d2t)
-    model.set_output_embeddings(head)
+    return DraftHead(full.detach()[d2t.to(full.device)].clone(), d2t)
+
+
+def attach_draft_head(model, d2t: torch.Tensor) -> None:
+    """Replace the LM head by `draft_head_of` its rows d2t, untied from the input embeddings, and say so
+    in the settings."""
+    model.set_output_embeddings(draft_head_of(model, d2t))
     model.config.tie_word_embeddings = False  # the draft rows are their own weights now
     settings = DrafterSettings.of(model)
     settings.draft_vocab = len(d2t)
     settings.attach(model)
 
 
-def _load_draft_head(model, path: Path, n: int) -> None:
-    """The saved DraftHead (`lm_head.weight` (N, d), `lm_head.d2t` (N,)) onto a model that from_pretrained
-    built with a full-size head (whose mismatched rows it could not fill)."""
+def read_draft_head(path: Path, name: str | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A saved draft head from a drafter folder's safetensors files: (`<name>.weight` (N, d), `<name>.d2t`
+    (N,)), None for a tensor that is not there. name: the head module's (None: the one whose d2t is saved)."""
     from safetensors import safe_open
 
-    name = _head_key(model)
     found = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
+            keys = list(fh.keys())
+            if name is None:
+                name = next((k[: -len(".d2t")] for k in keys if k.endswith("lm_head.d2t")), None)
             for key in (f"{name}.weight", f"{name}.d2t"):
-                if key in fh.keys():
+                if name is not None and key in keys:
                     found[key] = fh.get_tensor(key)
-    weight, d2t = found.get(f"{name}.weight"), found.get(f"{name}.d2t")
+    return found.get(f"{name}.weight"), found.get(f"{name}.d2t")
+
+
+def _load_draft_head(model, path: Path, n: int) -> None:
+    """The saved DraftHead onto a model that from_pretrained built with a full-size head (whose mismatched
+    rows it could not fill)."""
+    name = _head_key(model)
+    weight, d2t = read_draft_head(path, name)
     if weight is None or d2t is None or weight.shape[0] != n or d2t.shape != (n,):
         raise ConfigError(f"drafter.checkpoint={path}: its config says a {n}-token draft vocabulary but its weights hold "
                           f"no {name}.weight of {n} rows with its {name}.d2t map. Fix: copy the folder again from where "
