@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from d3d.examples import StepBatches, StepLoader, load_examples
-from d3d.objective import ObjectiveConfig, PackedBatch, pack
+from d3d.objective import ObjectiveConfig, PackedBatch
 
 # the qwen3_8b overlay (conf/experiment/qwen3_8b.yaml; drafter qwen3_1p7b, block 16) on one 8-GPU node
 OVERLAY = {"ranks": 8, "batch_size": 8, "grad_accum": 4, "max_len": 3072, "anchors_per_seq": 32, "block_size": 16}

@@ -8,7 +8,6 @@ import functools
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf

@@ -39,7 +39,7 @@ def test_random_models_are_seeded_and_the_tiny_pair_is_one_model_in_every_dtype(
     a, b, c = (weights(random_model("toy_drafter", seed=s)) for s in (3, 3, 4))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
-    (t32, d32), (t16, d16) = tiny_pair("cpu", torch.float32), tiny_pair("cpu", torch.bfloat16)
+    (t32, d32), (t16, _) = tiny_pair("cpu", torch.float32), tiny_pair("cpu", torch.bfloat16)
     for k, v in t16.state_dict().items():  # (the drafter's noise is drawn in its own dtype)
         assert v.dtype == torch.bfloat16 and torch.equal(v, t32.state_dict()[k].to(torch.bfloat16)), k
     assert not torch.equal(t32.lm_head.weight, d32.lm_head.weight)  # the drafter is perturbed

@@ -10,7 +10,6 @@ from d3d.data.benchmarks import (
     BenchmarkUnavailable, format_turn, load_benchmark, load_records, seeded_subset,
 )
 from d3d.settings import shipped_benchmark
-from tests.conftest import FIXTURES
 from tests.unit.conftest import with_local
 
 

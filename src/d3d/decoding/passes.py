@@ -47,13 +47,13 @@ class _Clock:
         event.record(stream)
         return event
 
-    def span(self, stats: RoundStats, field: str, start, end=None) -> None:
-        """stats.<field> = the time from `start` to `end` (now), once the call resolves it."""
-        self.spans.append((stats, field, start, self.mark() if end is None else end))
+    def span(self, stats: RoundStats, name: str, start, end=None) -> None:
+        """stats.<name> = the time from `start` to `end` (now), once the call resolves it."""
+        self.spans.append((stats, name, start, self.mark() if end is None else end))
 
     def resolve(self) -> None:
-        for stats, field, a, b in self.spans:
-            setattr(stats, field, a.elapsed_time(b) / 1000 if self.cuda else b - a)
+        for stats, name, a, b in self.spans:
+            setattr(stats, name, a.elapsed_time(b) / 1000 if self.cuda else b - a)
         self.spans = []
 
 

@@ -85,7 +85,7 @@ class TreeDrafts(Drafts):
         return d.tree.depth
 
     def outcomes(self, d, pending, next_pos):
-        tree, B = d.tree, self.B
+        tree = d.tree
         b, g, v = len(pending), d.nodes.shape[1], d.law.shape[-1]
         # q after each node: slot depth(n) predicts the token after node n (slot B-1: the bonus)
         after = d.law.gather(1, tree.depth[:, :, None].expand(-1, -1, v))  # (b, g, V), the law the tree was built by
