@@ -14,8 +14,9 @@ keeps every sub-step that finished (a failing stage is recorded and the next one
 ends with a status: ok, failed (its own checks failed) or skipped (no CUDA, or `--budget-s`: a
 stage whose estimate does not fit in the time left is not started).
 
-1. greedy          tests: ar / sync / async greedy on the tiny random Qwen3 in fp32, batch 1 and a
-                   ragged batch, against transformers' generate (no "real" divergence)
+1. greedy          tests: ar / sync / async / tree greedy on the tiny random Qwen3 in fp32, batch 1 and
+                   a ragged batch, against transformers' generate (no "real" divergence); sync /
+                   async / tree again with a causal-block drafter and with a draft vocabulary
 2. sampling        tests: contract 2 on the device (one verification step; the joint law of two
                    sampled tokens through each loop)
 3. race            tests: the race check (async with its tray pass on a side stream against async
@@ -272,7 +273,7 @@ class Estimate:
     STAGES_S = {  # stage: seconds on one H200, without its compiles. Tiny stages: their time on
         # this project's CPU (2-core AMD EPYC, one thread, default sizes, measured) rounded up
         "startup": 20,  # torch + transformers imports, the CUDA context, pytest's start
-        "greedy": 25,  # 14 tiny runs + transformers' generate per prompt: 17 s on the CPU for 10
+        "greedy": 25,  # 20 tiny runs + transformers' generate per prompt: 7 s on the CPU for all 20 (busy)
         "sampling": 10,  # 3 loops over 3,000 requests in one batch: 24 s on the CPU, compute-bound there
         "race": 20,  # 12 tiny async runs (4 of them async trees) in bf16: 5 s on the CPU for 8; + the broken hand-off's (each
         # round held back ~0.1 s on CUDA) and the host-sync count (9 short calls)

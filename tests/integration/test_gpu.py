@@ -100,6 +100,41 @@ def test_greedy_equals_generate(method, B, C, F, batch, record_property):
     assert case["cases"] == batch and case["real"] == 0, case["details"]
 
 
+# ---- greedy with the drafter's options (docs/design.md, Causal blocks and Draft vocabulary): a causal
+# block and a draft vocabulary change the drafter's passes (its mask, its head and the scatter to target ids) ----
+
+def with_option(drafter, option: str):
+    """The drafter with drafter.block_attention=causal, or a draft vocabulary of every other token
+    (and the mask), so that half the target's greedy tokens cannot be drafted."""
+    from d3d.models.drafter import attach_draft_head
+    from d3d.models.drafter_settings import DrafterSettings
+
+    s = DrafterSettings.of(drafter)
+    if option == "causal":
+        s.block_attention = "causal"
+        s.attach(drafter)
+    else:
+        attach_draft_head(drafter, torch.tensor(sorted(set(range(0, s.vocab_size, 2)) | {s.mask_token_id})))
+    return drafter
+
+
+@on_device
+@pytest.mark.parametrize("option", ["causal", "draft_vocab"])
+@pytest.mark.parametrize("method", ["sync", "async", "tree"])
+def test_greedy_with_drafter_options_equals_generate(method, option, record_property):
+    n = 16 if TOY else 32
+    target, drafter = tiny_pair(DEVICE, torch.float32, block_size=6)
+    prompts = random_prompts(3, 256, seed=7)
+    res = generator(target, with_option(drafter, option), method, block_size=6, C=3, F=2,
+                    max_new_tokens=n).generate(prompts)
+    case = new_tally()
+    for p, got in zip(prompts, res.token_ids):
+        ref = target.generate(torch.tensor([p], device=DEVICE), max_new_tokens=n, do_sample=False)
+        tally(case, target, p, ref[0, len(p):].tolist(), got, method=method, option=option)
+    record_property("result", case)
+    assert case["cases"] == 3 and case["real"] == 0, case["details"]
+
+
 # ---- sampling: contract 2 on the device (the output law is the target's) ----
 
 def total_variation(counts: dict, exact: dict, n: int) -> float:
