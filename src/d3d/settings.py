@@ -257,7 +257,8 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
         else:
             out[name] = dc
     if BASELINE not in out or method_row(out[BASELINE].method).needs_drafter:
-        raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it")
+        raise ConfigError(f"eval.methods must include {BASELINE}: speedups and equality are measured against it. "
+                          f"Fix: eval.methods=[{BASELINE},sync,...]")
     return {BASELINE: out.pop(BASELINE), **out}
 
 

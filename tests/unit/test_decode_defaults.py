@@ -126,3 +126,12 @@ def test_the_chooser_times_drafter_passes_at_the_block_the_loop_drafts(monkeypat
     drafter_widths = [w for model, w in widths if model is drafter]
     # the draft (1 block), then each setting's budget B*((C-1)*F + 2) in blocks of B = 4
     assert drafter_widths == [4, 4 * (1 * 1 + 2), 4 * (3 * 2 + 2)]
+
+
+@pytest.mark.parametrize("methods", ["[]", "[sync,tree]"])
+def test_methods_without_the_baseline_are_refused_with_the_fix(tmp_path, methods):
+    from d3d.settings import bind_config, method_configs
+
+    cfg = compose("eval", [f"eval.methods={methods}"], tmp_path)
+    with pytest.raises(ConfigError, match=r"must include ar.*Fix: eval.methods=\[ar,"):
+        method_configs(cfg, bind_config(cfg, "eval").eval)
