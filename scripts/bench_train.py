@@ -30,8 +30,8 @@ from d3d.settings import bind_config
 from d3d.models.drafter import build_drafter, choose_draft_vocab, draft_head_of, special_ids
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, pack
-from d3d.examples import split_examples
-from d3d.training import D3DTrainingStep, load_examples
+from d3d.examples import load_examples, split_examples
+from d3d.training import D3DTrainingStep
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 from d3d.utils.timing import timed
