@@ -22,15 +22,27 @@ What the folder holds, and why:
 - the target's tokenizer; `speculative_config.json` (what to pass to vLLM) and `export.json` (what was
   exported from what, and the τ measured). Its d3d settings say block_attention=causal and the
   served mask id, so d3d loads the folder as the drafter vLLM runs (tests/integration/test_serving.py).
+
+The folder is published whole: written into `<out>.partial`, then swapped with the previous export in
+one rename (renameat2's RENAME_EXCHANGE), so a server or a reader sees the old export or the new one,
+never a mix or nothing, and a kill at any step leaves a complete export at `<out>` (or, on a
+filesystem without the exchange, beside it as `<out>.previous`, put back by the next export). Only a
+folder holding export.json and nothing but the files an export writes (EXPORT_FILES) is replaced;
+anything else in it is the user's, and the export is refused before the drafter loads.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fnmatch
 import json
 import logging
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig
@@ -45,9 +57,20 @@ from d3d.serving import served_taus, speculative_config
 from d3d.settings import bind_config
 from d3d.specs import ExportConfig
 from d3d.training import cut_responses, load_examples, split_examples
-from d3d.utils.io import published, write_json
+from d3d.utils.io import write_json
 
 log = logging.getLogger("d3d.export")
+
+# Every file an export writes into its folder (names or glob patterns): the model's and tokenizer's
+# save_pretrained files and d3d's own. A folder holding export.json and only these is an earlier
+# export and is replaced whole; a file an export starts writing goes here, or re-exporting refuses it.
+EXPORT_FILES = (
+    "export.json", "speculative_config.json",
+    "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
 
 
 def spare_special_token(tok, vocab_size: int) -> int:
@@ -101,12 +124,92 @@ def as_served(model, s: DrafterSettings, mask_id: int) -> None:
     served.attach(model)
 
 
+def not_exported(folder: Path) -> list[str]:
+    """What in `folder` an export did not write: entries that are not plain files named in EXPORT_FILES."""
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+                  if p.is_symlink() or not p.is_file() or not any(fnmatch.fnmatchcase(p.name, f) for f in EXPORT_FILES))
+
+
 def check_out_dir(out: Path, source: Path) -> None:
+    """One line, before the drafter loads, for an out_dir that cannot take an export: the drafter's own
+    folder, a file or a path under one, or a folder holding anything an export did not write."""
     if out == source:
         raise ConfigError(f"export.out_dir={out} is the drafter's own folder. Fix: pass another folder.")
-    if out.exists() and any(out.iterdir()) and not (out / "export.json").is_file():
-        raise ConfigError(f"export.out_dir={out} exists and holds something else than an export. Fix: pass a new "
-                          f"folder, or remove that one.")
+    file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        raise ConfigError(f"export.out_dir={out}: {file} is a file, not a folder. Fix: set export.out_dir to a "
+                          f"folder, or move that file.")
+    for folder in (out, sibling(out, "previous")):
+        if not folder.is_dir() or not any(folder.iterdir()):
+            continue
+        if not (folder / "export.json").is_file():
+            raise ConfigError(f"export.out_dir={out}: {folder} exists and holds something else than an export (no "
+                              f"export.json). Fix: pass a new folder, or move that one away.")
+        other = not_exported(folder)
+        if other:
+            raise ConfigError(f"export.out_dir={out}: {folder} holds an export and also {', '.join(other[:3])}"
+                              f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}, which d3d.export did "
+                              f"not write; replacing the export would delete them. Fix: move them out of {folder}, "
+                              f"or pass another folder.")
+
+
+def sibling(out: Path, what: str) -> Path:
+    return out.with_name(f"{out.name}.{what}")
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths in one atomic rename (Linux renameat2 RENAME_EXCHANGE); OSError where the kernel,
+    the C library or the filesystem (NFS, some FUSE) has no such rename."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def put_back_previous(out: Path) -> None:
+    """A publish killed between its two renames (no exchange) left the old export at <out>.previous and
+    nothing at <out>: put it back. With <out> in place, <out>.previous is an old export: removed."""
+    previous = sibling(out, "previous")
+    if not previous.is_dir():
+        return
+    if out.exists():
+        shutil.rmtree(previous)
+    else:
+        os.rename(previous, out)
+        log.info("put back the export at %s that an interrupted export had moved to %s", out, previous)
+
+
+def publish(out: Path, write: Callable[[Path], None]) -> None:
+    """Run write(folder) into <out>.partial, then make that folder <out>: a rename when there is no
+    export yet, else an atomic exchange with the old export, which is removed after. Where there is no
+    exchange, two renames: the old export to <out>.previous, the new one to <out> (a kill between them
+    leaves the old one there, put back by the next export)."""
+    put_back_previous(out)
+    new = sibling(out, "partial")
+    if new.is_dir():
+        shutil.rmtree(new)  # an earlier export's, killed while writing (or its old export, after an exchange)
+    elif new.exists():
+        new.unlink()
+    new.mkdir(parents=True)
+    write(new)  # a kill or an error here leaves <out> as it was
+    if not out.exists():
+        os.rename(new, out)
+        return
+    try:
+        exchange(new, out)
+    except OSError as err:
+        if err.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        previous = sibling(out, "previous")
+        os.rename(out, previous)
+        os.rename(new, out)
+        shutil.rmtree(previous)
+        return
+    shutil.rmtree(new)  # the old export, now at <out>.partial
 
 
 def held_out(cfg: ExportConfig):
@@ -170,13 +273,14 @@ def export(cfg: ExportConfig) -> Path:
               "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
               "draft_vocab": s.draft_vocab, "speculative_config": spec, **({"measured": taus} if taus else {}),
               **({"measured_full_head": full_head} if full_head else {})}
-    if out.exists():
-        shutil.rmtree(out)  # a previous export (check_out_dir): replaced whole
-    with published(out) as tmp:
-        model.save_pretrained(tmp)
-        target_tok.save_pretrained(tmp)
-        write_json(tmp / "speculative_config.json", spec)
-        write_json(tmp / "export.json", record)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        target_tok.save_pretrained(folder)
+        write_json(folder / "speculative_config.json", spec)
+        write_json(folder / "export.json", record)
+
+    publish(out, write)
     print(json.dumps(spec), flush=True)
     return out
 

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from d3d.config import ConfigError
-from d3d.export import run_export
+import d3d.export
+from d3d.export import not_exported, run_export
 from d3d.generate import run_generate
 from d3d.models.drafter import attach_draft_head, build_drafter, load_drafter, save_drafter, special_ids
 from d3d.models.drafter_settings import DrafterSettings
@@ -83,6 +84,19 @@ def test_a_causal_drafter_exports_as_a_plain_causal_lm_with_its_drafts(root, cap
     # d3d loads the export as the drafter vLLM runs (causal, the served mask id)
     again = DrafterSettings.of(load_drafter(out, dtype="float32")[0])
     assert (again.block_attention, again.mask_token_id) == ("causal", config["mask_token_id"])
+    assert not_exported(out) == []  # every file it wrote is one d3d.export knows it writes, so it replaces them
+
+
+def test_an_out_dir_holding_a_users_files_is_refused_before_the_drafter_loads(root, monkeypatch):
+    folder = drafter(root, "causal")
+    out = root / "served_users"
+    out.mkdir()
+    (out / "export.json").write_text("{}")
+    (out / "README.md").write_text("mine")
+    monkeypatch.setattr(d3d.export, "load_drafter", lambda *a, **k: pytest.fail("the drafter loaded"))
+    with pytest.raises(ConfigError, match="holds an export and also README.md, which d3d.export did not write"):
+        export(root, folder, "causal", f"export.out_dir={out}")
+    assert (out / "README.md").read_text() == "mine"
 
 
 def test_a_draft_vocabulary_drafter_exports_with_a_full_head_and_its_tau_both_ways(root, caplog):
