@@ -12,7 +12,10 @@ with the same target in the same dtype, in this one process, greedy, batch 1:
   loops τ, hit rate and where a round's time goes, including the drafter's share of a round (time in
   drafter passes, the synchronous draft and the tray pass, over the round's wall time: what a
   cheaper, pruned drafter can win back);
-- every call's tokens against the baseline's on that prompt (`generate` when it runs, else `ar`).
+- every call's tokens against the baseline's on that prompt (`generate` when it runs, else `ar`); a
+  call that differs has its first difference classified as `d3d.eval` classifies one (the target's
+  logit margin there, d3d.decoding.divergence): a near-tie that bf16 rounding can flip, or a real
+  difference. The summary gives each row's shares: equal, near-tie flip, real.
 
 Rows go to rows.jsonl as each prompt finishes (a killed run resumes at the next prompt, refused if
 the settings or the CPU/GPU differ); summary.json and summary.md are recomputed from all rows: medians
@@ -37,10 +40,12 @@ from tqdm.auto import tqdm
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
+from d3d.decoding.divergence import classify
 from d3d.models.drafter import drafter_folder
 from d3d.settings import EVERY_SECTION, bind, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
 from d3d.specs import DrafterSpec, PathsSpec, TargetSpec
 from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, write_json
+from d3d.utils.hardware import cpu_label
 from d3d.utils.runinfo import run_info
 
 # transformers' decoders a user would run instead of ours: bench.methods names them beside `methods.*`
@@ -343,8 +348,9 @@ def run_bench(raw: DictConfig) -> Path:
                         reference = new if name == base and reference is None else reference
                         batch.append({"method": name, "prompt": i, "repeat": rep, "new_tokens": len(new),
                                       "wall_s": wall, "tokens_per_s": len(new) / wall, "token_ids": new, **extra})
-                for r in batch:
+                for r in batch:  # after the timing: one target pass per call that differs
                     r["equal_to_reference"] = r["token_ids"] == reference
+                    r["divergence"] = classify(target, ids, reference, r["token_ids"])
                 writer.write(batch)  # whole prompts only: a resumed run redoes a prompt it had not finished
         all_rows = list(read_jsonl(rows_file, ("method", "prompt", "repeat")))
         summary = summarise(all_rows, list(rows), warmup_s)
@@ -367,6 +373,19 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def difference_shares(rows: list[dict]) -> dict:
+    """The shares of calls equal to the baseline, differing first at a near-tie that rounding can flip
+    (`near_tie_rate`) and differing otherwise (`real_rate`); the two are None where a differing row
+    carries no classification (rows written before d3d.bench classified them)."""
+    n = len(rows)
+    differ = [r for r in rows if not r["equal_to_reference"]]
+    shares = {"equal_rate": (n - len(differ)) / n, "near_tie_rate": None, "real_rate": None}
+    if all("divergence" in r for r in differ):
+        kinds = [r["divergence"]["kind"] for r in differ if r["divergence"]]
+        shares |= {"near_tie_rate": kinds.count("numerical") / n, "real_rate": (len(differ) - kinds.count("numerical")) / n}
+    return shares
+
+
 def summarise(rows: list[dict], order: list[str], warmup_s: dict | None = None) -> dict:
     """Medians per method over its calls; ratios of median tokens/s to each baseline that ran; the τ a
     method would need to match the first baseline, per call against the baseline's call on the same
@@ -381,9 +400,8 @@ def summarise(rows: list[dict], order: list[str], warmup_s: dict | None = None) 
         if not rs:
             continue
         tps = _median(rs, "tokens_per_s")
-        entry = {"method": m, "calls": len(rs), "tokens_per_s": tps,
-                 **{f"x_{b}": tps / _median(by[b], "tokens_per_s") for b in bases},
-                 "equal_rate": sum(bool(r["equal_to_reference"]) for r in rs) / len(rs),
+        entry = {"method": m, "calls": len(rs), "new_tokens": sum(r["new_tokens"] for r in rs), "tokens_per_s": tps,
+                 **{f"x_{b}": tps / _median(by[b], "tokens_per_s") for b in bases}, **difference_shares(rs),
                  **{k: _median(rs, k) for k in ("tau", "hit_rate", "wall_ms", "draft_ms", "verify_ms", "tray_ms",
                                                 "tray_wait_ms", "drafter_share")}}
         match = [r["tau"] * first[(r["prompt"], r["repeat"])] / r["tokens_per_s"] for r in rs
@@ -394,22 +412,31 @@ def summarise(rows: list[dict], order: list[str], warmup_s: dict | None = None) 
     return {"baselines": bases, "prompts": len({r["prompt"] for r in rows}), "methods": out}
 
 
+def shares(e: dict) -> str:
+    """`equal / near-tie / real` of a summary row, over its calls and tokens."""
+    if e.get("equal_rate") is None:
+        return "—"
+    split = ("not classified" if e.get("near_tie_rate") is None else
+             f"{e['near_tie_rate']:.2f} / {e['real_rate']:.2f}")
+    return f"{e['equal_rate']:.2f} / {split} ({e.get('calls', '?')} calls, {e.get('new_tokens', '?')} tokens)"
+
+
 def summary_markdown(summary: dict) -> str:
     fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)
     bases = summary["baselines"]
     head = (["method", "tokens/s (median)"] + [f"× {b}" for b in bases] +
-            ["τ", f"τ to match {bases[0]}", "hit rate", f"equal to {bases[0]}",
+            ["τ", f"τ to match {bases[0]}", "hit rate", f"equal to {bases[0]} / near-tie flip / real difference",
              "round ms (draft / verify / tray)", "drafter share of a round", "warm-up s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in summary["methods"]:
         split = "—" if e["wall_ms"] is None else (f"{e['wall_ms']:.0f} ({e['draft_ms']:.0f} / {e['verify_ms']:.0f} / "
                                                   f"{e['tray_ms']:.0f})")
         cells = ([e["method"], fmt(e["tokens_per_s"], ".1f")] + [fmt(e[f"x_{b}"]) for b in bases] +
-                 [fmt(e["tau"]), fmt(e["tau_to_match"]), fmt(e["hit_rate"]), fmt(e["equal_rate"]), split,
+                 [fmt(e["tau"]), fmt(e["tau_to_match"]), fmt(e["hit_rate"]), shares(e), split,
                   fmt(e["drafter_share"]), fmt(e["warmup_s"], ".1f")])
         lines.append("| " + " | ".join(cells) + " |")
     run = summary.get("run") or {}
-    device = run.get("cuda") or (run.get("cpu") or {}).get("model")
+    device = cpu_label(run.get("cpu"), run.get("cuda"))
     lines.append(f"\n{summary['prompts']} prompts, medians over calls; {summary.get('target')} in "
                  f"{summary.get('dtype')} on {device} ({run.get('cpu_threads')} threads).")
     best = best_rows(summary)

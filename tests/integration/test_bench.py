@@ -62,6 +62,40 @@ def test_every_row_kind_interleaved_equal_and_resumable(tmp_path, drafter, monke
         run_bench(compose("bench", [*overrides, "bench.max_new_tokens=6"], tmp_path))
 
 
+def test_a_call_that_leaves_generate_is_counted_unequal_and_classified(tmp_path, drafter, monkeypatch):
+    """The equality column is the losslessness evidence behind the README's figures: a row whose
+    tokens differ from generate's must read unequal, its first difference classified by the target's
+    logit margin (here a token the target did not pick: real)."""
+    import d3d.bench as bench
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loop = bench.our_loop
+
+    def broken(gen):  # sync's loop with its 4th token replaced: a decoding bug
+        run = loop(gen)
+        if gen.cfg.method != "sync":
+            return run
+
+        def wrong(ids, n):
+            new, extra = run(ids, n)
+            return new[:3] + [(new[3] + 1) % 200 + 4] + new[4:], extra
+        return wrong
+
+    monkeypatch.setattr(bench, "our_loop", broken)
+    out = run_bench(compose("bench", [*TINY, "bench.methods=[generate,ar,sync]", f"drafter.checkpoint={drafter}",
+                                      "bench.n_prompts=2", "bench.pass_cost=false", "methods.sync.block_size=4"],
+                            tmp_path))
+    by = {e["method"]: e for e in json.loads((out / "summary.json").read_text())["methods"]}
+    assert (by["ar"]["equal_rate"], by["ar"]["near_tie_rate"], by["ar"]["real_rate"]) == (1.0, 0.0, 0.0)
+    assert (by["sync"]["equal_rate"], by["sync"]["near_tie_rate"], by["sync"]["real_rate"]) == (0.0, 0.0, 1.0)
+    assert by["sync"]["calls"] == 2 and by["sync"]["new_tokens"] == 16
+    rows = [r for r in rows_of(out) if r["method"] == "sync"]
+    assert all(not r["equal_to_reference"] and r["divergence"]["index"] == 3 and r["divergence"]["kind"] == "real"
+               for r in rows)
+    assert "| sync |" in (out / "summary.md").read_text() and "0.00 / 0.00 / 1.00 (2 calls, 16 tokens)" in (
+        out / "summary.md").read_text()
+
+
 def test_ar_backends_preset_makes_exact_tokens_per_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = run_bench(compose("bench", [*TINY, "bench=ar_backends", "bench.repeats=2", "bench.backends=[eager,static]",

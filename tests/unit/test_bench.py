@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from d3d.bench import best_rows, bind_bench, summarise, summary_markdown
+from d3d.bench import best_rows, bind_bench, difference_shares, shares, summarise, summary_markdown
 from d3d.config import ConfigError, config_dir
 from d3d.decoding.methods import METHODS
 from tests.conftest import compose
@@ -48,12 +48,14 @@ def test_bad_input_fails_in_one_line_naming_its_key(override, match, tmp_path):
 def test_ratios_are_of_medians_and_the_break_even_tau_is_per_call():
     rows = []
     for prompt, (gen, ar, tree) in enumerate([(10.0, 9.0, 20.0), (12.0, 12.0, 18.0), (8.0, 10.0, 20.0)]):
-        rows += [{"method": "generate", "prompt": prompt, "repeat": 0, "tokens_per_s": gen, "equal_to_reference": True},
+        rows += [{"method": "generate", "prompt": prompt, "repeat": 0, "tokens_per_s": gen, "equal_to_reference": True,
+                  "new_tokens": 8},
                  {"method": "ar", "prompt": prompt, "repeat": 0, "tokens_per_s": ar, "equal_to_reference": True,
-                  "tau": 1.0, "drafter_share": 0.0},
+                  "tau": 1.0, "drafter_share": 0.0, "new_tokens": 8},
                  {"method": "tree", "prompt": prompt, "repeat": 0, "tokens_per_s": tree, "tau": 3.0,
                   "equal_to_reference": prompt != 2, "drafter_share": 0.25, "wall_ms": 100.0, "draft_ms": 25.0,
-                  "verify_ms": 75.0, "tray_ms": 0.0}]
+                  "verify_ms": 75.0, "tray_ms": 0.0, "new_tokens": 8,
+                  "divergence": None if prompt != 2 else {"kind": "numerical"}}]
     s = summarise(rows, ["generate", "ar", "tree"])
     by = {e["method"]: e for e in s["methods"]}
     assert s["baselines"] == ["generate", "ar"] and s["prompts"] == 3
@@ -63,7 +65,20 @@ def test_ratios_are_of_medians_and_the_break_even_tau_is_per_call():
     assert by["tree"]["tau_to_match"] == pytest.approx(1.5) and by["ar"]["tau_to_match"] is None
     assert by["tree"]["equal_rate"] == pytest.approx(2 / 3) and by["tree"]["drafter_share"] == 0.25
     table = summary_markdown(s)
-    assert "| tree | 20.0 | 2.00 | 2.00 | 3.00 | 1.50 | — | 0.67 | 100 (25 / 75 / 0) | 0.25 | — |" in table
+    assert ("| tree | 20.0 | 2.00 | 2.00 | 3.00 | 1.50 | — | 0.67 / 0.33 / 0.00 (3 calls, 24 tokens) | 100 (25 / 75 / 0) "
+            "| 0.25 | — |") in table
+
+
+def test_differing_calls_are_shared_out_by_their_class_and_old_rows_say_unclassified():
+    def row(equal, kind="absent"):
+        return {"equal_to_reference": equal, **({} if kind == "absent" else
+                                                {"divergence": None if equal else {"kind": kind}})}
+
+    rows = [row(True, None), row(False, "numerical"), row(False, "real"), row(False, "real")]
+    assert difference_shares(rows) == {"equal_rate": 0.25, "near_tie_rate": 0.25, "real_rate": 0.5}
+    old = [row(True), row(False)]  # rows of a run before d3d.bench classified differences
+    assert difference_shares(old) == {"equal_rate": 0.5, "near_tie_rate": None, "real_rate": None}
+    assert "0.50 / not classified (2 calls, 16 tokens)" in shares({**difference_shares(old), "calls": 2, "new_tokens": 16})
 
 
 def test_the_fastest_row_with_drafts_is_found_per_drafter():

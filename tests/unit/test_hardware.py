@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from d3d.models.target import torch_dtype
@@ -58,3 +60,24 @@ def test_training_precision_follows_the_cpu(monkeypatch):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
     with autocast("no", "cpu"):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+ZEN4 = ("processor : 0\nvendor_id : AuthenticAMD\ncpu family : 25\nmodel : 17\nmodel name : AMD EPYC\n"
+        "flags : avx avx2 fma avx512f avx512_bf16\n\nprocessor : 1\ncpu family : 99\n")
+
+
+def test_records_name_the_cpu_by_family_and_model_and_labels_say_only_what_a_record_holds():
+    assert hardware.cpu_identity(ZEN4) == {"vendor": "AuthenticAMD", "family": 25, "model_number": 17}
+    zen4 = {"model": "AMD EPYC", "vendor": "AuthenticAMD", "family": 25, "model_number": 17,
+            "flags": ["avx2", "avx512_bf16"], "native_bf16": True}
+    assert hardware.cpu_label(zen4) == "AMD EPYC (family 25 model 17, Zen 4), AVX-512 BF16, native bf16"
+    zen3 = {**zen4, "model_number": 1, "flags": ["avx", "avx2", "fma"], "native_bf16": False}
+    assert hardware.cpu_label(zen3) == "AMD EPYC (family 25 model 1, Zen 3), AVX2, no native bf16"
+    intel = {"model": "Intel(R) Xeon(R) Processor", "vendor": "GenuineIntel", "family": 6, "model_number": 167,
+             "flags": ["amx_bf16", "avx2"], "native_bf16": True}
+    assert hardware.cpu_label(intel) == "Intel(R) Xeon(R) Processor (family 6 model 167), AMX, native bf16"
+    old = {"model": "AMD EPYC", "flags": ["avx", "avx2"], "native_bf16": False}  # a record from before family/model
+    assert hardware.cpu_label(old) == "AMD EPYC (family/model not recorded), AVX2, no native bf16"
+    assert hardware.cpu_label(None) == "CPU not recorded" and hardware.cpu_label(None, "NVIDIA H100") == "NVIDIA H100"
+    here = hardware.cpu_identity(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else {}
+    assert {k: hardware.cpu_info().get(k) for k in here} == here  # what this machine's records carry
