@@ -71,13 +71,15 @@ def layerless_lm(vocab: int = 8):
 
 def test_loss_weighting_and_ar_switch():
     """d3d.train's step (D3DTrainingStep: packed forward + chunked loss) takes exactly
-    L_denoise (slot-weighted) + λ·L_AR, and λ = 0 drops the AR term."""
+    L_denoise (slot-weighted) + λ·L_AR, at λ = 1 and at a λ that is neither 0 nor 1, and λ = 0 drops
+    the AR term."""
     lm = layerless_lm()
     ex = Example([1, 2, 3, 4, 5], prompt_len=2)
     cfg = ObjectiveConfig.shipped(3, gamma=2.0)
     b = pack([ex], cfg, 7, 0, torch.Generator(), [torch.tensor([1, 3])])
     m1 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=1.0)(b)[1])
     m0 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=0.0, loss_chunk_rows=2)(b)[1])  # chunks change nothing
+    m03 = metrics_to_floats(D3DTrainingStep(lm, 8, ar_weight=0.3)(b)[1])
     with torch.no_grad():
         table = lm.lm_head(lm.model.norm(lm.model.embed_tokens.weight))  # logits of each input token
     ids = b.input_ids[0]
@@ -87,4 +89,5 @@ def test_loss_weighting_and_ar_switch():
     ar = sum(ce(r, t) for r, t in zip([1, 2, 3], [3, 4, 5])) / 3
     assert math.isclose(m0["loss"], dn, rel_tol=1e-5)
     assert math.isclose(m1["loss"], dn + ar, rel_tol=1e-5)
+    assert math.isclose(m03["loss"], dn + 0.3 * ar, rel_tol=1e-5) and math.isclose(m03["loss_ar"], ar, rel_tol=1e-5)
     assert "loss_ar" not in m0

@@ -132,3 +132,24 @@ def test_greedy_tree_acceptance_takes_a_second_choice():
     a, tok, best = tree_greedy_verify(p_logits, node_tok, anc)
     assert (a.item(), tok.item(), best.item()) == (2, 7, 4)
     assert tree_path(anc, best, node_tok, 2)[1].tolist() == [[3, 4]]
+
+
+def test_probs_keeps_the_hand_computed_top_k_and_top_p_sets():
+    """The sampling-law tests take `probs` as their reference, so `probs` itself is checked here
+    against sets worked out by hand: token ids 0..3 hold p = 0.15, 0.5, 0.05, 0.3 (not in order, so
+    the cut is scattered back to the right ids). top-p keeps the smallest prefix, by falling p, whose
+    mass reaches top_p, the token that crosses it included; top-k keeps the k largest; both renormalise."""
+    p = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    logits = p.log()
+    cases = [
+        (Sampling(1.0), [0.15, 0.5, 0.05, 0.3]),
+        (Sampling(1.0, top_p=0.3), [0.0, 1.0, 0.0, 0.0]),  # 0.5 alone reaches 0.3
+        (Sampling(1.0, top_p=0.7), [0, 0.5 / 0.8, 0, 0.3 / 0.8]),  # 0.5 < 0.7: 0.3 crosses it and is kept
+        (Sampling(1.0, top_p=0.9), [0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]),  # 0.8 < 0.9: 0.15 crosses
+        (Sampling(1.0, top_k=2), [0, 0.5 / 0.8, 0, 0.3 / 0.8]),
+        (Sampling(1.0, top_k=3, top_p=0.6), [0, 0.5 / 0.8, 0, 0.3 / 0.8]),  # top-k first: 0.5/0.95 < 0.6, 0.3 crosses
+        (Sampling(2.0), (p.sqrt() / p.sqrt().sum()).tolist()),  # T = 2: p ∝ p^(1/2)
+    ]
+    for s, want in cases:
+        torch.testing.assert_close(probs(logits, s), torch.tensor(want), msg=str(s))
+        torch.testing.assert_close(probs(logits[None, None], s)[0, 0], torch.tensor(want))  # batched alike
