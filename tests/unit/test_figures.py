@@ -72,3 +72,33 @@ def test_a_page_without_its_marks_is_refused(tmp_path):
     (root / "README.md").write_text("# d3d\n")
     with pytest.raises(ConfigError, match=r"README.md has no <!-- figures:readme_figures -->"):
         render(check=True, root=root)
+
+
+def test_the_machine_is_named_from_the_record_and_a_record_without_one_says_so(tmp_path):
+    root = copy_of_the_pages(tmp_path)
+    results = rendered_pages(root=root)[root / "docs/results.md"][1]
+    assert "Qwen2.5-Coder 1.5B / 0.5B, fp32: CPU not recorded" in results  # decode_cpu_qwen.json holds no CPU
+    assert "SmolLM2-135M, fp32: AMD EPYC (family/model not recorded), AVX2, no native bf16" in results
+    assert "(family 25 model 17 from its study's lscpu, not the record; Zen 4), AVX-512 BF16" in results
+    record = root / "docs/results/decode_cpu_qwen_amx_trees.json"
+    data = json.loads(record.read_text())
+    data["run"]["cpu"] |= {"model": "Some Xeon", "vendor": "GenuineIntel", "family": 6, "model_number": 143}
+    record.write_text(json.dumps(data))
+    readme = rendered_pages(root=root)[root / "README.md"][1]
+    assert "Some Xeon (family 6 model 143), AMX, native bf16" in readme  # the record's own, the study's unused
+
+
+def test_equality_shares_give_calls_tokens_and_the_class_of_each_difference(tmp_path):
+    root = copy_of_the_pages(tmp_path)
+    readme = rendered_pages(root=root)[root / "README.md"][1]
+    # records of scripts/bench_decode.py: counted from their rows, differences never classified
+    assert "token for token: 1.00, 4 of 4 calls (256 tokens)" in readme
+    assert "Equal to `generate` in 3 of 6 calls (576 tokens); the 3 that differ not classified" in readme
+    record = root / "docs/results/bench_prune_qwen_zen4.json"
+    data = json.loads(record.read_text())
+    row = lookup(data, "summary/method=d3d_tree_n15@unpruned", "test")
+    row |= {"calls": 6, "new_tokens": 570, "equal_rate": 4 / 6, "near_tie_rate": 1 / 6, "real_rate": 1 / 6}
+    record.write_text(json.dumps(data))
+    readme = rendered_pages(root=root)[root / "README.md"][1]
+    assert ("Equal to `generate` in 4 of 6 calls (570 tokens); of the 2 that differ, 1 near-tie bf16 flips, "
+            "1 real differences") in readme

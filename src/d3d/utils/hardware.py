@@ -76,10 +76,11 @@ def cpu_info() -> dict:
             "native_bf16": bool(flags & set(BF16_FLAGS))}
 
 
-def cpu_label(cpu: dict | None, cuda: str | None = None) -> str:
+def cpu_label(cpu: dict | None, cuda: str | None = None, noted: str = "") -> str:
     """How a page names the machine of a record, from what the record holds (run.cpu, run.cuda) and
     nothing else: the model name, family/model (and AMD's generation for them) where recorded, the
-    widest vector unit and whether bf16 is native. A record without them says so."""
+    widest vector unit and whether bf16 is native. A record without them says so; `noted` says where
+    family/model came from when not from the record."""
     if cuda:
         return cuda
     if not cpu:
@@ -92,10 +93,10 @@ def cpu_label(cpu: dict | None, cuda: str | None = None) -> str:
     if family is None or number is None:
         where = "family/model not recorded"
     else:
-        where = f"family {family} model {number}"
+        where = f"family {family} model {number}" + (f" {noted}" if noted else "")
         generation = next((g for f, models, g in AMD_GENERATIONS if f == family and number in models), None)
         if generation and "AMD" in (cpu.get("vendor") or cpu.get("model") or ""):
-            where += f", {generation}"
+            where += f"{';' if noted else ','} {generation}"
     bf16 = "native bf16" if cpu.get("native_bf16") else "no native bf16"
     return f"{cpu.get('model') or 'CPU'} ({where}), {unit}, {bf16}"
 
