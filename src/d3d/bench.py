@@ -418,7 +418,8 @@ def shares(e: dict) -> str:
         return "—"
     split = ("not classified" if e.get("near_tie_rate") is None else
              f"{e['near_tie_rate']:.2f} / {e['real_rate']:.2f}")
-    return f"{e['equal_rate']:.2f} / {split} ({e.get('calls', '?')} calls, {e.get('new_tokens', '?')} tokens)"
+    calls = e.get("calls", "?")
+    return f"{e['equal_rate']:.2f} / {split} ({calls} call{'' if calls == 1 else 's'}, {e.get('new_tokens', '?')} tokens)"
 
 
 def summary_markdown(summary: dict) -> str:

@@ -82,17 +82,17 @@ def test_a_call_that_leaves_generate_is_counted_unequal_and_classified(tmp_path,
         return wrong
 
     monkeypatch.setattr(bench, "our_loop", broken)
-    out = run_bench(compose("bench", [*TINY, "bench.methods=[generate,ar,sync]", f"drafter.checkpoint={drafter}",
-                                      "bench.n_prompts=2", "bench.pass_cost=false", "methods.sync.block_size=4"],
+    out = run_bench(compose("bench", [*TINY, "bench.methods=[generate,sync]", f"drafter.checkpoint={drafter}",
+                                      "bench.n_prompts=1", "bench.pass_cost=false", "methods.sync.block_size=4"],
                             tmp_path))
     by = {e["method"]: e for e in json.loads((out / "summary.json").read_text())["methods"]}
-    assert (by["ar"]["equal_rate"], by["ar"]["near_tie_rate"], by["ar"]["real_rate"]) == (1.0, 0.0, 0.0)
+    assert (by["generate"]["equal_rate"], by["generate"]["near_tie_rate"], by["generate"]["real_rate"]) == (1.0, 0, 0)
     assert (by["sync"]["equal_rate"], by["sync"]["near_tie_rate"], by["sync"]["real_rate"]) == (0.0, 0.0, 1.0)
-    assert by["sync"]["calls"] == 2 and by["sync"]["new_tokens"] == 16
+    assert by["sync"]["calls"] == 1 and by["sync"]["new_tokens"] == 8
     rows = [r for r in rows_of(out) if r["method"] == "sync"]
     assert all(not r["equal_to_reference"] and r["divergence"]["index"] == 3 and r["divergence"]["kind"] == "real"
                for r in rows)
-    assert "| sync |" in (out / "summary.md").read_text() and "0.00 / 0.00 / 1.00 (2 calls, 16 tokens)" in (
+    assert "| sync |" in (out / "summary.md").read_text() and "0.00 / 0.00 / 1.00 (1 call, 8 tokens)" in (
         out / "summary.md").read_text()
 
 
