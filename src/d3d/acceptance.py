@@ -14,7 +14,7 @@ drafts of a block of B) counts a round as accepting k when accepted >= k; the ta
 
 A request's last round counts what it committed (cut by EOS or max_new_tokens), as τ does. Engines
 that count lengths with the bonus token (a speculation profile's "length" i + 2 for draft position
-i, counted from 0) shift these by one: `profile_conventions` says so in d3d.export's profile.
+i, counted from 0) shift these by one: d3d.export's speculation profile gives both (speculation_profile).
 """
 
 from __future__ import annotations

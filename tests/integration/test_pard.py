@@ -119,3 +119,9 @@ def test_an_export_records_which_convention_its_mask_id_is():
 
     assert "SDAR" in mask_convention(151669, 151936) and "PARD-2" in mask_convention(151670, 151936)
     assert mask_convention(151669, 49152) is None and mask_convention(16, 49152) is None
+
+
+def test_a_mask_id_outside_the_folders_rows_is_refused_before_loading(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "num_hidden_layers": 1, "pard_token": 10}))
+    with pytest.raises(ConfigError, match="mask id 10 \\(config.json's pard_token\\) lies outside its 10 embedding rows"):
+        check_is_drafter(tmp_path)

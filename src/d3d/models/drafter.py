@@ -398,15 +398,22 @@ def named_mask_id(config: dict) -> tuple[str, int] | None:
     return None
 
 
+def pard_mask_id(config: dict) -> tuple[str, int]:
+    """named_mask_id of a PARD-format folder's config, refused in one line where it lies outside the
+    folder's embedding rows (check_is_drafter asks before anything loads)."""
+    key, mask_id = named_mask_id(config)
+    if not 0 <= mask_id < int(config.get("vocab_size", 0)):
+        raise ConfigError(f"the PARD-format drafter's mask id {mask_id} (config.json's {key}) lies outside its "
+                          f"{config.get('vocab_size')} embedding rows. Fix: set {key} to the id it was trained with.")
+    return key, mask_id
+
+
 def pard_settings(config: dict, block_size: int) -> DrafterSettings:
     """The d3d settings of a PARD-format folder (a causal LM trained to draft in parallel, with a mask
     id and no d3d settings; docs/serving.md): causal blocks, its mask id, its own vocabulary (checked
     against the target's where it loads), all its layers, and the block it decodes with, which the
     folder does not say (drafter.block_size)."""
-    key, mask_id = named_mask_id(config)
-    if not 0 <= mask_id < int(config["vocab_size"]):
-        raise ConfigError(f"the PARD-format drafter's mask id {mask_id} (config.json's {key}) lies outside its "
-                          f"{config['vocab_size']} embedding rows. Fix: set {key} to the id it was trained with.")
+    key, mask_id = pard_mask_id(config)
     return DrafterSettings(block_size=block_size, mask_token_id=mask_id, vocab_size=int(config["vocab_size"]),
                            kept_layers=list(range(int(config["num_hidden_layers"]))), init=f"pard:{key}",
                            block_attention="causal")
@@ -425,11 +432,8 @@ def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
     is a plain model (the target's own folder, say), not a drafter: said in one line with the fix,
     before it loads (it used to be a ValueError traceback). So is a drafter folder with a JSON file
     that does not parse (a copy cut short)."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        config = None
-    if not isinstance(config, dict):
+    config = saved_config(path)
+    if config is None:
         raise ConfigError(f"{key}={path}: its config.json is empty or torn. Fix: pass a whole drafter folder (the "
                           f"final/ of a finished d3d.train or d3d.prune run).")
     if "d3d" not in config and named_mask_id(config) is None:
@@ -437,6 +441,8 @@ def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
                           f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or a PARD-format drafter (its "
                           f"config.json names a mask id: {', '.join(MASK_ID_KEYS)}), or leave {key} unset to build an "
                           f"untrained drafter from drafter.init.")
+    if "d3d" not in config:
+        pard_mask_id(config)  # a PARD-format drafter's mask id inside its rows
     torn = torn_json(path)  # a torn tokenizer.json was a tokenizers traceback once the target had loaded
     if torn:
         raise ConfigError(f"{key}={path}: its {torn.name} is empty or torn. Fix: copy that file again from where the "
@@ -448,9 +454,9 @@ def check_block_attention(folder, wanted: str, key: str = "drafter.checkpoint") 
     d3d.models.forward reads it there), so a run that asks for the other rule is refused before the
     weights load rather than silently running the saved one."""
     config = saved_config(Path(os.path.expanduser(str(folder))))
-    if isinstance(config, dict) and isinstance(config.get("d3d"), dict):
+    if config is not None and isinstance(config.get("d3d"), dict):
         saved = DrafterSettings(**config["d3d"]).block_attention
-    elif isinstance(config, dict) and named_mask_id(config):
+    elif config is not None and named_mask_id(config):
         saved = "causal"  # a PARD-format drafter drafts with causal blocks (pard_settings)
     else:
         return  # not a drafter folder: check_is_drafter says so where it loads
