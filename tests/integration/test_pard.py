@@ -92,14 +92,15 @@ def test_a_pard_format_drafter_decodes_in_d3ds_loop_equal_to_ar(tmp_path, monkey
 
 def test_a_pard_folder_is_refused_with_a_bidirectional_rule_and_without_a_block(tmp_path):
     """PARD drafts with causal blocks: asking d3d for bidirectional ones is refused before loading, as for a
-    causal d3d drafter; the folder does not say its block, so a loader that gives none is told the fix."""
+    causal d3d drafter; the folder does not say its block, so a command that gives none (export, prune) is
+    told which ones read it."""
     from d3d.models.drafter import check_block_attention
 
     folder, _, _ = foreign_folder(tmp_path)
     check_is_drafter(folder)  # a drafter, not a plain model
     with pytest.raises(ConfigError, match="was trained with drafter.block_attention=causal"):
         check_block_attention(folder, "bidirectional")
-    with pytest.raises(ConfigError, match="PARD-format drafter .* Fix: pass drafter.block_size"):
+    with pytest.raises(ConfigError, match="PARD-format drafter .*only d3d.eval and d3d.bench decode one.* Fix:"):
         load_drafter(folder, dtype="float32")
 
 

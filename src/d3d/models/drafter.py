@@ -494,8 +494,9 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
     config = saved_config(Path(path))
     if config is not None and "d3d" not in config:
         if block_size is None:
-            raise ConfigError(f"{path} is a PARD-format drafter (no d3d settings), which does not say its block. "
-                              f"Fix: pass drafter.block_size (the drafts per step + 1).")
+            raise ConfigError(f"{path} is a PARD-format drafter (no d3d settings, so no block of its own): only d3d.eval "
+                              f"and d3d.bench decode one, with drafter.block_size as its block. Fix: pass it to one of "
+                              f"those, or pass a d3d drafter folder here.")
         settings = pard_settings(config, block_size)
         model = load_model(str(path), dtype, device, attn_implementation)
         settings.attach(model)
