@@ -281,7 +281,8 @@ def load_models(cfg: BenchConfig, methods: dict, cache: Path):
     dtype, device = cfg.target.dtype, str(target.device)
 
     def trained(folder: str, where: str):
-        model, dtok = load_drafter(resolve_path(folder), device=device, dtype=dtype)
+        model, dtok = load_drafter(resolve_path(folder), device=device, dtype=dtype,
+                                   block_size=cfg.drafter.block_size)  # a PARD-format folder's block
         for warning in check_fits_target(model, dtok, target, tok, cfg.target.name):
             print(f"[d3d.bench] warning: {where}: {warning}", flush=True)
         return model

@@ -244,7 +244,8 @@ def load_trained_drafter(cfg: EvalConfig, path: str, target, tok, where: str):
     target said (`where` names its key)."""
     drafter, drafter_tok = load_drafter(resolve_path(path), device=drafter_device(cfg.drafter.device, target),
                                         dtype=cfg.target.dtype,
-                                        attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+                                        attn_implementation=drafter_attention(cfg.drafter, cfg.target),
+                                        block_size=cfg.drafter.block_size)  # a PARD-format folder's block
     for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
         log.warning("%s: %s", where, warning)
     return drafter

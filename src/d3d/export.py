@@ -20,8 +20,12 @@ What the folder holds, and why:
   other row zero. The heads vLLM runs have no bias, so a row cannot say -inf: an excluded token scores 0
   and wins only at a slot where every kept logit is below 0; export.json holds τ both ways;
 - the target's tokenizer; `speculative_config.json` (what to pass to vLLM) and `export.json` (what was
-  exported from what, and the τ measured). Its d3d settings say block_attention=causal and the
-  served mask id, so d3d loads the folder as the drafter vLLM runs (tests/integration/test_serving.py).
+  exported from what, the τ measured, and which public Qwen3 mask-id convention the served id is). Its
+  d3d settings say block_attention=causal and the served mask id, so d3d loads the folder as the
+  drafter vLLM runs (tests/integration/test_serving.py);
+- `speculation_profile.json`: the served drafter's acceptance per draft position (cumulative and
+  conditional, each convention said: d3d.acceptance) over the steps of that served τ measurement,
+  when there were held-out responses to measure on.
 
 The folder is published whole: written into `<out>.partial`, then swapped with the previous export in
 one rename (renameat2's RENAME_EXCHANGE), so a server or a reader sees the old export or the new one,
@@ -47,9 +51,10 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
+from d3d.acceptance import speculation_profile
 from d3d.config import ConfigError, hydra_job, resolve_path
 from d3d.models.drafter import (
-    check_block_attention, check_same_tokenizer, drafter_folder, load_drafter, weights_fingerprint,
+    check_block_attention, check_same_tokenizer, drafter_folder, load_drafter, mask_convention, weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_tokenizer, resolve_model_path
@@ -65,7 +70,7 @@ log = logging.getLogger("d3d.export")
 # save_pretrained files and d3d's own. A folder holding export.json and only these is an earlier
 # export and is replaced whole; a file an export starts writing goes here, or re-exporting refuses it.
 EXPORT_FILES = (
-    "export.json", "speculative_config.json",
+    "export.json", "speculative_config.json", "speculation_profile.json",
     "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
     "model.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -212,6 +217,17 @@ def publish(out: Path, write: Callable[[Path], None]) -> None:
     shutil.rmtree(new)  # the old export, now at <out>.partial
 
 
+def served_profile(measured: dict | None, k: int) -> dict | None:
+    """speculation_profile.json: the per-position acceptance of the served drafter (the full head
+    where a draft vocabulary was widened: what vLLM runs), from served_taus' steps on the held-out
+    responses; None when there were none to measure on."""
+    if not measured:
+        return None
+    return speculation_profile(measured[f"tau_histogram_served_causal_K{k}"], k,
+                               f"{measured['responses']} held-out greedy responses of the target (the drafter's "
+                               f"training split), the drafter served causally with K={k}: d3d.serving.served_taus")
+
+
 def held_out(cfg: ExportConfig):
     """The held-out responses of the drafter's training (d3d.train's split with this seed), cut as
     its validation cuts them; None when there are none here."""
@@ -271,14 +287,21 @@ def export(cfg: ExportConfig) -> Path:
     record = {"source": str(source), "source_weights": weights_fingerprint(source), "target": cfg.target.name,
               "target_path": str(target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
               "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
+              # which public Qwen3 mask-id convention the served id is (None: neither, or not a Qwen3 vocabulary)
+              "mask_convention": mask_convention(mask_id, s.vocab_size),
               "draft_vocab": s.draft_vocab, "speculative_config": spec, **({"measured": taus} if taus else {}),
               **({"measured_full_head": full_head} if full_head else {})}
+    profile = served_profile(full_head or taus, k)
+    if profile is None:
+        log.info("no held-out responses here: no speculation_profile.json (set train.responses_dir to measure one)")
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
         target_tok.save_pretrained(folder)
         write_json(folder / "speculative_config.json", spec)
         write_json(folder / "export.json", record)
+        if profile:
+            write_json(folder / "speculation_profile.json", profile)
 
     publish(out, write)
     print(json.dumps(spec), flush=True)

@@ -4,7 +4,7 @@ Everything here is recomputed from the per-prompt rows (rows*.jsonl) that d3d.ev
 summary can always be checked against, or rebuilt from, the raw data:
 
     python -m d3d.report outputs/eval/runs/<run>/<time>            # re-summarise + redraw plots
-    python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1
+    python -m d3d.report compare <folder A> <folder B> [...]       # e.g. λ = 0 against λ = 1; --out FILE too
     python -m d3d.report results [--check]    # docs/results.md's and the README's figures from their records (d3d.figures)
 
 Definitions (docs/design.md, Evaluation): TPOT = decode seconds / new tokens (prefill timed apart);
@@ -24,6 +24,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from d3d.acceptance import add_views, compare_views_markdown, plot_views, views_markdown
 from d3d.errors import ConfigError, UserError
 from d3d.utils.io import read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
@@ -122,8 +123,15 @@ def tau_histogram(rows: list[dict]) -> dict[str, dict[int, int]]:
     return {m: dict(sorted(c.items())) for m, c in sorted(out.items())}
 
 
-def summarise(rows: list[dict]) -> dict:
-    """Per benchmark and method at concurrency 1; the mean over benchmarks; the load table."""
+def drafting(method: str) -> bool:
+    """Whether a row's method drafts (every method but the AR baseline and transformers' generate)."""
+    return method not in (BASELINE, REFERENCE)
+
+
+def summarise(rows: list[dict], records: dict | None = None) -> dict:
+    """Per benchmark and method at concurrency 1, with each drafting row's acceptance views
+    (d3d.acceptance; `records`: run.json's methods, for their block sizes); the mean over benchmarks;
+    the load table."""
     single = [r for r in rows if r.get("concurrency", 1) == 1]
     out: dict = {"benchmarks": {}}
     for bench in sorted({r["benchmark"] for r in single}):
@@ -141,6 +149,7 @@ def summarise(rows: list[dict]) -> dict:
             for k in ("speedup_token_weighted", "tau_token_weighted")}
         for m in methods if all("speedup_token_weighted" in per.get(m, {}) for per in out["benchmarks"].values())
     }
+    add_views(out, single, drafting, records)
     out["tau_histogram"] = tau_histogram(single)
     out["load"] = load_table(rows)
     return out
@@ -201,6 +210,7 @@ def summary_markdown(summary: dict) -> str:
     notes += summary.get("run_notes", [])  # d3d.eval's stated choices (run.json `notes`: a block, a given budget)
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
+    lines += views_markdown(summary)  # acceptance per position, per request, per context (d3d.acceptance)
     if summary.get("load"):
         lines += ["", "Load test (all benchmarks, first turns, batches of `concurrency` requests):", "",
                   "| concurrency | method | tok/s | speedup vs AR | τ | hit rate | equal to AR |",
@@ -274,7 +284,7 @@ def plot_summary(summary: dict, out_dir: str | Path, methods_info: dict | None =
             ax.set_xlabel("concurrency")
         axes[1].legend(fontsize=8)
         paths.append(save_figure(fig, out_dir / "load.png"))
-    return paths
+    return paths + plot_views(summary, out_dir)
 
 
 def _budget_points(summary: dict, methods_info: dict) -> list[tuple[int, float, float, str]]:
@@ -336,7 +346,7 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
     """(Re)compute summary.json, summary.md and the plots of a result folder from its rows."""
     folder = Path(folder)
     rows = result_rows(folder)
-    summary = summarise(rows)
+    summary = summarise(rows, methods_info(folder))
     summary["methods"] = methods_info(folder)
     if auto_budget_info(folder):
         summary["auto_budget"] = auto_budget_info(folder)
@@ -353,9 +363,10 @@ def write_report(folder: str | Path, extra: dict | None = None) -> dict:
 
 
 def compare_markdown(folders: list[Path], labels: list[str] | None = None) -> str:
-    """One row per (benchmark, method), one column pair (speedup, τ) per result folder."""
+    """One row per (benchmark, method), one column pair (speedup, τ) per result folder; then each
+    drafting row's acceptance views side by side (d3d.acceptance)."""
     labels = labels or [f.parent.name if f.name[:4].isdigit() else f.name for f in folders]
-    summaries = [summarise(result_rows(f)) for f in folders]
+    summaries = [summarise(result_rows(f), methods_info(f)) for f in folders]
     keys = sorted({(b, m) for s in summaries for b, per in s["benchmarks"].items() for m in per})
     head = "| benchmark | method | " + " | ".join(f"{lab} speedup | {lab} τ" for lab in labels) + " |"
     lines = [head, "|---|---|" + "---|---|" * len(folders)]
@@ -365,6 +376,7 @@ def compare_markdown(folders: list[Path], labels: list[str] | None = None) -> st
             m = s["benchmarks"].get(bench, {}).get(method)
             cells += ["—", "—"] if m is None else [f"{_fmt(m.get('speedup_token_weighted'))}×", f"{m['tau_token_weighted']:.2f}"]
         lines.append(f"| {bench} | {method} | " + " | ".join(cells) + " |")
+    lines += compare_views_markdown(labels, summaries)
     return "\n".join(lines) + "\n"
 
 

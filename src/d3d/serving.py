@@ -36,13 +36,15 @@ def served_causally(model):
 
 def served_taus(model, examples, k: int) -> dict:
     """Greedy τ on `examples` (target greedy responses) as d3d decodes the drafter (its own rule, its
-    block of B) and as vLLM serves it (causal, K drafts: the estimator's block of K+1)."""
+    block of B) and as vLLM serves it (causal, K drafts: the estimator's block of K+1), with the
+    served steps counted by τ."""
     s = DrafterSettings.of(model)
     own = estimate_acceptance(model, examples, s.block_size, s.mask_token_id, s.vocab_size).tau
     with served_causally(model):
-        served = estimate_acceptance(model, examples, k + 1, s.mask_token_id, s.vocab_size).tau
-    return {f"tau_d3d_{s.block_attention}_B{s.block_size}": own, f"tau_served_causal_K{k}": served,
-            "responses": len(examples)}
+        served = estimate_acceptance(model, examples, k + 1, s.mask_token_id, s.vocab_size)
+    # the served steps by τ (1..K+1): d3d.export's speculation profile, its per-position rates
+    return {f"tau_d3d_{s.block_attention}_B{s.block_size}": own, f"tau_served_causal_K{k}": served.tau,
+            f"tau_histogram_served_causal_K{k}": served.histogram(k + 1), "responses": len(examples)}
 
 
 def engine_rounds(m: torch.Tensor, new_tokens: int, k: int) -> list[int]:

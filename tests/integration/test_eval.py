@@ -8,7 +8,7 @@ import pytest
 
 from d3d.decoding.methods import method_row
 from d3d.eval import read_settings, run_eval
-from d3d.report import compare_markdown, main as report_main, read_rows, summarise
+from d3d.report import compare_markdown, main as report_main, methods_info, read_rows, summarise
 from d3d.utils.io import read_jsonl
 from d3d.settings import bind_config
 from tests.conftest import compose
@@ -39,14 +39,19 @@ def test_eval_gsm8k_and_mt_bench_turns(tmp_path, monkeypatch):
     assert all(r["equal_to_ar"] for r in rows)  # greedy: every method returns the AR tokens
     summary = json.loads((out / "summary.json").read_text())
     assert summary["benchmarks"]["gsm8k"]["ar"]["speedup_token_weighted"] == pytest.approx(1.0)
-    assert summary["benchmarks"] == json.loads(json.dumps(summarise(rows)["benchmarks"]))
+    assert summary["benchmarks"] == json.loads(json.dumps(summarise(rows, methods_info(out))["benchmarks"]))
+    for method in ("sync", "async"):  # the acceptance views of real rows: B - 1 positions, 1 + Σ cumulative = τ
+        views = summary["benchmarks"]["gsm8k"][method]
+        assert len(views["acceptance"]["cumulative"]) == 3
+        assert 1 + sum(views["acceptance"]["cumulative"]) == pytest.approx(views["tau_token_weighted"])
+        assert views["tau_per_request"]["requests"] == 2 and views["tau_by_context"]
     assert "| gsm8k | async |" in (out / "summary.md").read_text()
     # task-level check: graded where cheap (math, code), ungraded MT-Bench, same verdicts as AR
     graded = [r for r in rows if r["benchmark"] in ("gsm8k", "humaneval")]
     assert all(isinstance(r["correct"], bool) for r in graded)
     assert all(r["correct"] is None for r in mt)
     assert all(r["task_equal_to_ar"] in (True, None) for r in rows)
-    assert {p.name for p in out.glob("*.png")} >= {"speedup_tau.png", "tau_histogram.png"}
+    assert {p.name for p in out.glob("*.png")} >= {"speedup_tau.png", "tau_histogram.png", "acceptance.png"}
 
 
 def test_resume_skips_finished_rows(tmp_path, monkeypatch):

@@ -43,6 +43,21 @@ def drafter(root, rule: str):
     return save_drafter(model, tok, root / f"drafter_{rule}")
 
 
+def check_profile(out, k: int) -> dict:
+    """speculation_profile.json: the served drafter's per-position rates over K positions, from the same
+    steps as export.json's served τ (1 + Σ cumulative = τ), each convention said."""
+    profile = json.loads((out / "speculation_profile.json").read_text())
+    measured = json.loads((out / "export.json").read_text())
+    measured = measured.get("measured_full_head") or measured["measured"]
+    assert profile["num_speculative_tokens"] == k and profile["positions"] == list(range(1, k + 1))
+    assert profile["length_with_bonus"] == list(range(2, k + 2))
+    assert len(profile["cumulative"]) == len(profile["conditional"]) == k
+    assert 1 + sum(profile["cumulative"]) == pytest.approx(measured[f"tau_served_causal_K{k}"])
+    assert profile["conditional"][0] == profile["cumulative"][0]
+    assert set(profile["conventions"]) >= {"cumulative", "conditional", "length_with_bonus"}
+    return profile
+
+
 def export(root, folder, rule: str, *extra):
     cfg = compose("export", SMOKE + [f"drafter.checkpoint={folder}", f"drafter.block_attention={rule}",
                                      f"export.out_dir={root}/served_{rule}", *extra], root)
@@ -81,6 +96,8 @@ def test_a_causal_drafter_exports_as_a_plain_causal_lm_with_its_drafts(root, cap
     torch.testing.assert_close(vllm_like, d3d, atol=1e-4, rtol=1e-4)
     record = json.loads((out / "export.json").read_text())
     assert record["trained_block_attention"] == "causal" and record["measured"]["responses"] == 3
+    check_profile(out, k)
+    assert "mask_convention" in record and record["mask_convention"] is None  # not a Qwen3 vocabulary
     # d3d loads the export as the drafter vLLM runs (causal, the served mask id)
     again = DrafterSettings.of(load_drafter(out, dtype="float32")[0])
     assert (again.block_attention, again.mask_token_id) == ("causal", config["mask_token_id"])
@@ -117,6 +134,7 @@ def test_a_draft_vocabulary_drafter_exports_with_a_full_head_and_its_tau_both_wa
     assert record["draft_vocab"] == len(d2t) and set(record["measured_full_head"]) == set(record["measured"])
     assert all(1.0 <= record[m]["tau_served_causal_K15"] <= 16 for m in ("measured", "measured_full_head"))
     assert "served as a head of" in caplog.text
+    check_profile(out, 15)  # the full head's steps: what vLLM runs
     assert DrafterSettings.of(load_drafter(out, dtype="float32")[0]).draft_vocab is None  # d3d reads a full head
 
 
@@ -128,6 +146,7 @@ def test_a_bidirectional_drafter_is_exported_with_its_served_tau_said(root, capl
     served = record["measured"]["tau_served_causal_K2"]
     assert f"its τ is {served:.3f} there (K=2)" in caplog.text
     assert 1.0 <= served <= 3.0 and record["speculative_config"]["num_speculative_tokens"] == 2
+    check_profile(out, 2)
 
 
 def test_a_bidirectional_drafter_without_responses_to_measure_is_refused(root, tmp_path):

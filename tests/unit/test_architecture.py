@@ -99,7 +99,7 @@ def test_the_rule_sees_a_recipe_import_a_recipe(tmp_path):
 FLOORS = (
     RECIPES,
     {"d3d.settings"},  # the boundary: OmegaConf -> d3d.specs, once
-    {"d3d.report", "d3d.figures", "d3d.grading", "d3d.layer_scores", "d3d.estimator", "d3d.training", "d3d.examples", "d3d.objective",
+    {"d3d.report", "d3d.acceptance", "d3d.figures", "d3d.grading", "d3d.layer_scores", "d3d.estimator", "d3d.training", "d3d.examples", "d3d.objective",
      "d3d.decoding", "d3d.serving"},
     {"d3d.models"},
     {"d3d.data"},

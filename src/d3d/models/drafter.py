@@ -19,6 +19,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Iterator
@@ -31,6 +32,8 @@ from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
 from d3d.utils.checkpoints import torn_json
+
+log = logging.getLogger("d3d.models.drafter")
 
 
 class TokenizerMismatchError(ConfigError):
@@ -367,21 +370,79 @@ def weights_fingerprint(folder: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
-    """A folder whose config.json has no `d3d` settings is a plain model (the target's own folder, say),
-    not a drafter: said in one line with the fix, before it loads (it used to be a ValueError traceback).
-    So is a drafter folder with a JSON file that does not parse (a copy cut short)."""
+# ---------------------------------------------------------------------------- PARD-format folders
+
+# Where a parallel drafter's config.json names its mask id, read in the order vLLM's parallel drafting
+# reads them (docs/serving.md), so d3d decodes with the id vLLM would serve: the first key present wins.
+# d3d.export writes `mask_token_id`; PARD's own folders `pard_token`.
+MASK_ID_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
+# The two public mask ids of Qwen3 drafters (151,936 embedding rows; its tokenizer's 151,669 tokens end
+# at 151668): export.json's mask_convention names the one an export's id is.
+QWEN3_ROWS = 151936
+QWEN3_MASK_IDS = {151669: "SDAR (151669, the first id after Qwen3's tokens)", 151670: "PARD-2 (151670)"}
+
+
+def mask_convention(mask_id: int, vocab_size: int) -> str | None:
+    """Which public Qwen3 convention `mask_id` follows; None for another id or another vocabulary."""
+    return QWEN3_MASK_IDS.get(mask_id) if vocab_size == QWEN3_ROWS else None
+
+
+def named_mask_id(config: dict) -> tuple[str, int] | None:
+    """(key, id) of the first MASK_ID_KEYS entry that config.json holds, or None."""
+    for key in MASK_ID_KEYS:
+        value = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            return key, int(value)
+    return None
+
+
+def pard_mask_id(config: dict) -> tuple[str, int]:
+    """named_mask_id of a PARD-format folder's config, refused in one line where it lies outside the
+    folder's embedding rows (check_is_drafter asks before anything loads)."""
+    key, mask_id = named_mask_id(config)
+    if not 0 <= mask_id < int(config.get("vocab_size", 0)):
+        raise ConfigError(f"the PARD-format drafter's mask id {mask_id} (config.json's {key}) lies outside its "
+                          f"{config.get('vocab_size')} embedding rows. Fix: set {key} to the id it was trained with.")
+    return key, mask_id
+
+
+def pard_settings(config: dict, block_size: int) -> DrafterSettings:
+    """The d3d settings of a PARD-format folder (a causal LM trained to draft in parallel, with a mask
+    id and no d3d settings; docs/serving.md): causal blocks, its mask id, its own vocabulary (checked
+    against the target's where it loads), all its layers, and the block it decodes with, which the
+    folder does not say (drafter.block_size)."""
+    key, mask_id = pard_mask_id(config)
+    return DrafterSettings(block_size=block_size, mask_token_id=mask_id, vocab_size=int(config["vocab_size"]),
+                           kept_layers=list(range(int(config["num_hidden_layers"]))), init=f"pard:{key}",
+                           block_attention="causal")
+
+
+def saved_config(path: Path) -> dict | None:
     try:
         config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        config = None
-    if not isinstance(config, dict):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
+    """A folder whose config.json has no `d3d` settings and no parallel-drafting mask id (MASK_ID_KEYS)
+    is a plain model (the target's own folder, say), not a drafter: said in one line with the fix,
+    before it loads (it used to be a ValueError traceback). So is a drafter folder with a JSON file
+    that does not parse (a copy cut short)."""
+    config = saved_config(path)
+    if config is None:
         raise ConfigError(f"{key}={path}: its config.json is empty or torn. Fix: pass a whole drafter folder (the "
                           f"final/ of a finished d3d.train or d3d.prune run).")
-    if "d3d" not in config:
+    if "d3d" not in config and named_mask_id(config) is None:
         raise ConfigError(f"{key}={path} is a plain model (its config.json has no d3d settings), not a d3d drafter. "
-                          f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or leave {key} unset to "
-                          f"build an untrained drafter from drafter.init.")
+                          f"Fix: pass the final/ folder of a d3d.train or d3d.prune run, or a PARD-format drafter (its "
+                          f"config.json names a mask id: {', '.join(MASK_ID_KEYS)}), or leave {key} unset to build an "
+                          f"untrained drafter from drafter.init.")
+    if "d3d" not in config:
+        pard_mask_id(config)  # a PARD-format drafter's mask id inside its rows
     torn = torn_json(path)  # a torn tokenizer.json was a tokenizers traceback once the target had loaded
     if torn:
         raise ConfigError(f"{key}={path}: its {torn.name} is empty or torn. Fix: copy that file again from where the "
@@ -392,11 +453,13 @@ def check_block_attention(folder, wanted: str, key: str = "drafter.checkpoint") 
     """A drafter decodes with the block rule it was trained with (it rides in its config.d3d, and
     d3d.models.forward reads it there), so a run that asks for the other rule is refused before the
     weights load rather than silently running the saved one."""
-    try:
-        raw = json.loads((Path(os.path.expanduser(str(folder))) / "config.json").read_text(encoding="utf-8"))["d3d"]
-    except (OSError, ValueError, KeyError, TypeError):
+    config = saved_config(Path(os.path.expanduser(str(folder))))
+    if config is not None and isinstance(config.get("d3d"), dict):
+        saved = DrafterSettings(**config["d3d"]).block_attention
+    elif config is not None and named_mask_id(config):
+        saved = "causal"  # a PARD-format drafter drafts with causal blocks (pard_settings)
+    else:
         return  # not a drafter folder: check_is_drafter says so where it loads
-    saved = DrafterSettings(**raw).block_attention
     if saved != wanted:
         raise ConfigError(f"{key}={folder} was trained with drafter.block_attention={saved}, but this run sets "
                           f"{wanted}. Fix: set drafter.block_attention={saved} (a drafter's block rule is its "
@@ -422,9 +485,25 @@ def drafter_folder(value, key: str = "drafter.checkpoint") -> Path:
 
 
 def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "auto",
-                 attn_implementation: str | None = "sdpa"):
+                 attn_implementation: str | None = "sdpa", block_size: int | None = None):
+    """A saved drafter and its tokenizer. A PARD-format folder (no d3d settings, a mask id under one of
+    MASK_ID_KEYS) loads as a causal drafter decoding blocks of `block_size` (drafter.block_size: the
+    folder does not say), its settings attached as a d3d folder's are."""
     if (Path(path) / "config.json").is_file():  # a plain model folder: one line with the fix, before it loads
         check_is_drafter(Path(path))
+    config = saved_config(Path(path))
+    if config is not None and "d3d" not in config:
+        if block_size is None:
+            raise ConfigError(f"{path} is a PARD-format drafter (no d3d settings, so no block of its own): only d3d.eval "
+                              f"and d3d.bench decode one, with drafter.block_size as its block. Fix: pass it to one of "
+                              f"those, or pass a d3d drafter folder here.")
+        settings = pard_settings(config, block_size)
+        model = load_model(str(path), dtype, device, attn_implementation)
+        settings.attach(model)
+        log.info("PARD-format drafter %s: mask id %d from config.json's %s (read in vLLM's order: %s), causal blocks "
+                 "of %d", path, settings.mask_token_id, settings.init.partition(":")[2], ", ".join(MASK_ID_KEYS),
+                 block_size)
+        return model, load_tokenizer(str(path))
     n = _saved_draft_vocab(Path(path))
     if n is None:
         model = load_model(str(path), dtype, device, attn_implementation)
