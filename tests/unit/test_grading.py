@@ -112,6 +112,7 @@ def test_the_grader_is_chosen_by_the_specs_kind():
 
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -569,6 +570,27 @@ def test_system_v_semaphores_and_message_queues_are_refused(who):
     """`semget(IPC_PRIVATE, 32000, …)` in a loop made ~2 GB of kernel memory in 6 s, and msgget +
     msgsnd 500 MB in 0.9 s, outside memory_mb + disk_mb: the seccomp filter refuses both (EPERM)."""
     ok, why = graded(SYSV, "assert held_in_the_kernel() == 0, held_in_the_kernel()\n", who)
+    assert ok, why
+
+
+KERNEL_OBJECTS = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def made():
+    got = []
+    if libc.syscall(425, 8, ctypes.create_string_buffer(120)) >= 0:  # io_uring_setup: rings in kernel memory
+        got.append("io_uring")
+    if libc.syscall(248, b"user", b"d3d", b"x" * 1024, 1024, -2) >= 0:  # add_key to the session keyring
+        got.append("key")
+    return got
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe uses x86-64 system call numbers")
+@pytest.mark.parametrize("who", WHO)
+def test_io_uring_and_the_keyring_are_refused(who):
+    """An io_uring ring and a key in the kernel keyring were made: kernel memory and attack surface no
+    graded program needs."""
+    ok, why = graded(KERNEL_OBJECTS, "assert made() == [], made()\n", who)
     assert ok, why
 
 
