@@ -675,6 +675,14 @@ RIGHT_BY_VALUE = {  # record, answer: each answer is right, and each used to fai
 }
 
 
+def test_an_iterator_the_tests_collect_passes():
+    """`list(f(x))` runs with the call, in the answer's process: an answer returning a generator is not
+    refused as `not plain data`."""
+    record = Record("mbpp/evens", ["Write evens."], {"tests": ["assert list(evens(5)) == [0, 2, 4]"], "setup": ""})
+    out = grade(shipped_benchmark("mbpp"), record, "```python\ndef evens(n):\n    return (i for i in range(0, n, 2))\n```")
+    assert out["correct"] is True and out["compared_apart"] is True, out
+
+
 @pytest.mark.parametrize("case", list(RIGHT_BY_VALUE))
 def test_a_right_answer_is_judged_by_its_values(case):
     """Values are compared as the runtime's own types, numbers by value: a right answer no longer fails
@@ -714,7 +722,9 @@ def test_tests_split_into_calls_and_checks_by_their_shape_alone():
     assert he.imports == "import math" and "[1, 3]" in he.tests and "1.5" in he.tests and "__d3d_atom(1)" in he.tests
     assert not any("[1, 3]" in c or "1.5" in c for c in he.calls)  # expected values never reach the answer
     mbpp = split_tests("assert set(common((1, 2), (2, 3))) == {2}\nassert f(1) == sorted([2, 1])\n")
-    assert mbpp.calls == ("common((1, 2), (2, 3))", "f(1)") and mbpp.bind == {}
+    assert mbpp.calls == ("set(common((1, 2), (2, 3)))", "f(1)") and mbpp.bind == {}
+    collected = split_tests("assert list(f(3)) == [0, 1, 2]\nassert sorted(f(2), key=abs) == [0, 1]\n")
+    assert collected.calls == ("list(f(3))", "f(2)")  # an iterator collected with the call; `key=` stays apart
     for other in ("for i in range(3):\n    assert f(i) == i\n",  # a call whose arguments change as it runs
                   "for _ in range(3):\n    assert f(1) == 2\n",  # a call made again: the answer may answer otherwise
                   "x = [3, 1]\nf(x)\nassert x == [1, 3]\n",  # arguments the tests compute

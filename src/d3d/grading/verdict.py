@@ -304,6 +304,9 @@ class Apart:
 
 BUILTINS = frozenset(dir(builtins))
 TOP_LEVEL_ONLY = (ast.Assert, ast.Expr, ast.Assign, ast.AnnAssign, ast.AugAssign)  # statements that may call the answer
+# `list(f(x))` and its like run with the call, in the answer's interpreter: a right answer may return an
+# iterator the tests collect. One argument and nothing else, so no value of the tests' goes with it.
+COLLECTING = frozenset({"list", "tuple", "set", "frozenset", "sorted", "dict"})
 
 
 def _bound(node: ast.AST) -> set[str]:
@@ -388,7 +391,10 @@ def split_tests(tests: str) -> Apart | None:
 
     class Cut(ast.NodeTransformer):
         def visit_Call(self, node: ast.Call) -> ast.AST:
-            if not _loads(node.func) & answer:
+            wraps = (isinstance(node.func, ast.Name) and node.func.id in COLLECTING and node.func.id not in bound
+                     and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Call)
+                     and _loads(node.args[0].func) & answer)
+            if not wraps and not _loads(node.func) & answer:
                 return self.generic_visit(node)
             calls.append(node)
             return ast.copy_location(ast.Call(ast.Name("__d3d_atom", ast.Load()), [ast.Constant(len(calls) - 1)], []), node)
