@@ -694,14 +694,14 @@ def test_a_right_answer_is_judged_by_its_values(case):
     assert grade(shipped_benchmark("mbpp"), record, f"```python\n{wrong}```")["correct"] is False
 
 
-LOOP = Record("humaneval/add-loop", ["Write add."], {"prompt": "def add(a, b):\n", "entry_point": "add",
-                                                     "test": "def check(candidate):\n    for a in range(3):\n"
-                                                             "        assert candidate(a, 1) == a + 1\n"})
+MAPPED = Record("humaneval/add-mapped", ["Write add."], {"prompt": "def add(a, b):\n", "entry_point": "add",
+                                                         "test": "def check(candidate):\n"
+                                                                 "    assert list(map(candidate, [1, 2], [1, 1])) == [2, 3]\n"})
 FAKE_VERDICT = ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'0' * 32 + b' pass\\n')\n"
                 "    except OSError:\n        pass\nos._exit(0)\n")
 
 
-@pytest.mark.parametrize("record", [LOOP, HE], ids=["together", "apart"])
+@pytest.mark.parametrize("record", [MAPPED, HE], ids=["together", "apart"])
 def test_a_verdict_without_the_runs_nonce_is_not_a_pass(record):
     """A wrong answer writes `<another nonce> pass` on every descriptor and exits 0 before the tests:
     only the line carrying this run's nonce is a verdict (tests of another shape run in the answer's
@@ -719,15 +719,16 @@ def test_tests_split_into_calls_and_checks_by_their_shape_alone():
                      "    assert candidate([3, 1], math.pi) == [1, 3], 'sorted'\n    assert abs(candidate([], 0) - 1.5) < 1e-6\n"
                      "\ncheck(sort_it)\n")
     assert he.calls == ("candidate([3, 1], math.pi)", "candidate([], 0)") and he.bind == {"candidate": "sort_it"}
-    assert he.imports == "import math" and "[1, 3]" in he.tests and "1.5" in he.tests and "__d3d_atom(1)" in he.tests
+    assert he.imports == "import math" and "[1, 3]" in he.tests and "1.5" in he.tests and "__d3d_atom(1, {})" in he.tests
     assert not any("[1, 3]" in c or "1.5" in c for c in he.calls)  # expected values never reach the answer
     mbpp = split_tests("assert set(common((1, 2), (2, 3))) == {2}\nassert f(1) == sorted([2, 1])\n")
     assert mbpp.calls == ("set(common((1, 2), (2, 3)))", "f(1)") and mbpp.bind == {}
     collected = split_tests("assert list(f(3)) == [0, 1, 2]\nassert sorted(f(2), key=abs) == [0, 1]\n")
     assert collected.calls == ("list(f(3))", "f(2)")  # an iterator collected with the call; `key=` stays apart
-    for other in ("for i in range(3):\n    assert f(i) == i\n",  # a call whose arguments change as it runs
-                  "for _ in range(3):\n    assert f(1) == 2\n",  # a call made again: the answer may answer otherwise
-                  "x = [3, 1]\nf(x)\nassert x == [1, 3]\n",  # arguments the tests compute
+    looped = split_tests("import random\nfor i in range(3):\n    x = random.random()\n    assert abs(f(i, x) - i - x) < 1e-9\n")
+    assert looped.calls == ("f(i, x)",) and "__d3d_atom(0, {'i': i, 'x': x})" in looped.tests  # its values, sent per call
+    for other in ("x = [3, 1]\nf(x)\nassert x == [1, 3]\n",  # a call made for what it does to its arguments
+                  "def g(y):\n    return y\nassert f(g) == 1\n",  # a function of the tests' passed to the answer
                   "class P:\n    pass\nassert f(P()) == 1\n",  # tests that build their own classes
                   "assert list(map(f, [1])) == [2]\n",  # the answer's function passed, not called
                   "assert True\n"):  # no call into the answer

@@ -5,16 +5,18 @@ Pass means the tests ran and passed. The answer must parse alone (a dangling dec
 the tests); answer and tests reach the harness over stdin, never as a file; the verdict goes out on a
 pipe of its own, as a line carrying a per-run nonce. How the tests' checks meet the answer depends on
 their shape (docs/reliability.md, Round 8):
-- apart, for tests whose every call into the answer is a plain call in a top-level statement (the
-  `assert candidate(args) == expected` of HumanEval and MBPP): the harness forks before the answer
-  runs. The child runs the answer and those calls, and sends their values back as plain data (ints,
-  floats, str, bytes, bool, None, Fractions, Decimals, and lists, tuples, dicts and sets of them); the
-  parent, a twin the answer never ran in (no process of the tree may read or write its memory:
-  PR_SET_DUMPABLE 0 and the seccomp filter), rebuilds the values and runs the tests with each call
-  replaced by its value. The expected values never enter the answer's interpreter, and no object of
-  the answer's, nor any patch it made, takes part in a comparison;
-- together, for tests of any other shape (loops over calls, tests that define classes, calls whose
-  arguments the tests compute): the tests run in the answer's interpreter, with builtins and modules
+- apart, for tests that use the answer's names only to call them (the `assert candidate(args) ==
+  expected` of HumanEval and MBPP, loops over such calls included): the harness forks before the
+  answer runs. The parent is a twin the answer never runs in (no process of the tree may read or
+  write its memory: PR_SET_DUMPABLE 0 and the seccomp filter); it runs the tests with each call into
+  the answer replaced by a request to the child: the call's source and the tests' values it uses, as
+  plain data (ints, floats, complex, str, bytes, bool, None, Fractions, Decimals, and lists, tuples,
+  dicts and sets of them). The child, which ran the answer, makes the call and sends the value back as
+  plain data; the twin rebuilds it as the runtime's own types. The expected values never enter the
+  answer's interpreter, and no object of the answer's, nor any patch it made, takes part in a
+  comparison;
+- together, for tests of any other shape (the answer's function passed as a value, tests that define
+  classes, a call made for what it does to its arguments): the tests run in the answer's interpreter, with builtins and modules
   restored as they were before the answer ran and no value of a class the answer wrote let into a
   compare. What an answer can still forge there is in docs/reliability.md; each row says which way it
   was graded (`compared_apart`).
@@ -96,23 +98,35 @@ def plain(v, depth=0):
         return ["q", hex(v.numerator), hex(v.denominator)]
     if decimal is not None and isinstance(v, decimal.Decimal):
         return ["m", str(v)]
-    raise TypeError("the answer gave a " + repr(type(v).__qualname__) + " object, not plain data")
-def values(job, w):
-    # The child: the answer, then the calls the tests make into it; their values go to the twin on w.
-    def send(message):
-        data = json.dumps(message).encode()
-        os.write(w, b"%016x" % len(data))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(w, view):]
+    raise TypeError("a " + repr(type(v).__qualname__) + " object is not plain data")
+def post(fd, message):
+    data = json.dumps(message).encode()
+    view = memoryview(b"%016x" % len(data) + data)
+    while view:
+        view = view[os.write(fd, view):]
+def fetch(fd):
+    # One message, or None where the other side is gone.
+    size = read(fd, 16)
+    if len(size) < 16:
+        return None
+    size = int(size, 16)
+    if size > 64 << 20:
+        raise ValueError("a message over 64 MB")
+    data = read(fd, size)
+    return None if len(data) < size else json.loads(data)
+def values(job, asked, answer_to):
+    # The child: the answer, then each call the twin asks for, with the tests' values it names; each
+    # value goes back as plain data. It ends when the twin closes `asked`.
+    def leave(message):
+        post(answer_to, message)
         os._exit(0)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(job["answer"], "<answer>", "exec"), namespace)
     except SystemExit:
-        send(["exited"])
+        leave(["exited"])
     except BaseException as err:
-        send(["raised", why(err)])
+        leave(["raised", why(err)])
     scope = dict(namespace)
     try:
         exec(compile(job["imports"], "<tests>", "exec"), scope)
@@ -120,15 +134,21 @@ def values(job, w):
             if name not in namespace:
                 raise NameError("name " + repr(name) + " is not defined")
             scope[param] = namespace[name]
+        calls = [compile(source, "<tests>", "eval") for source in job["atoms"]]
     except BaseException as err:
-        send(["raised", why(err)])
-    got = []
-    for source in job["atoms"]:
+        leave(["raised", why(err)])
+    post(answer_to, ["ready"])
+    while True:
+        request = fetch(asked)
+        if request is None:
+            os._exit(0)
         try:
-            got.append(plain(eval(compile(source, "<tests>", "eval"), scope)))
+            env = dict(scope)
+            env.update((name, rebuild(value)) for name, value in request[1])
+            reply = plain(eval(calls[request[0]], env))
         except BaseException as err:
-            got.append(["x", why(err)])
-    send(["ran", got])
+            reply = ["x", type(err).__name__, why(err)]
+        post(answer_to, reply)
 class Raised(Exception):
     pass
 def rebuild(e):
@@ -164,52 +184,60 @@ def rebuild(e):
         import decimal
         return decimal.Decimal(want(e[1], str))
     raise ValueError("malformed")
+class Unsendable(Exception):
+    pass
 def apart(job, size):
     import ctypes
     # PR_SET_DUMPABLE 0, before the fork: no process of the tree may read or write the twin's memory
     # or descriptors through /proc (ptrace and process_vm_* are refused by the seccomp filter).
     if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
-    r, w = os.pipe()
+    answers, answer_to = os.pipe()
+    asked, ask = os.pipe()
     if os.fork() == 0:
-        os.close(r)
+        os.close(answers)
+        os.close(ask)
         os.close(job["verdict"])
         no_stdin()
-        values(job, w)
-    os.close(w)
+        values(job, asked, answer_to)
+    os.close(answer_to)
+    os.close(asked)
     twin = json.loads(read(0, size))
     no_stdin()
     say = reporter(job["verdict"], twin["nonce"])
-    size = read(r, 16)
-    if len(size) < 16:
-        say("fail the answer exited before its tests ran (no values came back)")
-    size = int(size, 16)
-    if size > 64 << 20:
-        say("fail the answer's values are over 64 MB")
     try:
-        message = json.loads(read(r, size))
-        kind = message[0]
-        if kind == "exited":
-            say("fail the answer exited before its tests ran")
-        if kind == "raised":
-            say("fail " + str(message[1]))
-        got = []
-        for e in message[1]:
-            got.append((False, str(e[1])) if type(e) is list and e[:1] == ["x"] else (True, rebuild(e)))
+        started = fetch(answers)
     except Exception as err:
-        say("fail the answer's values came back malformed (" + why(err) + ")")
-    def atom(i):
-        ok, value = got[i]
-        if not ok:
-            raise Raised(value)
-        return value
+        say("fail the answer's process sent no well-formed reply (" + why(err) + ")")
+    if started is None:
+        say("fail the answer exited before its tests ran (no values came back)")
+    if started[:1] == ["exited"]:
+        say("fail the answer exited before its tests ran")
+    if started[:1] != ["ready"]:
+        say("fail " + str(started[1:2]))
+    def atom(i, env):
+        # Call i, made in the answer's process with the tests' values `env`; its value, rebuilt here.
+        try:
+            sent = [[name, plain(value)] for name, value in env.items()]
+        except Exception as err:
+            raise Unsendable(why(err))
+        post(ask, [i, sent])
+        reply = fetch(answers)
+        if reply is None:
+            raise Raised("the answer's process ended before it answered a call of the tests")
+        if reply[:1] == ["x"]:
+            kind = getattr(builtins, str(reply[1]), None)
+            if isinstance(kind, type) and issubclass(kind, Exception):
+                raise kind(str(reply[2]).split(": ", 1)[-1])
+            raise Raised(str(reply[2]))
+        return rebuild(reply)
     scope = {"__name__": "__main__", "__builtins__": builtins, "__d3d_atom": atom}
     try:
         exec(compile(twin["tests"], "<tests>", "exec"), scope)
     except Raised as err:
         say("fail " + str(err))
-    except IndexError as err:
-        say("fail the answer sent fewer values than the tests make calls")
+    except Unsendable as err:
+        say("fail the tests give the answer a value that is not plain data (" + str(err) + ")")
     except BaseException as err:
         say("fail " + why(err))
     say("pass")
@@ -296,14 +324,13 @@ main()
 class Apart:
     """Tests split so that their checks run out of the answer's reach (see the module's docstring)."""
 
-    calls: tuple[str, ...]  # each call into the answer (source), in order: run in the answer's interpreter
-    imports: str  # the tests' import statements, run there before the calls (their arguments may use them)
+    calls: tuple[str, ...]  # each call into the answer (source): made in the answer's interpreter when asked
+    imports: str  # the tests' top-level imports, run there first (a call's arguments may use them)
     bind: dict[str, str]  # a check function's parameter -> the answer's name it is called with (HumanEval)
-    tests: str  # the tests with call i replaced by `__d3d_atom(i)`: run in the twin
+    tests: str  # the tests with call i replaced by `__d3d_atom(i, {the tests' values it uses})`: run in the twin
 
 
 BUILTINS = frozenset(dir(builtins))
-TOP_LEVEL_ONLY = (ast.Assert, ast.Expr, ast.Assign, ast.AnnAssign, ast.AugAssign)  # statements that may call the answer
 # `list(f(x))` and its like run with the call, in the answer's interpreter: a right answer may return an
 # iterator the tests collect. One argument and nothing else, so no value of the tests' goes with it.
 COLLECTING = frozenset({"list", "tuple", "set", "frozenset", "sorted", "dict"})
@@ -361,10 +388,11 @@ def _inline_check(body: list[ast.stmt]) -> tuple[list[ast.stmt], dict[str, str]]
 
 
 def split_tests(tests: str) -> Apart | None:
-    """`tests` split into the calls they make into the answer and the checks on their values, where each
-    such call is a plain call in a top-level statement whose arguments use only constants, builtins and
-    the tests' imports; else None (the tests run together with the answer). Decided from the tests
-    alone: no answer can choose how it is graded."""
+    """`tests` split into the calls they make into the answer and everything else, where the answer's
+    names appear only as called functions and each call's arguments use constants, builtins, the tests'
+    top-level imports and the tests' own variables (sent as plain data when the call is made); else None
+    (the tests run together with the answer). Decided from the tests alone: no answer chooses how it
+    is graded."""
     try:
         inlined = _inline_check(ast.parse(tests).body)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -383,10 +411,9 @@ def split_tests(tests: str) -> Apart | None:
     if any(alias.name == "*" for s in top_imports for alias in s.names):
         return None
     imported = _bound(ast.Module(top_imports, [])) - _bound(ast.Module([s for s in body if s not in top_imports], []))
-    usable = answer | imported | (BUILTINS - bound)
-    for s in body:
-        if _loads(s) & answer and not isinstance(s, TOP_LEVEL_ONLY):
-            return None  # a call inside a loop, a branch or a function: its arguments change as it runs
+    usable = answer | imported | (BUILTINS - bound)  # what the answer's interpreter has itself
+    unsendable = {n.name for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    unsendable |= _bound(ast.Module([n for n in ast.walk(module) if isinstance(n, (ast.Import, ast.ImportFrom))], []))
     calls: list[ast.Call] = []
 
     class Cut(ast.NodeTransformer):
@@ -397,14 +424,19 @@ def split_tests(tests: str) -> Apart | None:
             if not wraps and not _loads(node.func) & answer:
                 return self.generic_visit(node)
             calls.append(node)
-            return ast.copy_location(ast.Call(ast.Name("__d3d_atom", ast.Load()), [ast.Constant(len(calls) - 1)], []), node)
+            sent = sorted(_loads(node) - usable - _bound(node))
+            env = ast.Dict([ast.Constant(n) for n in sent], [ast.Name(n, ast.Load()) for n in sent])
+            return ast.copy_location(ast.Call(ast.Name("__d3d_atom", ast.Load()), [ast.Constant(len(calls) - 1), env], []), node)
 
+    for s in body:  # a call whose value is dropped is made for what it does to its arguments: they stay here
+        if isinstance(s, ast.Expr) and _loads(s) & answer:
+            return None
     cut = Cut().visit(module)
     if not calls or _loads(cut) & answer:
         return None  # no call, or the answer's names used otherwise (passed, compared, subscripted)
     for call in calls:
-        if any(isinstance(n, ast.NamedExpr) for n in ast.walk(call)) or not _loads(call) <= usable | _bound(call):
-            return None  # its arguments use a name the tests compute
+        if any(isinstance(n, ast.NamedExpr) for n in ast.walk(call)) or (_loads(call) - usable - _bound(call)) & unsendable:
+            return None  # it binds a name, or takes a function or module of the tests'
     return Apart(tuple(ast.unparse(c) for c in calls), "\n".join(ast.unparse(s) for s in top_imports), bind,
                  ast.unparse(ast.fix_missing_locations(cut)))
 
