@@ -16,9 +16,9 @@ their shape (docs/reliability.md, Round 8):
   answer's interpreter, and no object of the answer's, nor any patch it made, takes part in a
   comparison;
 - together, for tests of any other shape (the answer's function passed as a value, tests that define
-  classes, a call made for what it does to its arguments): the tests run in the answer's interpreter, with builtins and modules
-  restored as they were before the answer ran and no value of a class the answer wrote let into a
-  compare. What an answer can still forge there is in docs/reliability.md; each row says which way it
+  classes, a call made for what it does to its arguments): the tests run in the answer's interpreter,
+  with builtins and modules restored as they were before the answer ran and no value of a class the
+  answer wrote let into a compare. What an answer can still forge there is in docs/reliability.md; each row says which way it
   was graded (`compared_apart`).
 """
 
@@ -208,13 +208,15 @@ def apart(job, size):
     try:
         started = fetch(answers)
     except Exception as err:
-        say("fail the answer's process sent no well-formed reply (" + why(err) + ")")
+        started = ["malformed", why(err)]
     if started is None:
         say("fail the answer exited before its tests ran (no values came back)")
-    if started[:1] == ["exited"]:
+    if type(started) is not list or not started or started[0] not in ("ready", "exited", "raised"):
+        say("fail the answer's process sent no well-formed reply")
+    if started[0] == "exited":
         say("fail the answer exited before its tests ran")
-    if started[:1] != ["ready"]:
-        say("fail " + str(started[1:2]))
+    if started[0] == "raised":
+        say("fail " + str(started[1:2] and started[1]))
     def atom(i, env):
         # Call i, made in the answer's process with the tests' values `env`; its value, rebuilt here.
         try:
@@ -226,10 +228,13 @@ def apart(job, size):
         if reply is None:
             raise Raised("the answer's process ended before it answered a call of the tests")
         if reply[:1] == ["x"]:
-            kind = getattr(builtins, str(reply[1]), None)
+            kind, err = getattr(builtins, str(reply[1]), None), Raised(str(reply[2]))
             if isinstance(kind, type) and issubclass(kind, Exception):
-                raise kind(str(reply[2]).split(": ", 1)[-1])
-            raise Raised(str(reply[2]))
+                try:
+                    err = kind(str(reply[2]).split(": ", 1)[-1])
+                except Exception:  # a builtin whose constructor wants more (UnicodeDecodeError)
+                    pass
+            raise err
         return rebuild(reply)
     scope = {"__name__": "__main__", "__builtins__": builtins, "__d3d_atom": atom}
     try:
