@@ -480,9 +480,8 @@ def test_a_wrong_answer_does_not_pass_by_a_trick(cheat, who):
         spec = shipped_benchmark(loader)
         assert grade(spec, record, f"```python\n{answer}```")["correct"] is False
         assert grade(spec, record, f"```python\n{right}```")["correct"] is True  # the same record, honestly answered
-    else:
+    else:  # the same records honestly answered pass as a user in test_a_right_answer_passes_… and the root case
         assert graded(*PROGRAMS[loader](record, answer), who)[0] is False
-        assert graded(*PROGRAMS[loader](record, right), who) == (True, "")
 
 
 @pytest.mark.parametrize("early_exit", ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"])
@@ -681,6 +680,17 @@ def test_an_iterator_the_tests_collect_passes():
     record = Record("mbpp/evens", ["Write evens."], {"tests": ["assert list(evens(5)) == [0, 2, 4]"], "setup": ""})
     out = grade(shipped_benchmark("mbpp"), record, "```python\ndef evens(n):\n    return (i for i in range(0, n, 2))\n```")
     assert out["correct"] is True and out["compared_apart"] is True, out
+
+
+def test_objects_of_a_class_the_tests_define_are_not_blamed_on_the_answer():
+    """Tests that define a class run together with the answer; their own objects passed to it were
+    refused as `a class it wrote`."""
+    record = Record("mbpp/box", ["Write unbox."], {"tests": ["class Box:\n    def __init__(self, v):\n        self.v = v",
+                                                            "assert unbox(Box(3)) == 3"], "setup": ""})
+    out = grade(shipped_benchmark("mbpp"), record, "```python\ndef unbox(box):\n    return box.v\n```")
+    assert out["correct"] is True and out["compared_apart"] is False, out
+    wrong = grade(shipped_benchmark("mbpp"), record, "```python\ndef unbox(box):\n    return box\n```")
+    assert wrong["correct"] is False, wrong  # the test's object given back: the test's own == says no
 
 
 @pytest.mark.parametrize("case", list(RIGHT_BY_VALUE))
