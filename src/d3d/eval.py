@@ -44,7 +44,8 @@ from d3d.models.drafter import (
     weights_fingerprint,
 )
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.grading import grade, isolation, isolation_warning
+from d3d.grading.sandbox import isolation, isolation_warning
+from d3d.grading.verdict import grade
 from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: eval's API too)
     AUTO, bind_config, check_eval_settings, decode_keys, method_configs,
     shipped_benchmark,
@@ -499,7 +500,7 @@ def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tupl
 
 
 def grading_isolation(specs, sandbox: str) -> dict | None:
-    """What graded code gets here (d3d.grading.isolation: eval.sandbox), for run.json, when the run
+    """What graded code gets here (d3d.grading.sandbox.isolation: eval.sandbox), for run.json, when the run
     grades code: a sandbox that cannot run here is refused in one line before any model loads, and
     eval.sandbox=unsafe_subprocess is said in one line."""
     if not any(spec.kind == "code" for spec in specs):

@@ -278,7 +278,7 @@ def check_eval_settings(ev: EvalSettings) -> None:
             raise ConfigError(f"eval.{key}={value!r}: an integer >= {least}. Fix: set eval.{key} to {least} or more.")
     if ev.exec_timeout_s <= 0:
         raise ConfigError(f"eval.exec_timeout_s={ev.exec_timeout_s!r}: seconds > 0. Fix: set eval.exec_timeout_s=10.")
-    from d3d.grading import check_sandbox
+    from d3d.grading.sandbox import check_sandbox
 
     check_sandbox(ev.sandbox)
     for label in ev.also_drafters:  # its rows are named <method>@<label>

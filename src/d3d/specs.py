@@ -199,7 +199,7 @@ class BenchmarkSpec:
     """One benchmark (conf/benchmark/<name>.yaml, under `specs`)."""
 
     name: str
-    kind: str  # math | code | chat (d3d.grading.GRADERS)
+    kind: str  # math | code | chat (d3d.grading.verdict.GRADERS)
     loader: str  # d3d.data.benchmarks.LOADERS
     n: Optional[int]  # the seeded evaluation subset's size (None = all)
     seed: int
@@ -329,7 +329,7 @@ class EvalSettings:
     concurrency: list[int]
     reference_generate: bool
     exec_timeout_s: float
-    sandbox: str  # bwrap | unsafe_subprocess (d3d.grading.SANDBOXES)
+    sandbox: str  # bwrap | unsafe_subprocess (d3d.grading.sandbox.SANDBOXES)
     progress: bool
     enable_thinking: bool
     out_dir: Optional[str]

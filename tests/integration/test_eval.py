@@ -374,26 +374,26 @@ def test_a_sandbox_that_cannot_run_here_is_refused_before_any_model_loads(tmp_pa
     import shutil
 
     import d3d.eval
-    import d3d.grading
+    import d3d.grading.sandbox
     from d3d.config import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     real = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real(name, *a, **k))
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a, **k: pytest.fail("the models loaded"))
-    d3d.grading.isolation.cache_clear()
+    d3d.grading.sandbox.isolation.cache_clear()
     try:
         with pytest.raises(ConfigError, match=r"eval.sandbox=bwrap: graded code cannot be sandboxed here \(bwrap not "
                                               r"found\)\. Fix: install bubblewrap"):
             evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]")
     finally:
-        d3d.grading.isolation.cache_clear()
+        d3d.grading.sandbox.isolation.cache_clear()
 
 
 def test_run_json_records_the_graders_sandbox_and_the_unsafe_mode_warns(tmp_path, monkeypatch, capsys):
     """Nothing recorded which protections graded code had; eval.sandbox=unsafe_subprocess (no
     sandbox, by its name) is recorded in run.json and said in one line."""
-    from d3d.grading import isolation
+    from d3d.grading.sandbox import isolation
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = evaluate(tmp_path, "benchmark=humaneval", "eval.n=1", "eval.methods=[ar]", "eval.sandbox=unsafe_subprocess")

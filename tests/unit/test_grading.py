@@ -8,7 +8,8 @@ import pytest
 
 from d3d.data.benchmarks import Record, load_benchmark
 from d3d.settings import shipped_benchmark
-from d3d.grading import GRADERS, extract_answer, extract_code, grade, normalise_answer
+from d3d.grading.answers import extract_answer, extract_code, normalise_answer
+from d3d.grading.verdict import GRADERS, grade
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -63,7 +64,7 @@ def test_humaneval_canonical_passes_and_wrong_fails(humaneval):
 def test_code_that_hangs_times_out(humaneval):
     spec = shipped_benchmark("humaneval")
     out = grade(spec, humaneval[0], "    while True:\n        pass\n", timeout_s=2)
-    assert out == {"answer": None, "correct": False, "error": ["timeout"]}
+    assert out == {"answer": None, "correct": False, "compared_apart": True, "error": ["timeout"]}
 
 
 def test_mbpp_tests_run():
@@ -85,7 +86,7 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
 
 
 def test_the_grader_is_chosen_by_the_specs_kind():
-    """`kind` in conf/benchmark/<name>.yaml picks the grader (d3d.grading.GRADERS): the same record and
+    """`kind` in conf/benchmark/<name>.yaml picks the grader (d3d.grading.verdict.GRADERS): the same record and
     reply are checked as math, left unchecked as chat, and an unknown kind is refused by name."""
     from d3d.config import ConfigError
 
@@ -111,6 +112,7 @@ def test_the_grader_is_chosen_by_the_specs_kind():
 
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -121,20 +123,24 @@ import time
 import uuid
 from pathlib import Path
 
-from d3d.grading import Limits, isolation, run_tests
+from d3d.grading.sandbox import Limits, isolation
+from d3d.grading.verdict import run_tests, split_tests
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 USER_PYTHON = "/usr/bin/python3"
-# The grader as an ordinary user: d3d.grading alone, its imports of the project stubbed.
-AS_USER = """import importlib.util, json, sys, types
-for name, attrs in {"d3d": {}, "d3d.config": {"ConfigError": type("ConfigError", (Exception,), {})},
+# The grader as an ordinary user: d3d.grading alone, its imports from the rest of the project stubbed.
+AS_USER = """import importlib, json, sys, types
+d3d = sys.modules["d3d"] = types.ModuleType("d3d")
+d3d.__path__ = [sys.argv[1] + "/d3d"]
+for name, attrs in {"d3d.config": {"ConfigError": type("ConfigError", (Exception,), {})},
                     "d3d.data": {}, "d3d.data.benchmarks": {"Record": object}, "d3d.specs": {"BenchmarkSpec": object}}.items():
     sys.modules[name] = types.SimpleNamespace(**attrs)
-spec = importlib.util.spec_from_file_location("grading", sys.argv[1])
-grading = sys.modules["grading"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(grading)
+verdict, sandbox = importlib.import_module("d3d.grading.verdict"), importlib.import_module("d3d.grading.sandbox")
 job = json.loads(sys.stdin.read())
-print(json.dumps(grading.run_tests(job["answer"], job["tests"], job["timeout_s"], grading.Limits(**job["limits"]))))
+try:
+    print(json.dumps(verdict.run_tests(job["answer"], job["tests"], job["timeout_s"], sandbox.Limits(**job["limits"]))))
+except sys.modules["d3d.config"].ConfigError as err:
+    print(json.dumps(["refused", str(err)]))
 """
 
 
@@ -145,7 +151,7 @@ def graded(answer: str, tests: str, who: str = "root", limits: Limits = Limits()
     from dataclasses import asdict
 
     out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", USER_PYTHON, "-I", "-c",
-                          AS_USER, str(SRC / "d3d" / "grading.py")], capture_output=True, text=True, timeout=60,
+                          AS_USER, str(SRC)], capture_output=True, text=True, timeout=60,
                          input=json.dumps({"answer": answer, "tests": tests, "limits": asdict(limits), "timeout_s": timeout_s}), cwd="/")
     assert out.returncode == 0, out.stderr
     return tuple(json.loads(out.stdout))
@@ -342,14 +348,15 @@ def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_timeout(who):
     forks = ("import os, time\ndef forked():\n    n = 0\n    for _ in range(30):\n        try:\n            pid = os.fork()\n"
              "        except OSError:\n            break\n        if pid == 0:\n            time.sleep(3)\n            os._exit(0)\n"
              "        n += 1\n    return n\n")
-    assert graded(forks, "assert forked() == 3\n", who, Limits(processes=4)) == (True, "")  # the harness and 3 more
+    # the harness, its twin (d3d.grading.verdict: the tests ran apart) and 2 more
+    assert graded(forks, "assert forked() == 2\n", who, Limits(processes=4)) == (True, "")
     deadline = time.time() + 5
     while alive_with(marker) and time.time() < deadline:
         time.sleep(0.1)
     assert alive_with(marker) == []
 
 
-KILLED_GRADER = "import sys\nsys.path.insert(0, {src!r})\nfrom d3d.grading import run_tests\nrun_tests({program!r}, '', 120)\n"
+KILLED_GRADER = "import sys\nsys.path.insert(0, {src!r})\nfrom d3d.grading.verdict import run_tests\nrun_tests({program!r}, '', 120)\n"
 
 
 def test_a_grader_killed_mid_grade_leaves_nothing_running():
@@ -399,6 +406,8 @@ HE = Record("humaneval/add", ["Write add."], {"prompt": "def add(a, b):\n", "ent
                                                        "    assert abs(candidate(2, 2) - 4) < 1e-9\n"})
 MBPP = Record("mbpp/add", ["Write add."], {"tests": ["import math", "assert math.isclose(add(2, 2), 4)",
                                                      "assert abs(add(1, 2) - 3) < 1e-9"], "setup": ""})
+EQ = Record("mbpp/add-eq", ["Write add."], {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"], "setup": ""})
+CMATH = Record("mbpp/add-cmath", ["Write add."], {"tests": ["import cmath", "assert cmath.isclose(add(1, 2), 3)"], "setup": ""})
 WRONG = "def add(a, b):\n    return 0\n"
 CHEATS = {  # record, answer: each answer is wrong, and each used to pass
     "dangling decorator": (HE, WRONG + "def _skip(f):\n    return lambda *a: None\n@_skip\n"),
@@ -415,6 +424,44 @@ CHEATS = {  # record, answer: each answer is wrong, and each used to pass
                                            "    for a, b, c in re.findall(r'add\\((\\d+), (\\d+)\\)(?: - |, )(\\d+)', text):\n"
                                            "        known[int(a), int(b)] = int(c)\n"
                                            "def add(a, b):\n    return known.get((a, b), 0)\n"),
+    # issue 58's probes, each `correct: True` on 56804d3: what the harness trusted or did not restore ...
+    "weakref proxy of an always-equal object": (EQ, "import weakref\nclass Yes:\n    __eq__ = lambda self, other: True\n"
+                                                    "yes = Yes()\ndef add(a, b):\n    return weakref.proxy(yes)\n"),
+    "mapping proxy over an always-equal dict": (EQ, "import types\nclass Yes(dict):\n    __eq__ = lambda self, other: True\n"
+                                                    "def add(a, b):\n    return types.MappingProxyType(Yes())\n"),
+    "UserString whose data the answer replaced": (EQ, "import collections\nclass Yes:\n    __eq__ = lambda self, other: True\n"
+                                                      "def add(a, b):\n    s = collections.UserString('')\n    s.data = Yes()\n"
+                                                      "    return s\n"),
+    "patched Counter.__eq__": (EQ, "import collections\ncollections.Counter.__eq__ = lambda self, other: True\n"
+                                   "def add(a, b):\n    return collections.Counter()\n"),
+    "a meta_path finder for the tests' import": (CMATH, "import sys, types\nfrom importlib.machinery import ModuleSpec\nclass Finder:\n"
+                                                        "    def find_spec(self, name, path=None, target=None):\n"
+                                                        "        if name == 'cmath':\n"
+                                                        "            return ModuleSpec(name, self)\n"
+                                                        "    def create_module(self, spec):\n"
+                                                        "        fake = types.ModuleType('cmath')\n"
+                                                        "        fake.isclose = lambda *a, **k: True\n        return fake\n"
+                                                        "    def exec_module(self, module):\n        pass\n"
+                                                        "sys.meta_path.insert(0, Finder())\n" + WRONG),
+    # ... and by introspection: the harness's reporter from a frame's locals or from gc, the nonce from
+    # the heap through /proc/self/mem.
+    "the reporter from a frame's locals": (HE, "import sys\nframe = sys._getframe()\nwhile frame is not None:\n"
+                                              "    if callable(frame.f_locals.get('say')):\n"
+                                              "        frame.f_locals['say']('pass')\n"
+                                              "    frame = frame.f_back\n" + WRONG),
+    "the reporter from gc": (HE, "import gc\nfor o in gc.get_objects():\n"
+                                "    if callable(o) and getattr(o, '__name__', '') == 'say':\n        o('pass')\n" + WRONG),
+    "the nonce from /proc/self/mem": (HE, "import os, re\nfound = set()\n"
+                                         "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
+                                         "    for line in maps:\n        where, perms = line.split()[:2]\n"
+                                         "        lo, hi = (int(x, 16) for x in where.split('-'))\n"
+                                         "        if 'r' not in perms or hi - lo > 64 << 20:\n            continue\n"
+                                         "        try:\n            mem.seek(lo)\n            chunk = mem.read(hi - lo)\n"
+                                         "        except (OSError, ValueError, OverflowError):\n            continue\n"
+                                         "        found.update(re.findall(b'(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])', chunk))\n"
+                                         "for nonce in found:\n    for fd in range(3, 64):\n        try:\n"
+                                         "            os.write(fd, nonce + b' pass\\n')\n        except OSError:\n            pass\n"
+                                         "if len(found) == 1:\n    os._exit(0)\n" + WRONG),
 }
 
 
@@ -422,18 +469,19 @@ CHEATS = {  # record, answer: each answer is wrong, and each used to pass
 @pytest.mark.parametrize("cheat", list(CHEATS))
 def test_a_wrong_answer_does_not_pass_by_a_trick(cheat, who):
     """Each used to pass: `correct: True` without the tests having passed."""
-    from d3d.grading import PROGRAMS
+    from d3d.grading.answers import PROGRAMS
+    from d3d.grading.verdict import split_tests
 
     record, answer = CHEATS[cheat]
     loader = "humaneval" if record is HE else "mbpp"
+    assert split_tests(PROGRAMS[loader](record, answer)[1]) is not None  # graded apart from the answer
     right = "def add(a, b):\n    return a + b\n"
     if who != "user":  # the grader's entry point, as eval calls it
         spec = shipped_benchmark(loader)
         assert grade(spec, record, f"```python\n{answer}```")["correct"] is False
         assert grade(spec, record, f"```python\n{right}```")["correct"] is True  # the same record, honestly answered
-    else:
+    else:  # the same records honestly answered pass as a user in test_a_right_answer_passes_… and the root case
         assert graded(*PROGRAMS[loader](record, answer), who)[0] is False
-        assert graded(*PROGRAMS[loader](record, right), who) == (True, "")
 
 
 @pytest.mark.parametrize("early_exit", ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"])
@@ -450,7 +498,7 @@ def test_output_is_capped_and_only_its_tail_kept():
 
 def test_where_bwrap_is_missing_grading_refuses_in_one_line_unless_told_unsafe(monkeypatch):
     from d3d.config import ConfigError
-    import d3d.grading as grading
+    import d3d.grading.sandbox as grading
 
     real = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real(name, *a, **k))
@@ -477,7 +525,7 @@ def test_where_libseccomp_is_missing_grading_refuses_in_one_line(monkeypatch):
     import ctypes.util
 
     from d3d.config import ConfigError
-    import d3d.grading as grading
+    import d3d.grading.sandbox as grading
 
     real = ctypes.util.find_library
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None if name == "seccomp" else real(name))
@@ -493,4 +541,219 @@ def test_where_libseccomp_is_missing_grading_refuses_in_one_line(monkeypatch):
         monkeypatch.undo()
         grading._seccomp_filter.cache_clear()
         grading.isolation.cache_clear()
-    assert isolation("bwrap")["seccomp_denies"] == list(grading.UNCOUNTED_MEMORY_SYSCALLS)
+    assert isolation("bwrap")["seccomp_denies"] == list(grading.DENIED_SYSCALLS)
+
+
+# ---------------------------------------------------------------------------- issue 58: graded code
+
+SYSV = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def held_in_the_kernel(sets=20):
+    made = 0
+    for _ in range(sets):  # System V semaphore sets of 32000: kernel memory no rlimit of the tree counts
+        if libc.semget(0, 32000, 0o1600) < 0:  # IPC_PRIVATE, IPC_CREAT | 0600
+            break
+        made += 1
+    queue = libc.msgget(0, 0o1600)  # a System V message queue, filled without waiting
+    if queue >= 0:
+        message = ctypes.create_string_buffer(8 + 4096)
+        message[0] = b"\\1"  # mtype 1
+        while made < 100 and libc.msgsnd(queue, message, 4096, 0o4000) == 0:  # IPC_NOWAIT
+            made += 1
+    return made
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_system_v_semaphores_and_message_queues_are_refused(who):
+    """`semget(IPC_PRIVATE, 32000, …)` in a loop made ~2 GB of kernel memory in 6 s, and msgget +
+    msgsnd 500 MB in 0.9 s, outside memory_mb + disk_mb: the seccomp filter refuses both (EPERM)."""
+    ok, why = graded(SYSV, "assert held_in_the_kernel() == 0, held_in_the_kernel()\n", who)
+    assert ok, why
+
+
+KERNEL_OBJECTS = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def made():
+    got = []
+    if libc.syscall(425, 8, ctypes.create_string_buffer(120)) >= 0:  # io_uring_setup: rings in kernel memory
+        got.append("io_uring")
+    if libc.syscall(248, b"user", b"d3d", b"x" * 1024, 1024, -2) >= 0:  # add_key to the session keyring
+        got.append("key")
+    return got
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe uses x86-64 system call numbers")
+@pytest.mark.parametrize("who", WHO)
+def test_io_uring_and_the_keyring_are_refused(who):
+    """An io_uring ring and a key in the kernel keyring were made: kernel memory and attack surface no
+    graded program needs."""
+    ok, why = graded(KERNEL_OBJECTS, "assert made() == [], made()\n", who)
+    assert ok, why
+
+
+TWIN = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def reached():
+    twin, got = os.getppid(), []
+    for path in (f"/proc/{twin}/mem", f"/proc/{twin}/environ", f"/proc/{twin}/fd/0"):
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+            got.append(path)
+        except OSError:
+            pass
+    try:
+        got += os.listdir(f"/proc/{twin}/fd")
+    except OSError:
+        pass
+    if libc.ptrace(16, twin, None, None) == 0:  # PTRACE_ATTACH
+        got.append("ptrace")
+    local, remote = (ctypes.c_char * 8)(), ctypes.c_void_p(id(None))
+    iov = lambda buf, n: (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), n)
+    if libc.process_vm_readv(twin, iov(local, 8), 1, iov(remote, 8), 1, 0) > 0:
+        got.append("process_vm_readv")
+    return got
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_twin_that_runs_the_tests_is_out_of_the_answers_reach(who):
+    """The tests' checks run in a twin forked before the answer ran (d3d.grading.verdict): the answer's
+    process, its child, can neither open the twin's memory, descriptors or environment nor trace it."""
+    assert split_tests("assert reached() == []\n") is not None
+    ok, why = graded(TWIN, "assert reached() == [], reached()\n", who)
+    assert ok, why
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_sandbox_shows_nothing_of_the_graders_environment(who):
+    """/proc/1/environ (bwrap's init) showed the grader's PATH and its `d3d-grade-*` folder."""
+    answer = ("import os\ndef environments():\n    seen = []\n    for pid in os.listdir('/proc'):\n        try:\n"
+              "            seen += open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')\n"
+              "        except (OSError, NotADirectoryError):\n            pass\n    return [e for e in seen if e]\n")
+    tests = ("seen = environments()\nassert seen, 'no environment read'\n"
+             "assert not [e for e in seen if b'd3d-grade' in e or e.startswith(b'PATH=')], seen\n")
+    ok, why = graded(answer, tests, who)
+    assert ok, why
+
+
+def test_without_bwrap_a_grade_is_refused_in_one_line(monkeypatch, tmp_path):
+    """grade() without bwrap returned a wrong verdict as root (the chain's `not found` as the failure)
+    and a FileNotFoundError traceback as a user: now the refusal `isolation()` gives."""
+    from d3d.config import ConfigError
+
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real(name, *a, **k))
+    with pytest.raises(ConfigError, match=r"eval.sandbox=bwrap: graded code cannot be sandboxed here \(bwrap not found\)"
+                                          r"\. Fix: install bubblewrap") as err:
+        grade(shipped_benchmark("mbpp"), EQ, "```python\ndef add(a, b):\n    return a + b\n```")
+    assert "\n" not in str(err.value)
+    monkeypatch.undo()
+    if os.geteuid() == 0 and os.path.exists(USER_PYTHON) and shutil.which("setpriv"):  # as a user, bwrap off its PATH
+        out = subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups", USER_PYTHON,
+                              "-I", "-c", AS_USER, str(SRC)], capture_output=True, text=True, timeout=60, cwd="/",
+                             env={"PATH": str(tmp_path)},
+                             input=json.dumps({"answer": "x = 1\n", "tests": "assert x == 1\n", "limits": {},
+                                               "timeout_s": 10}))
+        assert out.returncode == 0, out.stderr
+        refused = json.loads(out.stdout)
+        assert refused[0] == "refused" and "not found). Fix: install bubblewrap" in refused[1], refused
+
+
+RIGHT_BY_VALUE = {  # record, answer: each answer is right, and each used to fail
+    "a Fraction against a float": (Record("mbpp/half", ["Write half."], {"tests": ["assert half(1) == 0.5"], "setup": ""}),
+                                   "from fractions import Fraction\ndef half(x):\n    return Fraction(x, 2)\n"),
+    "a namedtuple of its own against a tuple": (
+        Record("mbpp/pair", ["Write pair."], {"tests": ["assert pair(1) == (1, 2)"], "setup": ""}),
+        "from collections import namedtuple\nP = namedtuple('P', 'a b')\ndef pair(x):\n    return P(x, x + 1)\n"),
+    "the tests build objects of the answer's class": (
+        Record("mbpp/span", ["Write longest."], {"tests": ["assert longest([Pair(1, 5), Pair(2, 3)]) == 4"], "setup": ""}),
+        "class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+        "def longest(pairs):\n    return max(p.b - p.a for p in pairs)\n"),
+}
+
+
+def test_an_iterator_the_tests_collect_passes():
+    """`list(f(x))` runs with the call, in the answer's process: an answer returning a generator is not
+    refused as `not plain data`."""
+    record = Record("mbpp/evens", ["Write evens."], {"tests": ["assert list(evens(5)) == [0, 2, 4]"], "setup": ""})
+    out = grade(shipped_benchmark("mbpp"), record, "```python\ndef evens(n):\n    return (i for i in range(0, n, 2))\n```")
+    assert out["correct"] is True and out["compared_apart"] is True, out
+
+
+def test_objects_of_a_class_the_tests_define_are_not_blamed_on_the_answer():
+    """Tests that define a class run together with the answer; their own objects passed to it were
+    refused as `a class it wrote`."""
+    record = Record("mbpp/box", ["Write unbox."], {"tests": ["class Box:\n    def __init__(self, v):\n        self.v = v",
+                                                            "assert unbox(Box(3)) == 3"], "setup": ""})
+    out = grade(shipped_benchmark("mbpp"), record, "```python\ndef unbox(box):\n    return box.v\n```")
+    assert out["correct"] is True and out["compared_apart"] is False, out
+    wrong = grade(shipped_benchmark("mbpp"), record, "```python\ndef unbox(box):\n    return box\n```")
+    assert wrong["correct"] is False, wrong  # the test's object given back: the test's own == says no
+
+
+@pytest.mark.parametrize("case", list(RIGHT_BY_VALUE))
+def test_a_right_answer_is_judged_by_its_values(case):
+    """Values are compared as the runtime's own types, numbers by value: a right answer no longer fails
+    for the class of what it returns, nor for objects the tests build from its classes."""
+    record, answer = RIGHT_BY_VALUE[case]
+    out = grade(shipped_benchmark("mbpp"), record, f"```python\n{answer}```")
+    assert out["correct"] is True and out["compared_apart"] is True, out
+    wrong = answer.replace("return ", "return 1 + ") if "namedtuple" not in answer else answer.replace("x + 1", "x + 2")
+    assert grade(shipped_benchmark("mbpp"), record, f"```python\n{wrong}```")["correct"] is False
+
+
+MAPPED = Record("humaneval/add-mapped", ["Write add."], {"prompt": "def add(a, b):\n", "entry_point": "add",
+                                                         "test": "def check(candidate):\n"
+                                                                 "    assert list(map(candidate, [1, 2], [1, 1])) == [2, 3]\n"})
+FAKE_VERDICT = ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'0' * 32 + b' pass\\n')\n"
+                "    except OSError:\n        pass\nos._exit(0)\n")
+
+
+@pytest.mark.parametrize("record", [MAPPED, HE], ids=["together", "apart"])
+def test_a_verdict_without_the_runs_nonce_is_not_a_pass(record):
+    """A wrong answer writes `<another nonce> pass` on every descriptor and exits 0 before the tests:
+    only the line carrying this run's nonce is a verdict (tests of another shape run in the answer's
+    interpreter, where the verdict pipe is within its reach)."""
+    spec = shipped_benchmark("humaneval")
+    out = grade(spec, record, f"```python\n{FAKE_VERDICT}{WRONG}```")
+    assert out["correct"] is False and out["compared_apart"] is (record is HE), out
+    assert grade(spec, record, "```python\ndef add(a, b):\n    return a + b\n```")["correct"] is True
+
+
+def test_tests_split_into_calls_and_checks_by_their_shape_alone():
+    from d3d.grading.verdict import split_tests
+
+    he = split_tests("METADATA = {}\n\ndef check(candidate):\n    import math\n"
+                     "    assert candidate([3, 1], math.pi) == [1, 3], 'sorted'\n    assert abs(candidate([], 0) - 1.5) < 1e-6\n"
+                     "\ncheck(sort_it)\n")
+    assert he.calls == ("candidate([3, 1], math.pi)", "candidate([], 0)") and he.bind == {"candidate": "sort_it"}
+    assert he.imports == "import math" and "[1, 3]" in he.tests and "1.5" in he.tests and "__d3d_atom(1, {})" in he.tests
+    assert not any("[1, 3]" in c or "1.5" in c for c in he.calls)  # expected values never reach the answer
+    mbpp = split_tests("assert set(common((1, 2), (2, 3))) == {2}\nassert f(1) == sorted([2, 1])\n")
+    assert mbpp.calls == ("set(common((1, 2), (2, 3)))", "f(1)") and mbpp.bind == {}
+    collected = split_tests("assert list(f(3)) == [0, 1, 2]\nassert sorted(f(2), key=abs) == [0, 1]\n")
+    assert collected.calls == ("list(f(3))", "f(2)")  # an iterator collected with the call; `key=` stays apart
+    looped = split_tests("import random\nfor i in range(3):\n    x = random.random()\n    assert abs(f(i, x) - i - x) < 1e-9\n")
+    assert looped.calls == ("f(i, x)",) and "__d3d_atom(0, {'i': i, 'x': x})" in looped.tests  # its values, sent per call
+    for other in ("x = [3, 1]\nf(x)\nassert x == [1, 3]\n",  # a call made for what it does to its arguments
+                  "def g(y):\n    return y\nassert f(g) == 1\n",  # a function of the tests' passed to the answer
+                  "class P:\n    pass\nassert f(P()) == 1\n",  # tests that build their own classes
+                  "assert list(map(f, [1])) == [2]\n",  # the answer's function passed, not called
+                  "assert True\n"):  # no call into the answer
+        assert split_tests(other) is None, other
+
+
+@pytest.mark.heavy
+def test_every_canonical_humaneval_solution_passes(humaneval):
+    """All 164 HumanEval canonical solutions pass, most with their checks apart from the answer."""
+    spec = shipped_benchmark("humaneval")
+    failed, apart = [], 0
+    for rec in humaneval:
+        out = grade(spec, rec, f"```python\n{rec.reference['prompt']}{rec.metadata['canonical_solution']}```")
+        apart += out["compared_apart"]
+        if out["correct"] is not True:
+            failed.append((rec.id, out.get("error")))
+    assert len(humaneval) == 164 and failed == [], failed
+    print(f"{apart} of {len(humaneval)} graded apart")
