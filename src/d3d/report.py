@@ -80,6 +80,9 @@ def method_stats(rs: list[dict]) -> dict:
         "accuracy": _mean_or_none([None if c is None else float(c) for c in correct]),
         # graded answers that stopped at eval.max_new_tokens: graded wrong for want of room, not skill
         "cut_graded": sum(1 for r, c in zip(rs, correct) if c is not None and _finish(r) == "length"),
+        # graded answers whose tests ran in the answer's own interpreter (d3d.grading.verdict: tests of a shape
+        # it cannot split into calls and values compared apart); rows older than that split say neither
+        "graded_in_answer": sum(1 for r, c in zip(rs, correct) if c is not None and r.get("compared_apart") is False),
         "task_equal_to_ar": _mean_or_none([None if r.get("task_equal_to_ar") is None else float(r["task_equal_to_ar"])
                                            for r in rs]),
         # async == sync: tokens, and τ per round in fp32 only (`sync_compared`; docs/design.md#losslessness); AR
@@ -204,6 +207,9 @@ def summary_markdown(summary: dict) -> str:
     notes += [f"{bench}/{method}: {m['cut_graded']} of {m['rows']} graded answers stopped at eval.max_new_tokens "
               f"before finishing, so its accuracy is not the model's (raise eval.max_new_tokens to measure it)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("cut_graded")]
+    notes += [f"{bench}/{method}: {m['graded_in_answer']} of {m['rows']} graded answers were judged by tests that ran in "
+              f"the answer's own interpreter, not compared apart (docs/reliability.md, Round 8)"
+              for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("graded_in_answer")]
     notes += [source["fallback"] for source in summary.get("benchmark_sources", {}).values() if source.get("fallback")]
     notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
               if choice.get("why")]  # older run.json files hold the choice without a reason

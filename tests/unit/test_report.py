@@ -63,3 +63,19 @@ def test_graded_answers_cut_at_max_new_tokens_are_said_in_the_summary():
     assert "gsm8k/sync: 1 of 2 graded answers stopped at eval.max_new_tokens" in text
     ungraded = [{**r, "correct": None} for r in rows]
     assert "stopped at eval.max_new_tokens" not in summary_markdown(summarise(ungraded))
+
+
+def test_graded_answers_judged_inside_the_answer_are_counted_and_said():
+    """Tests the grader cannot split into calls compared apart run in the answer's interpreter (where an
+    answer could forge them): the summary counts those verdicts per method and says so."""
+    from d3d.report import summarise, summary_markdown
+
+    row = {"benchmark": "mbpp", "turn": 0, "concurrency": 1, "new_tokens": 8, "decode_s": 0.1, "prefill_s": 0.01,
+           "rounds": 4, "hit_rate": None, "equal_to_ar": True, "taus": [2, 2, 2, 2], "correct": True}
+    rows = [{**row, "id": f"mbpp/{i}", "method": m, "compared_apart": i != 0} for m in ("ar", "sync") for i in range(3)]
+    summary = summarise(rows)
+    assert summary["benchmarks"]["mbpp"]["sync"]["graded_in_answer"] == 1
+    assert "mbpp/sync: 1 of 3 graded answers were judged by tests that ran in the answer's own interpreter" in \
+        summary_markdown(summary)
+    old = [{k: v for k, v in r.items() if k != "compared_apart"} for r in rows]  # rows written before the split
+    assert summarise(old)["benchmarks"]["mbpp"]["sync"]["graded_in_answer"] == 0
