@@ -523,7 +523,8 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
         grading_isolation(list(iter_specs(typed.benchmark)), typed.eval.sandbox)  # a sandbox that cannot run here
         return None
-    with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir", process_state().process_index):
+    with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir",
+                    process_state(typed.dist.timeout_s).process_index):
         return _evaluate(cfg, typed)
 
 
@@ -531,7 +532,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     """`raw` keeps the composed config for the decode sections (method_configs) and the record of
     the run (config.yaml, summary.json); everything else reads the typed `cfg`."""
     ev = cfg.eval
-    state = process_state()  # one process unless started by `accelerate launch` or torchrun
+    state = process_state(cfg.dist.timeout_s)  # one process unless started by `accelerate launch` or torchrun
     torch.manual_seed(cfg.seed)
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)
