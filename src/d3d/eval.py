@@ -52,6 +52,7 @@ from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: 
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, ROW_FIELDS, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
+from d3d.utils.process_group import describe_group
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -533,6 +534,8 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     the run (config.yaml, summary.json); everything else reads the typed `cfg`."""
     ev = cfg.eval
     state = process_state(cfg.dist.timeout_s)  # one process unless started by `accelerate launch` or torchrun
+    if state.num_processes > 1 and state.is_main_process:
+        print(f"[d3d.eval] {describe_group(state.num_processes)}", flush=True)
     torch.manual_seed(cfg.seed)
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)

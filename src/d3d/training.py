@@ -300,7 +300,7 @@ def make_accelerator(tc: StepSettings, *, timeout_s: float, cpu: bool | None = N
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from d3d.utils.process_group import group_kwargs
+    from d3d.utils.process_group import describe_group, group_kwargs
 
     precision = mixed_precision(precision or tc.mixed_precision)
     if torch.cuda.is_available():
@@ -314,6 +314,8 @@ def make_accelerator(tc: StepSettings, *, timeout_s: float, cpu: bool | None = N
                               cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
     _fsdp_on_cpu(accelerator)
     check_sharding(accelerator, tc)
+    if accelerator.num_processes > 1 and accelerator.is_main_process:
+        print(f"[d3d] {describe_group(accelerator.num_processes)}", flush=True)
     return accelerator
 
 

@@ -102,3 +102,27 @@ def test_parser_reads_what_the_readme_writes():
     assert split_multirun("eval.concurrency=[1,2,4],x") == "eval.concurrency=[1,2,4]"
     assert hydra_call("python scripts/memory_plan.py") is None
     assert Path(ROOT / "README.md").is_file()
+
+
+def make_dry_run(tmp_path, *args: str) -> str:
+    """The commands `make setup` would run for a venv that does not exist yet (make -n: nothing runs)."""
+    import subprocess
+
+    run = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path}/venv", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_setup_without_a_torch_spec_keeps_the_machines_torch(tmp_path):
+    """The section's first line, `make setup TORCH_SPEC=""` on a GPU node: the venv sees the system's
+    packages (the node's CUDA torch) and every pip install is held to that torch's version, so
+    neither d3d's requirements nor vLLM's pin replace it. The CPU default (CI's) installs its own."""
+    line = next(line for line in commands() if line.startswith("make setup"))
+    keep = make_dry_run(tmp_path, *shlex.split(line)[2:])
+    assert 'TORCH_SPEC=""' in line and f"-m venv --system-site-packages {tmp_path}/venv" in keep
+    installs = [ln for ln in keep.splitlines() if " -m pip install " in ln and ' -e ".[' in ln]  # d3d and its extras
+    assert installs and all(f"-c {tmp_path}/venv/torch-constraint.txt" in ln for ln in installs), installs
+    assert "print('torch==' + torch.__version__)\" > " + f"{tmp_path}/venv/torch-constraint.txt" in keep
+    default = make_dry_run(tmp_path)
+    assert "--system-site-packages" not in default and 'pip install -q "torch==' in default

@@ -28,3 +28,11 @@ def group_timeout_s() -> float | None:
         return None
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     return dist.group.WORLD._get_backend(device).options._timeout.total_seconds()
+
+
+def describe_group(processes: int) -> str:
+    """One line for a job's log: its processes and the timeout in force (read back, not the config's)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    return f"{processes} processes ({backend}), process-group timeout {group_timeout_s():.0f} s (dist.timeout_s)"
