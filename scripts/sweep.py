@@ -100,8 +100,9 @@ class Launcher:
         """The command of one arm of `job` (d3d.<job>), its Hydra folder `logs`, and its overrides."""
         if self.hydra_launcher:
             # one job: its folder is `logs` itself (the override-named subfolder would pass 255 characters);
-            # its tasks get the accelerate config's variables (FSDP2 for training and pruning with fsdp)
-            shard = [f"hydra.callbacks.distributed_tasks.accelerate={self.accelerate}"] if job in ("train", "prune") else []
+            # its tasks are DDP's unless training and pruning shard otherwise (fsdp: each task gets FSDP2's variables)
+            shard = [f"hydra.callbacks.distributed_tasks.accelerate={self.accelerate}"] \
+                if job in ("train", "prune") and self.accelerate != "ddp" else []
             return [sys.executable, "-m", f"d3d.{job}", "-m", f"hydra/launcher={self.hydra_launcher}",
                     path_override("hydra.sweep.dir", logs), "hydra.sweep.subdir=job", *shard, *args]
         if self.gpus:

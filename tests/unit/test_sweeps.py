@@ -96,9 +96,9 @@ def test_a_hydra_launcher_submits_a_stage_at_once(sweep, monkeypatch):
     with sw.together():
         for B in (4, 8):
             sw.run("train", f"B{B}", fixed=(f"train.out_dir=/r/B{B}",))
-    assert sw.commands[0][1:9] == ["-m", "d3d.train", "-m", "hydra/launcher=slurm",
+    assert sw.commands[0][1:8] == ["-m", "d3d.train", "-m", "hydra/launcher=slurm",
                                    "hydra.sweep.dir=/r/outputs/sweeps/block_size/hydra/train_B4", "hydra.sweep.subdir=job",
-                                   "hydra.callbacks.distributed_tasks.accelerate=ddp", "train.out_dir=/r/B4"]
+                                   "train.out_dir=/r/B4"]
     assert events == [("submit", "train.out_dir=/r/B4"), ("submit", "train.out_dir=/r/B8"),
                       ("wait", "train.out_dir=/r/B4"), ("wait", "train.out_dir=/r/B8")]
 
