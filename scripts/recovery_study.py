@@ -49,7 +49,7 @@ def main() -> None:
     train, val = split_examples(load_examples(resolve_path(tc.responses_dir), tc.max_len), tc.val_size, cfg.seed)
     calib = cut_responses(val[: pc.calib_size], tc.val_max_new_tokens)  # as d3d.prune splits them
     holdout = cut_responses(val[pc.calib_size : pc.calib_size + pc.holdout_size], tc.val_max_new_tokens)
-    accelerator = make_accelerator(tc, precision="auto")
+    accelerator = make_accelerator(tc, timeout_s=cfg.dist.timeout_s, precision="auto")
     start, tok = load_drafter(args.drafter, dtype="float32")
     teacher = as_deployed(start).eval()
     results = {"cpu": cpu_info(), "drafter": args.drafter, "removed": args.remove, "steps": args.steps,

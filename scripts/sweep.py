@@ -99,9 +99,12 @@ class Launcher:
     def argv(self, job: str, logs: Path, args: list[str]) -> list[str]:
         """The command of one arm of `job` (d3d.<job>), its Hydra folder `logs`, and its overrides."""
         if self.hydra_launcher:
-            # one job: its folder is `logs` itself (the override-named subfolder would pass 255 characters)
+            # one job: its folder is `logs` itself (the override-named subfolder would pass 255 characters);
+            # its tasks are DDP's unless training and pruning shard otherwise (fsdp: each task gets FSDP2's variables)
+            shard = [f"hydra.callbacks.distributed_tasks.accelerate={self.accelerate}"] \
+                if job in ("train", "prune") and self.accelerate != "ddp" else []
             return [sys.executable, "-m", f"d3d.{job}", "-m", f"hydra/launcher={self.hydra_launcher}",
-                    path_override("hydra.sweep.dir", logs), "hydra.sweep.subdir=job", *args]
+                    path_override("hydra.sweep.dir", logs), "hydra.sweep.subdir=job", *shard, *args]
         if self.gpus:
             config = self.accelerate if job in ("train", "prune") else "ddp"
             head = ["accelerate", "launch", "--config_file", str(Path(config_dir()) / "accelerate" / f"{config}.yaml"),
@@ -386,8 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="the table, plot and data (default: a new outputs/sweeps/<claim>/<date_time>/)")
     ap.add_argument("--publish", action="store_true", help="also copy them into docs/results/ (the curated record)")
     ap.add_argument("--gpus", type=int, help="gpu preset: processes per arm (default: the GPUs this machine sees)")
-    ap.add_argument("--accelerate", default="ddp", help="gpu preset: conf/accelerate/<name>.yaml for training and "
-                                                        "pruning arms (fsdp for an 8B drafter; evaluation uses ddp)")
+    ap.add_argument("--accelerate", default="ddp", help="gpu preset and --hydra-launcher: conf/accelerate/<name>.yaml "
+                                                        "for training and pruning arms (fsdp for an 8B drafter; "
+                                                        "evaluation uses ddp)")
     ap.add_argument("--hydra-launcher", help="run each arm as a job of conf/hydra/launcher/<name>.yaml (slurm, local), "
                                              "the arms of a stage at once")
     ap.add_argument("--budgets", nargs="+", help="budget sweep: C x F values instead of the preset's (e.g. 16x5)")
@@ -441,8 +445,11 @@ def main(argv: list[str] | None = None) -> dict:
 def launcher(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Launcher:
     """The CPU presets run each arm as one process; the gpu preset over every GPU of the node, or as
     scheduler jobs (which take their GPUs from the launcher's file, so --gpus does not apply)."""
+    if not (Path(config_dir()) / "accelerate" / f"{args.accelerate}.yaml").is_file():
+        ap.error(f"--accelerate {args.accelerate}: no conf/accelerate/{args.accelerate}.yaml. Fix: one of ddp, fsdp, "
+                 "deepspeed_zero2, deepspeed_zero3")
     if args.hydra_launcher:
-        return Launcher(hydra_launcher=args.hydra_launcher)
+        return Launcher(accelerate=args.accelerate, hydra_launcher=args.hydra_launcher)
     if args.preset != "gpu":
         return Launcher()
     gpus = args.gpus
@@ -453,9 +460,6 @@ def launcher(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Launcher:
     if gpus < 1:
         ap.error("--preset gpu: no GPU visible here. Fix: run it on a GPU node, pass --gpus N, or submit the "
                  "arms with --hydra-launcher slurm")
-    if not (Path(config_dir()) / "accelerate" / f"{args.accelerate}.yaml").is_file():
-        ap.error(f"--accelerate {args.accelerate}: no conf/accelerate/{args.accelerate}.yaml. Fix: one of ddp, fsdp, "
-                 "deepspeed_zero2, deepspeed_zero3")
     return Launcher(gpus=gpus, accelerate=args.accelerate)
 
 

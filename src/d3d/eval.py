@@ -53,6 +53,7 @@ from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: 
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, ROW_FIELDS, read_rows, row_key, summary_markdown, write_report
 from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
+from d3d.utils.process_group import describe_group
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.eval")
@@ -525,7 +526,8 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache)), "eval.enable_thinking")
         grading_isolation(list(iter_specs(typed.benchmark)), typed.eval.sandbox)  # a sandbox that cannot run here
         return None
-    with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir", process_state().process_index):
+    with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir",
+                    process_state(typed.dist.timeout_s).process_index):
         return _evaluate(cfg, typed)
 
 
@@ -533,7 +535,9 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     """`raw` keeps the composed config for the decode sections (method_configs) and the record of
     the run (config.yaml, summary.json); everything else reads the typed `cfg`."""
     ev = cfg.eval
-    state = process_state()  # one process unless started by `accelerate launch` or torchrun
+    state = process_state(cfg.dist.timeout_s)  # one process unless started by `accelerate launch` or torchrun
+    if state.num_processes > 1 and state.is_main_process:
+        print(f"[d3d.eval] {describe_group(state.num_processes)}", flush=True)
     torch.manual_seed(cfg.seed)
     out_dir = output_dir(cfg, ev)
     out_dir.mkdir(parents=True, exist_ok=True)

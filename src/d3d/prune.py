@@ -323,7 +323,7 @@ def _prune(cfg: PruneConfig) -> Path:
     out_dir = resolve_path(pc.out_dir)
     # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
     # with fp32 weights on CUDA and native-bf16 CPUs, fp32 on AVX2-only CPUs.
-    acc = make_accelerator(tc, cpu=pick_device(pc.device).type == "cpu", precision="auto")
+    acc = make_accelerator(tc, timeout_s=cfg.dist.timeout_s, cpu=pick_device(pc.device).type == "cpu", precision="auto")
     main = acc.is_main_process
     device = str(acc.device)  # this process's GPU under accelerate launch
     if main and acc.num_processes > 1:

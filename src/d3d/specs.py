@@ -288,6 +288,16 @@ def positive(section: str, obj, *keys: str) -> None:
 
 
 @dataclass
+class DistSettings:
+    """`dist.*` (conf/dist/default.yaml): the process group of a job started on several processes."""
+
+    timeout_s: float  # how long a collective or barrier waits for the slowest process (NCCL's default: 600 s)
+
+    def __post_init__(self) -> None:
+        positive("dist", self, "timeout_s")
+
+
+@dataclass
 class GenerateSettings:
     """`generate.*` (conf/generate.yaml): how the target answers the prompt set."""
 
@@ -490,6 +500,7 @@ class TrainConfig(RootConfig):
     drafter: DrafterSpec
     train: TrainSettings
     logger: LoggerSpec
+    dist: DistSettings
 
 
 @dataclass
@@ -497,6 +508,7 @@ class PruneConfig(RootConfig):
     drafter: DrafterSpec
     train: StepSettings
     prune: PruneSettings
+    dist: DistSettings
 
 
 @dataclass
@@ -525,3 +537,4 @@ class EvalConfig(RootConfig):
     drafter: DrafterSpec
     benchmark: BenchmarkSuite
     eval: EvalSettings
+    dist: DistSettings

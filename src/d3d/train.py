@@ -119,7 +119,7 @@ class TrainRecipe:
         self.cfg = cfg = cfg or bind_config(raw, "train")  # the typed boundary: unknown keys fail
         cfg.train = with_global_batch(cfg.train, world_size())  # grad_accum from train.global_batch_size
         tc = self.tc = cfg.train
-        self.accelerator = accelerator = make_accelerator(tc)
+        self.accelerator = accelerator = make_accelerator(tc, timeout_s=cfg.dist.timeout_s)
         set_seed(cfg.seed)
         self.out_dir = out_dir = resolve_path(tc.out_dir)
         resume_dir = out_dir / "last"

@@ -291,12 +291,16 @@ def deepspeed_plugin(tc: TrainSettings, precision: str):
                            gradient_clipping=tc.clip or 0.0, zero_stage=stage)
 
 
-def make_accelerator(tc: StepSettings, cpu: bool | None = None, precision: str | None = None):
+def make_accelerator(tc: StepSettings, *, timeout_s: float, cpu: bool | None = None, precision: str | None = None):
     """The Accelerator of a training run (d3d.train) or of pruning's recoveries, configured from
     train.* (micro-batch, accumulation, clipping; the precision is train.mixed_precision unless
-    `precision` is given). The scheduler is stepped by hand once per optimizer step: accelerate would
+    `precision` is given); a multi-process launch's process group waits `timeout_s` (dist.timeout_s)
+    for its slowest process. The scheduler is stepped by hand once per optimizer step: accelerate would
     otherwise step it once per process (it assumes a sharded dataloader shortened the epoch)."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from d3d.utils.process_group import describe_group, group_kwargs
 
     precision = mixed_precision(precision or tc.mixed_precision)
     if torch.cuda.is_available():
@@ -306,9 +310,12 @@ def make_accelerator(tc: StepSettings, cpu: bool | None = None, precision: str |
     accelerator = Accelerator(mixed_precision=precision, step_scheduler_with_optimizer=False,
                               gradient_accumulation_steps=tc.grad_accum,
                               deepspeed_plugin=deepspeed_plugin(tc, precision),
+                              kwargs_handlers=[InitProcessGroupKwargs(**group_kwargs(timeout_s))],
                               cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
     _fsdp_on_cpu(accelerator)
     check_sharding(accelerator, tc)
+    if accelerator.num_processes > 1 and accelerator.is_main_process:
+        print(f"[d3d] {describe_group(accelerator.num_processes)}", flush=True)
     return accelerator
 
 

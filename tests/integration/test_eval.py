@@ -585,7 +585,7 @@ def test_eval_loads_the_target_with_its_attention_backend(tmp_path, monkeypatch)
 
     cfg = compose("eval", SMOKE + ["target.attn_implementation=eager"], tmp_path)
     _, target, _ = load_models(bind_config(cfg, "eval"), methods_of(cfg), resolve_path(cfg.paths.cache_dir),
-                               process_state())
+                               process_state(cfg.dist.timeout_s))
     assert target.config._attn_implementation == "eager"
 
 

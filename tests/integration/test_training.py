@@ -36,7 +36,7 @@ def test_bf16_autocast_reaches_the_drafter_matmuls(tmp_path, fresh_accelerate_st
     """mixed_precision=bf16 through the prepared training step: the decoder's projections and the
     LM head run in bf16 (autocast wraps the prepared module's forward), the loss stays fp32."""
     cfg, model, tok = tiny(tmp_path, "train.mixed_precision=bf16")
-    accelerator = make_accelerator(cfg.train, cpu=True)
+    accelerator = make_accelerator(cfg.train, timeout_s=cfg.dist.timeout_s, cpu=True)
     s = DrafterSettings.of(model)
     step = accelerator.prepare(D3DTrainingStep(model, s.vocab_size, 1.0))
     seen = {}

@@ -38,6 +38,25 @@ def test_each_task_of_a_job_gets_its_rank(clean_env):
     assert export_task_environment()["MASTER_PORT"] == got["MASTER_PORT"]  # every task of the job agrees
 
 
+def test_a_job_named_to_shard_with_fsdp_gets_the_fsdp_launch_variables(clean_env):
+    """hydra.callbacks.distributed_tasks.accelerate=fsdp (an 8B overlay's sweep): each task also gets
+    what `accelerate launch --config_file conf/accelerate/fsdp.yaml` gives its processes, for the
+    job's task count; without it, a task is the DDP run's."""
+    import os
+
+    from d3d.utils.cluster import DistributedTasks, accelerate_environment
+
+    for name in {*accelerate_environment("fsdp", 2), *(k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_")))}:
+        clean_env.setenv(name, "")  # recorded, so the callback's exports are undone after the test
+        clean_env.delenv(name)
+    local_task(clean_env, 1, 2)
+    DistributedTasks().on_job_start()
+    assert "ACCELERATE_USE_FSDP" not in os.environ
+    DistributedTasks(accelerate="fsdp").on_job_start()
+    assert (os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"]) == ("true", "2")
+    assert os.environ["RANK"] == "1"
+
+
 def test_a_one_task_job_and_a_plain_run_are_left_alone(clean_env):
     import os
 
@@ -62,6 +81,7 @@ def test_launcher_files_compose_with_the_project_hydra_config(launcher):
     target = {"slurm": "SlurmLauncher", "local": "LocalLauncher"}[launcher]
     assert hydra.launcher._target_ == f"hydra_plugins.hydra_submitit_launcher.submitit_launcher.{target}"
     assert hydra.callbacks.distributed_tasks._target_ == "d3d.utils.cluster.DistributedTasks"
+    assert hydra.callbacks.distributed_tasks.accelerate is None  # DDP unless a run names fsdp
     assert hydra.sweep.subdir == "+experiment-smoke"  # conf/hydra/default.yaml: the slug of the overrides
     if launcher == "slurm":
         assert (hydra.launcher.nodes, hydra.launcher.gpus_per_node, hydra.launcher.tasks_per_node) == (1, 8, 8)

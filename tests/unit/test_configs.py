@@ -86,10 +86,10 @@ def test_async_budget_name_tracks_keys():
 # recipes' sections on top): a group a recipe never reads (generate has no drafter) is not composed.
 SECTIONS = {
     "generate": {"paths", "target", "data", "task_name", "run_name", "seed", "generate"},
-    "train": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "logger"},
-    "prune": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "prune"},
+    "train": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "logger", "dist"},
+    "prune": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "prune", "dist"},
     "eval": {"paths", "target", "drafter", "data", "benchmark", "decode", "methods", "task_name", "run_name",
-             "seed", "eval"},
+             "seed", "eval", "dist"},
     "export": {"paths", "target", "drafter", "data", "task_name", "run_name", "seed", "train", "export"},
 }
 # overrides a group option needs before it binds (data=local reads a file nobody ships: `???` in the YAML)

@@ -45,5 +45,5 @@ def test_a_stage_the_budget_cannot_hold_is_recorded_as_skipped(check, tmp_path, 
 def test_the_default_run_fits_six_and_a_half_minutes_on_an_h200_by_its_estimate(check):
     plan = check.ESTIMATE.table(check.STAGES)
     assert set(plan["seconds"]) == {"startup", *check.STAGES}
-    assert plan["total_s"] <= 390, plan  # 355 s before the trees' cases (greedy, race, readiness) came in
+    assert plan["total_s"] <= 410, plan  # 355 s before the trees' cases (greedy, race, readiness), 389 before dist
     assert plan["total_s"] < 420 < 480  # the default --budget-s, inside the README's `timeout 480`

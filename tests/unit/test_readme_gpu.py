@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ROOT, compose
 
 JOBS = ("generate", "train", "prune", "eval", "export")  # the Hydra recipes; pipeline/report take their own flags
+SBATCH = "scripts/slurm/d3d.sbatch"  # the cluster line's batch script: its config, module and overrides follow
 
 
 def gpu_section() -> str:
@@ -49,9 +50,12 @@ def split_multirun(value: str) -> str:
 def hydra_call(line: str) -> tuple[str, list[str]] | None:
     """(job, overrides) of a line that runs a d3d recipe through python, accelerate or torchrun."""
     argv = shlex.split(line)
-    if "-m" not in argv:
+    if SBATCH in argv:  # sbatch ... scripts/slurm/d3d.sbatch ACCELERATE_CONFIG MODULE [overrides]
+        i = argv.index(SBATCH) + 1
+    elif "-m" in argv:
+        i = argv.index("-m")
+    else:
         return None
-    i = argv.index("-m")
     module = argv[i + 1] if i + 1 < len(argv) else ""
     job = module.removeprefix("d3d.")
     if not module.startswith("d3d.") or job not in JOBS:
@@ -101,4 +105,30 @@ def test_parser_reads_what_the_readme_writes():
         "train", ["+experiment=qwen3_8b", "train.ar_weight=0"])
     assert split_multirun("eval.concurrency=[1,2,4],x") == "eval.concurrency=[1,2,4]"
     assert hydra_call("python scripts/memory_plan.py") is None
+    assert hydra_call(f"sbatch --nodes 4 --gpus-per-node 8 {SBATCH} conf/accelerate/fsdp.yaml d3d.train +experiment=x") == (
+        "train", ["+experiment=x"])
     assert Path(ROOT / "README.md").is_file()
+
+
+def make_dry_run(tmp_path, *args: str) -> str:
+    """The commands `make setup` would run for a venv that does not exist yet (make -n: nothing runs)."""
+    import subprocess
+
+    run = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path}/venv", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_setup_without_a_torch_spec_keeps_the_machines_torch(tmp_path):
+    """The section's first line, `make setup TORCH_SPEC=""` on a GPU node: the venv sees the system's
+    packages (the node's CUDA torch) and every pip install is held to that torch's version, so
+    neither d3d's requirements nor vLLM's pin replace it. The CPU default (CI's) installs its own."""
+    line = next(line for line in commands() if line.startswith("make setup"))
+    keep = make_dry_run(tmp_path, *shlex.split(line)[2:])
+    assert 'TORCH_SPEC=""' in line and f"-m venv --system-site-packages {tmp_path}/venv" in keep
+    installs = [ln for ln in keep.splitlines() if " -m pip install " in ln and ' -e ".[' in ln]  # d3d and its extras
+    assert installs and all(f"-c {tmp_path}/venv/torch-constraint.txt" in ln for ln in installs), installs
+    assert "print('torch==' + torch.__version__)\" > " + f"{tmp_path}/venv/torch-constraint.txt" in keep
+    default = make_dry_run(tmp_path)
+    assert "--system-site-packages" not in default and 'pip install -q "torch==' in default

@@ -189,3 +189,16 @@ def test_a_failed_arm_is_one_line_after_its_own_message(sweep, tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: the arm `python -m d3d.train") and "exit status 2" in err[0] \
         and "Fix:" in err[0], err
+
+
+def test_slurm_arms_of_an_8b_drafter_get_the_fsdp_launch(sweep, tmp_path):
+    """--hydra-launcher slurm --accelerate fsdp: every training and pruning job's tasks get FSDP2's
+    launch variables (d3d.utils.cluster.DistributedTasks), evaluation jobs stay data-parallel."""
+    result = sweep.main(["pruning", "--preset", "gpu", "--hydra-launcher", "slurm", "--accelerate", "fsdp",
+                         "--dry-run", "--root", str(tmp_path), "+experiment=qwen3_8b_d8b"])
+    by_job = {}
+    for cmd in result["commands"]:
+        by_job.setdefault(cmd[2], []).append(cmd)
+    assert set(by_job) >= {"d3d.prune", "d3d.eval"}, list(by_job)
+    assert all("hydra.callbacks.distributed_tasks.accelerate=fsdp" in c for c in by_job["d3d.prune"])
+    assert not any("distributed_tasks" in " ".join(c) for c in by_job["d3d.eval"])

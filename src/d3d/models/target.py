@@ -217,13 +217,16 @@ def drafter_device(configured: str, target) -> str:
     return str(input_device(target)) if configured == "same" else str(check_device(configured, "drafter.device"))
 
 
-def process_state():
-    """accelerate's view of this process among the job's (`accelerate launch` or torchrun). On a
-    machine without CUDA accelerate sees torchrun's ranks only when told to use the CPU: without
-    `cpu=True` every rank reports itself as the only process and does all the work."""
+def process_state(timeout_s: float):
+    """accelerate's view of this process among the job's (`accelerate launch` or torchrun); the first
+    call of a multi-process job forms its process group, which waits `timeout_s` (dist.timeout_s) for
+    its slowest process. On a machine without CUDA accelerate sees torchrun's ranks only when told
+    to use the CPU: without `cpu=True` every rank reports itself as the only process and does all the work."""
     from accelerate import PartialState
 
-    return PartialState(cpu=not torch.cuda.is_available())
+    from d3d.utils.process_group import group_kwargs
+
+    return PartialState(cpu=not torch.cuda.is_available(), **group_kwargs(timeout_s))
 
 
 def process_device(state, configured: str | None) -> str:

@@ -18,10 +18,18 @@ TORCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RA
 
 
 class DistributedTasks(Callback):
-    """A `hydra.callbacks` entry: Hydra calls on_job_start inside the job, before the task function."""
+    """A `hydra.callbacks` entry: Hydra calls on_job_start inside the job, before the task function.
+    `accelerate`: a file of conf/accelerate/ by name (e.g. fsdp): every task also gets the variables
+    `accelerate launch --config_file` that file gives its processes, so the job shards as that launch
+    does (FSDP2 for an 8B drafter); null: the plain data-parallel run (DDP)."""
+
+    def __init__(self, accelerate: str | None = None) -> None:
+        self.accelerate = accelerate
 
     def on_job_start(self, config: Any = None, **kwargs: Any) -> None:
-        export_task_environment()
+        tasks = export_task_environment()
+        if self.accelerate and tasks:
+            os.environ.update(accelerate_environment(self.accelerate, int(tasks["WORLD_SIZE"])))
 
 
 def export_task_environment() -> dict[str, str]:
@@ -39,3 +47,23 @@ def export_task_environment() -> dict[str, str]:
         return {}
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return {k: os.environ[k] for k in TORCH_VARIABLES}
+
+
+def accelerate_environment(name: str, processes: int) -> dict[str, str]:
+    """The ACCELERATE_* and FSDP_* variables `accelerate launch --config_file conf/accelerate/<name>.yaml
+    --num_processes <processes>` gives each process, made by accelerate's own launcher code from the file."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    from d3d.config import ConfigError, config_dir
+
+    path = config_dir() / "accelerate" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"hydra.callbacks.distributed_tasks.accelerate={name}: no conf/accelerate/{name}.yaml. "
+                          f"Fix: fsdp or ddp.")
+    args = launch_command_parser().parse_args(["--config_file", str(path), "--num_processes", str(processes), "d3d"])
+    args, _, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        raise ConfigError(f"hydra.callbacks.distributed_tasks.accelerate={name}: DeepSpeed starts its processes with "
+                          f"its own launcher. Fix: fsdp, or submit with scripts/slurm/d3d.sbatch.")
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE_", "FSDP_"))}
