@@ -28,7 +28,7 @@ from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path
 from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import MAX_PERIOD, MIN_REPEATS, MIN_SPAN, is_looping, rank_file, read_responses
-from d3d.models.engines import check_backend, engine_gpus, engine_version, open_backend
+from d3d.models.engines import check_backend, engine_gpus, engine_version, open_backend, prepare_start
 from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, resolve_model_path,
@@ -192,6 +192,7 @@ def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
         return None
     isolate_rank(rank, engine_gpus(gen.backend, dict(getattr(gen, gen.backend, None) or {})), os.environ)
+    prepare_start(gen.backend, os.environ)  # before anything below could probe CUDA
     with job_folder(resolve_path(gen.out_dir), "generate", "generate.out_dir", rank.index):
         return _generate(typed, rank)
 
