@@ -267,7 +267,9 @@ def split_examples(examples: ExampleSet, val_size: int, seed: int) -> tuple[Exam
     random.Random(seed).shuffle(order)
     val, train = (np.sort(np.array(part, dtype=np.int64)) for part in (order[:val_size], order[val_size:]))
     if not len(train):
-        raise ConfigError(f"only {len(examples)} responses: none left for training after val_size={val_size}")
+        raise ConfigError(f"train.val_size={val_size} holds out all {len(examples)} responses, leaving none for "
+                          f"training. Fix: set train.val_size below {len(examples)} (a few percent of the responses), "
+                          f"or generate more responses (generate.limit, data.limit).")
     return examples.subset(train), examples.subset(val)
 
 

@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 
+from d3d.errors import ConfigError
 from d3d.examples import StepBatches, StepLoader, batch_at, load_examples, split_examples
 from d3d.objective import ObjectiveConfig
 from tests.conftest import load_script
@@ -153,3 +154,10 @@ def test_a_shard_edited_in_place_with_its_size_and_mtime_kept_rebuilds_the_cache
     built = []
     monkeypatch.setattr(ex, "build_cache", lambda *a: built.append(a))
     assert ids_of(load_examples(copy, 4096)) == ids_of(again) and built == []
+
+
+def test_a_val_size_that_leaves_nothing_to_train_on_names_the_key_and_the_fix(tmp_path):
+    folder = bench.write_synthetic_responses(tmp_path / "r", 10, seed=1)
+    with pytest.raises(ConfigError, match=r"^train.val_size=10 holds out all 10 responses, leaving none for training. "
+                                          r"Fix: set train.val_size below 10"):
+        split_examples(load_examples(folder, 4096), 10, 0)

@@ -364,3 +364,12 @@ def test_a_waiting_lock_without_flock_waits_for_the_holder(tmp_path, no_flock):
         order.append("first done")
     waiter.join(10)
     assert order == ["first done", "second"] and not held.exists()
+
+
+def test_a_folder_in_use_names_the_job_that_holds_it(tmp_path):
+    """An eval refused by a running train's lock said "in use by another d3d.eval run": the job named
+    was the one refused, not the holder."""
+    with lock_folder(tmp_path, "d3d.train"):
+        with pytest.raises(FolderBusy, match=r"in use by another d3d.train run \(pid \d+ on .*, d3d.train since") as err:
+            lock_folder(tmp_path, "d3d.eval")
+    assert "d3d.eval" not in str(err.value)

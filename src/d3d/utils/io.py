@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -187,9 +188,12 @@ class FolderLock(FileLock):
             super().__init__(folder / f".lock.{rank}", job, wait=False)
         except LockBusy as busy:
             fix = f" (if that run is dead, delete {busy.held_file})" if busy.held_file else ""
-            raise FolderBusy(f"{folder} is in use by another {job or 'd3d'} run ({busy.holder}); two writers would "
-                             f"duplicate or interleave its rows. Fix: wait for it, stop it, or choose another output "
-                             f"folder{fix}.") from None
+            # the holder's job, from its note (it used to be this job's name: an eval refused by a
+            # running train said "in use by another d3d.eval run")
+            holder_job = re.search(r", (\S+) since ", busy.holder)
+            raise FolderBusy(f"{folder} is in use by another {holder_job[1] if holder_job else 'd3d'} run "
+                             f"({busy.holder}); two writers would duplicate or interleave its rows. Fix: wait for it, "
+                             f"stop it, or choose another output folder{fix}.") from None
 
 
 def _dead_here(holder: str) -> bool:
