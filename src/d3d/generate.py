@@ -284,8 +284,8 @@ def tally(rows: list[dict]) -> dict[str, int]:
 
 
 def shard_counts(shard: Path) -> dict:
-    """Rows, response tokens, cut and looping replies of one shard, each row counted once: kept beside
-    it (`responses.rank<r>.counts.json`) with the byte offset they cover, so a later count reads only
+    """Rows, response tokens, cut and looping replies of one shard (each complete line once: a row a
+    legacy shard repeats counts twice here, once for readers): kept beside it (`responses.rank<r>.counts.json`) with the byte offset they cover, so a later count reads only
     the rows appended since. The report then costs O(shards), not O(rows): it used to re-read every
     shard under one lock, minutes at 100k rows. The counts also remember the bytes just before their
     offset: a shard rewritten under them (edited, truncated, replaced) is counted again whole. Any

@@ -1,5 +1,8 @@
 """Append-only jsonl files that survive a kill: a torn last line is dropped, never misread.
-One writer per output folder (`lock_folder`); readers drop duplicate keys anyway (`unique`)."""
+One writer per output folder (`lock_folder`); readers drop duplicate keys anyway (`unique`). Every
+lock of the project is a `FileLock` (flock, or a lock file where the filesystem has none); a small
+file that several processes may write is written whole under a temporary name of its own
+(`write_text_atomic`)."""
 
 from __future__ import annotations
 
