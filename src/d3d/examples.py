@@ -1,8 +1,8 @@
 """The training set as d3d.train and d3d.prune read it (docs/design.md, Training: the input pipeline).
 
 - On disk: the responses folder's jsonl shards are converted once into `examples.arrow` beside them
-  (token ids, prompt length, id, backend; keyed by the shards' names, sizes and mtimes, rebuilt when
-  one changes). Every rank memory-maps that file: no rank parses the folder or holds the set in
+  (token ids, prompt length, id, backend; keyed by the shards' names, sizes and content hashes,
+  rebuilt when one changes: `cache_is_current`). Every rank memory-maps that file: no rank parses the folder or holds the set in
   Python objects (~45 bytes a token as lists of ints; 4 here, shared through the page cache).
 - The order: a pure function of (seed, epoch), computed once per epoch and cached; with
   `train.length_grouping` each window of that many global batches is sorted by length and cut
@@ -28,7 +28,7 @@ from d3d.errors import ConfigError
 from d3d.objective import Example, ObjectiveConfig, PackedBatch, pack
 
 CACHE_FILE = "examples.arrow"
-CACHE_FORMAT = 2  # bump when the columns change: an older cache is then rebuilt
+CACHE_FORMAT = 3  # bump when the columns or the key change: an older cache is then rebuilt
 ROWS_PER_BATCH = 8192  # rows per Arrow record batch while converting: bounds the converter's memory
 
 
@@ -40,11 +40,50 @@ def shards(responses_dir: Path) -> list[Path]:
     return sorted(responses_dir.glob("responses.rank*.jsonl"))
 
 
+def _identity(path: Path) -> list[int]:
+    """What changes whenever a file's bytes do, read without its bytes: inode, size, mtime and ctime.
+    `cp -p` and `rsync -a` keep a copy's size and mtime, but no copy or write keeps its ctime."""
+    st = path.stat()
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def content_hash(path: Path) -> str:
+    """A hash of a file's bytes (blake2b, read in 16 MiB pieces: about a second a GB)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
 def shards_key(responses_dir: Path) -> str:
-    """What the cache was built from: each shard's name, size and mtime. A generate run that appended
-    rows, or a shard replaced by another, changes it."""
-    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards(responses_dir)]
-    return json.dumps({"format": CACHE_FORMAT, "shards": stats})
+    """What the cache is built from: each shard's name, size and content hash, and the identity it had
+    when hashed. A generate run that appended rows, or a shard replaced or edited in place, changes
+    it, whatever mtime the new bytes carry."""
+    files = shards(responses_dir)
+    identities = [_identity(p) for p in files]  # before the bytes: a write while hashing shows later
+    return json.dumps({"format": CACHE_FORMAT, "shards": [[p.name, i[1], content_hash(p), i]
+                                                          for p, i in zip(files, identities)]})
+
+
+def cache_is_current(key: str, responses_dir: Path) -> bool:
+    """Whether a cache built under `key` holds the folder's rows now. A shard whose identity is the one
+    it had when hashed is unchanged and is not read; one whose identity changed (written, or the
+    folder copied) is hashed again and compared: a copy keeps the cache, an edit rebuilds it."""
+    try:
+        built = json.loads(key)
+    except ValueError:
+        return False
+    files = shards(responses_dir)
+    if not isinstance(built, dict) or built.get("format") != CACHE_FORMAT:
+        return False
+    if [entry[0] for entry in built["shards"]] != [p.name for p in files]:
+        return False
+    for (_, size, digest, identity), path in zip(built["shards"], files):
+        now = _identity(path)
+        if now[1] != size or (now != identity and content_hash(path) != digest):
+            return False
+    return True
 
 
 def _schema(key: str | None = None):
@@ -117,15 +156,15 @@ def open_cache(responses_dir: Path):
     """The folder's Arrow table, memory-mapped; (re)built first when it is missing or stale."""
     import pyarrow as pa
 
-    key, path = shards_key(responses_dir), responses_dir / CACHE_FILE
+    path = responses_dir / CACHE_FILE
     if path.is_file():
         table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-        if (table.schema.metadata or {}).get(b"d3d_key", b"").decode() == key:
+        if cache_is_current((table.schema.metadata or {}).get(b"d3d_key", b"").decode(), responses_dir):
             return table
     if not os.access(responses_dir, os.W_OK):
         raise ConfigError(f"{responses_dir} is read-only and its training cache ({CACHE_FILE}) is missing or older than "
                           "its responses. Fix: copy the folder somewhere writable and set train.responses_dir there.")
-    return pa.ipc.open_file(pa.memory_map(str(build_cache(responses_dir, key)))).read_all()
+    return pa.ipc.open_file(pa.memory_map(str(build_cache(responses_dir, shards_key(responses_dir))))).read_all()
 
 
 # ---------------------------------------------------------------------------- the set
@@ -178,7 +217,7 @@ class ExampleSet(Sequence):
     def fingerprint(self) -> str:
         """A hash of what training reads from this set: each example's tokens (cut to max_len) and
         prompt length, in order. It does not change when the folder is copied (unlike
-        shards_key's mtimes), and changes when any response, or the set of responses, does."""
+        the shards' inodes and times), and changes when any response, or the set of responses, does."""
         digest = hashlib.sha256(np.stack([self.lengths, self.prompt_lens]).astype(np.int64).tobytes())
         for chunk, begin, length in zip(self._chunk, self._begin, self.lengths):
             digest.update(self._values[chunk][begin : begin + length].tobytes())
@@ -228,7 +267,9 @@ def split_examples(examples: ExampleSet, val_size: int, seed: int) -> tuple[Exam
     random.Random(seed).shuffle(order)
     val, train = (np.sort(np.array(part, dtype=np.int64)) for part in (order[:val_size], order[val_size:]))
     if not len(train):
-        raise ConfigError(f"only {len(examples)} responses: none left for training after val_size={val_size}")
+        raise ConfigError(f"train.val_size={val_size} holds out all {len(examples)} responses, leaving none for "
+                          f"training. Fix: set train.val_size below {len(examples)} (a few percent of the responses), "
+                          f"or generate more responses (generate.limit, data.limit).")
     return examples.subset(train), examples.subset(val)
 
 

@@ -6,13 +6,12 @@ Data parallel: each rank answers its own slice of the prompts and appends its ro
 start independent jobs (array jobs), or both (job i of n, each a launch of w processes, is slice
 i*w + r of n*w). A re-run skips every id already written by any shard, so a killed rank resumes
 without losing or duplicating a row, and the readers (data/responses.py) see all shards as one set.
-Each rank then adds its throughput and its cut and looping replies to `<out_dir>/report.json`.
+Each rank then adds its throughput to `<out_dir>/report.json`, with the folder's rows, cut and looping
+replies summed from each shard's counts (`responses.rank<r>.counts.json`, kept as rows are added).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import re
@@ -28,12 +27,12 @@ from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path
 from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import MAX_PERIOD, MIN_REPEATS, MIN_SPAN, is_looping, rank_file, read_responses
-from d3d.models.engines import check_backend, engine_gpus, engine_version, open_backend
+from d3d.models.engines import check_backend, engine_gpus, engine_version, open_backend, prepare_start
 from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, resolve_model_path,
                                torch_dtype)
-from d3d.utils.io import JsonlWriter, job_folder, write_json
+from d3d.utils.io import FileLock, JsonlWriter, job_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.generate")
@@ -192,6 +191,7 @@ def run_generate(cfg: DictConfig, check_only: bool = False) -> Path | None:
             require_thinking_switch(load_tokenizer(resolve_model_path(typed.target, cache_dir)), "generate.enable_thinking")
         return None
     isolate_rank(rank, engine_gpus(gen.backend, dict(getattr(gen, gen.backend, None) or {})), os.environ)
+    prepare_start(gen.backend, os.environ)  # before anything below could probe CUDA
     with job_folder(resolve_path(gen.out_dir), "generate", "generate.out_dir", rank.index):
         return _generate(typed, rank)
 
@@ -283,29 +283,68 @@ def tally(rows: list[dict]) -> dict[str, int]:
             "looping": sum(is_looping(r) for r in rows)}
 
 
-@contextlib.contextmanager
-def _report_lock(out_dir: Path):
-    """Ranks finish in any order; each rewrites report.json under this lock, so none loses another's part."""
-    with open(out_dir / ".report.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+def shard_counts(shard: Path) -> dict:
+    """Rows, response tokens, cut and looping replies of one shard (each complete line once: a row a
+    legacy shard repeats counts twice here, once for readers): kept beside it (`responses.rank<r>.counts.json`) with the byte offset they cover, so a later count reads only
+    the rows appended since. The report then costs O(shards), not O(rows): it used to re-read every
+    shard under one lock, minutes at 100k rows. The counts also remember the bytes just before their
+    offset: a shard rewritten under them (edited, truncated, replaced) is counted again whole. Any
+    process may refresh any shard's counts (each write is whole, and every offset's counts are right)."""
+    import hashlib
+    import json
+
+    path = shard.with_name(shard.stem + ".counts.json")
+    fresh = {"bytes": 0, "mark": hashlib.sha1(b"").hexdigest(), "rows": 0, "tokens": 0, "cut": 0, "looping": 0}
+    try:
+        counts = json.loads(path.read_text())
+        if set(counts) != set(fresh):
+            counts = fresh
+    except (OSError, ValueError):
+        counts = fresh
+
+    def mark(f, offset: int) -> str:  # a hash of the 256 bytes before `offset`
+        f.seek(max(0, offset - 256))
+        return hashlib.sha1(f.read(offset - max(0, offset - 256))).hexdigest()
+
+    with open(shard, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if counts["bytes"] > size or mark(f, counts["bytes"]) != counts["mark"]:
+            counts = dict(fresh)
+        if counts["bytes"] == size:
+            return counts
+        counts = dict(counts)
+        f.seek(counts["bytes"])
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break  # a row still being written (or torn by a kill): counted once it is whole
+            counts["bytes"] += len(raw)
+            if raw.strip():
+                for key, n in {"rows": 1, **tally([json.loads(raw)])}.items():
+                    counts[key] += n
+        counts["mark"] = mark(f, counts["bytes"])
+    write_json(path, counts)
+    return counts
 
 
 def publish_report(out_dir: Path, part: dict) -> dict | None:
-    """Put this rank's part into `<out_dir>/report.json` and recount the folder's rows (every
-    shard): cut at the limit, caught in a loop, tokens per second per rank and summed. Parts of an
-    earlier run with another rank count are dropped. Returns the report once every rank of this
-    run has reported, else None."""
+    """Put this rank's part into `<out_dir>/report.json` and sum the folder's counts over every
+    shard (`shard_counts`): rows cut at the limit, caught in a loop, tokens per second per rank and
+    summed. Parts of an earlier run with another rank count are dropped; a rank that had nothing
+    left to answer keeps its part from the run that answered (a no-op rerun used to write 0 tok/s
+    over it). A row in two shards (two overlapping runs) counts twice here; readers take it once.
+    Returns the report once every rank of this run has reported, else None."""
     import json
 
-    with _report_lock(out_dir):
+    with FileLock(out_dir / ".report.lock", "d3d.generate's report"):
         path = out_dir / "report.json"
         old = json.loads(path.read_text()).get("ranks", {}) if path.is_file() else {}
         ranks = {k: v for k, v in old.items() if v.get("ranks") == part["ranks"]}
-        ranks[str(part["rank"])] = part
-        rows = read_responses(out_dir)
-        counts, share = tally(rows), lambda n: n / max(len(rows), 1)
-        report = {"rows": len(rows), **counts, "cut_share": share(counts["cut"]), "looping_share": share(counts["looping"]),
+        if part["new_rows"] or str(part["rank"]) not in ranks:
+            ranks[str(part["rank"])] = part
+        shards = [shard_counts(shard) for shard in sorted(out_dir.glob("responses.rank*.jsonl"))]
+        counts = {key: sum(c[key] for c in shards) for key in ("rows", "tokens", "cut", "looping")}
+        share = lambda n: n / max(counts["rows"], 1)  # noqa: E731
+        report = {**counts, "cut_share": share(counts["cut"]), "looping_share": share(counts["looping"]),
                   "loop_detector": {"max_period": MAX_PERIOD, "min_repeats": MIN_REPEATS, "min_span": MIN_SPAN},
                   "tokens_per_s": round(sum(p["tokens_per_s"] for p in ranks.values()), 2),
                   "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))}

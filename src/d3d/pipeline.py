@@ -176,14 +176,23 @@ def wire_stages(overrides: list[str], stages: list[str]):
 
 def check_stages(cfgs: dict) -> None:
     """The up-front check of the stages that bind more than their config (generate: the backend and
-    the thinking switch; eval: the decode files, the memory bound, the sandbox, the template), run
+    the thinking switch; train: the draft vocabulary; eval: the decode files, the memory bound, the sandbox, the template), run
     in a process of its own like the stages: it imports torch and reads tokenizers."""
     from d3d.eval import run_eval
     from d3d.generate import run_generate
 
-    checks = {"generate": run_generate, "eval": run_eval}
+    checks = {"generate": run_generate, "train": check_train, "eval": run_eval}
     for stage, cfg in cfgs.items():
         checks[stage](cfg, check_only=True)
+
+
+def check_train(cfg, check_only: bool = True) -> None:
+    """train's settings that need the target's tokenizer and config.json: drafter.draft_vocab against
+    its vocabulary (it used to fail when train started, after generation had run)."""
+    from d3d.models.drafter import check_draft_vocab_spec
+
+    typed = bind_config(cfg, "train")
+    check_draft_vocab_spec(typed.drafter, typed.target, resolve_path(typed.paths.cache_dir), responses=True)
 
 
 def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: dict | None = None) -> dict:
@@ -198,7 +207,7 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     # The other stages' settings too (train's and prune's are bound above), with ranges and eval's
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).
-    checked = {s: stage_config(s, overrides, wiring[s]) for s in ("generate", "eval") if s in stages}
+    checked = {s: stage_config(s, overrides, wiring[s]) for s in ("generate", "train", "eval") if s in stages}
     if checked:
         in_own_process("up-front check", "d3d.pipeline:check_stages", checked)
     record = earlier_record(record_dir / "pipeline.json")

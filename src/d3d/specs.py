@@ -106,6 +106,7 @@ class TargetSpec(ModelSpec):
 # drafter.block_attention: what a block token sees of its own block (d3d.models.masks): every slot (the
 # paper's), or only the slots up to its own, as an engine's parallel-draft pass does (docs/design.md, Causal blocks)
 BLOCK_ATTENTION = ("bidirectional", "causal")
+MAX_BLOCK = 256  # far above any trained drafter (16); 1000 used to run for minutes before anything failed
 
 
 @dataclass
@@ -127,6 +128,9 @@ class DrafterSpec:
 
     def __post_init__(self) -> None:  # a block of -1 was built into the drafter's config and failed in training
         at_least("drafter", self, block_size=2)
+        if self.block_size > MAX_BLOCK:  # eval's decode files take it: their check named decode.block_size
+            raise ConfigError(f"drafter.block_size={self.block_size}: at most {MAX_BLOCK} (16 for the shipped "
+                              f"drafters). Fix: set drafter.block_size between 2 and {MAX_BLOCK}.")
         n = self.draft_vocab
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ConfigError(f"drafter.draft_vocab={n!r}: a number of tokens (an integer >= 1; 32000 for a Qwen "

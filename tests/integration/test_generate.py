@@ -262,3 +262,100 @@ def test_two_torchrun_ranks_one_killed_resume_to_the_one_process_rows(tmp_path, 
     report = json.loads((folder / "report.json").read_text())
     assert {k: v["gpus"] for k, v in report["ranks"].items()} == {"0": "0,1", "1": "2,3"}
     assert "in a repetition loop" in done.stdout and len(load_examples(folder, 384)) == 6
+
+
+# --- an engine that starts like vLLM on a GPU node (tests/stub_engine.py, the fake `vllm`) ------------
+
+def test_an_engine_forked_after_generate_resolved_its_target_starts(tmp_path, cache_dir, monkeypatch):
+    """The fake vLLM forks its engine core (here as the user asked: VLLM_WORKER_MULTIPROC_METHOD=fork)
+    and the core refuses to start if d3d.generate probed CUDA first, as vLLM's does on a GPU node.
+    It used to: `target.dtype=auto` went through torch.cuda.is_available(). The rows are the stub's."""
+    from tests.stub_engine import LLM, use_stub, use_stub_vllm
+
+    probes = use_stub_vllm(monkeypatch)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "0")  # the check that initialises the driver
+    auto = ["target.dtype=auto", "target.device=auto"]  # as the GPU overlays' targets
+    out = run_generate(compose("generate", STUB + auto + [f"generate.out_dir={tmp_path}/engine"], tmp_path))
+    assert probes == [] and [(s["method"], s["detokenize"]) for s in LLM.started] == [("fork", {False})]
+    use_stub(monkeypatch)  # the same replies, in this process
+    assert _answers(out) == _answers(run_generate(compose(
+        "generate", STUB + auto + [f"generate.out_dir={tmp_path}/stub"], tmp_path)))
+
+
+@pytest.mark.heavy
+def test_two_torchrun_ranks_of_the_cli_start_their_engines_as_on_a_gpu_node(tmp_path, cache_dir):
+    """`torchrun --nproc_per_node 2 -m d3d.generate ... generate.backend=vllm`, the README's command,
+    with the fake vLLM switched on by PYTHONPATH (tests/stub_engine.py): each rank starts its engine
+    core by d3d's default (spawn), and would have been refused after a probe in a fork; the two
+    shards hold the rows of one in-process run on the stub."""
+    from tests.stub_engine import STUB_VLLM, use_stub
+
+    folder = tmp_path / "two"
+    auto = ["target.dtype=auto", "target.device=auto"]  # as the GPU overlays' targets
+    args = [*STUB, *auto, f"generate.out_dir={folder}", f"paths.root_dir={tmp_path}", f"paths.cache_dir={CACHE_DIR}"]
+    env = {"PYTHONPATH": os.pathsep.join([str(STUB_VLLM), *sys.path]), "CUDA_VISIBLE_DEVICES": "0,1"}
+    done = torchrun(2, "d3d.generate", *args, module=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("started by spawn") == 2, done.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as m:
+        use_stub(m)
+        whole = _answers(run_generate(compose("generate", STUB + auto + [f"generate.out_dir={tmp_path}/one"],
+                                              tmp_path)))
+    assert _answers(folder) == whole and len(whole) == 6
+    report = json.loads((folder / "report.json").read_text())
+    assert {k: v["gpus"] for k, v in report["ranks"].items()} == {"0": "0", "1": "1"}
+
+
+# --- the report: every lock without flock, counts kept per shard, a no-op rerun -----------------------
+
+def test_generate_ends_without_flock(tmp_path, cache_dir, monkeypatch):
+    """On a filesystem without flock (Lustre without `flock`, NFS without lockd) every run ended in
+    `OSError: [Errno 37] No locks available` from report.json's lock, the one lock without the
+    O_CREAT|O_EXCL fallback, and so did every rerun."""
+    import errno
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    out = run_generate(compose("generate", LOCAL + ["generate.limit=2"], tmp_path))
+    assert json.loads((out / "report.json").read_text())["rows"] == 2
+    assert not list(out.glob("*.held"))  # every lock file went with its release
+
+
+def test_the_report_counts_only_new_rows_and_a_no_op_rerun_keeps_its_throughput(tmp_path, cache_dir, monkeypatch):
+    """report.json used to re-read every shard under one lock (minutes at 100k rows): now each shard's
+    counts are kept beside it and only rows added since are read. The counts equal a full recount,
+    also after a shard was cut under them. A rerun with nothing to answer wrote 0 tok/s over the
+    run that answered."""
+    import d3d.generate as g
+
+    use_args = STUB + [f"generate.out_dir={tmp_path}/out"]
+    from tests.stub_engine import use_stub
+
+    use_stub(monkeypatch)
+    run_generate(compose("generate", use_args + ["generate.limit=4"], tmp_path))
+    tallied, real = [], g.tally
+    monkeypatch.setattr(g, "tally", lambda rows: tallied.append(len(rows)) or real(rows))
+    out = run_generate(compose("generate", use_args, tmp_path))
+    assert sum(tallied) == 2 + 2  # the 2 new rows as they were written, then as the report counts them
+
+    def recount():
+        rows = read_responses(out)
+        return {"rows": len(rows), **real(rows)}
+
+    report = json.loads((out / "report.json").read_text())
+    assert {k: report[k] for k in ("rows", "tokens", "cut", "looping")} == recount() and report["rows"] == 6
+    speed = report["tokens_per_s"]
+    assert speed > 0
+    run_generate(compose("generate", use_args, tmp_path))  # nothing left to answer
+    again = json.loads((out / "report.json").read_text())
+    assert again["tokens_per_s"] == speed and again["ranks"] == report["ranks"]
+    shard = out / "responses.rank0.jsonl"
+    lines = shard.read_text().splitlines(keepends=True)
+    shard.write_text("".join(lines[:-1]))  # a row cut from under the counts: it is answered again
+    run_generate(compose("generate", use_args, tmp_path))
+    final = json.loads((out / "report.json").read_text())
+    assert {k: final[k] for k in ("rows", "tokens", "cut", "looping")} == recount() and final["rows"] == 6

@@ -100,6 +100,7 @@ def test_a_packed_pass_too_wide_for_the_device_fails_before_the_first_stage_runs
     ("generate.backend=sglang", "error: generate.backend=sglang needs sglang, which is not installed"),
     ("generate.backend=tgi", "error: generate.backend='tgi' is not a backend. Fix: use one of hf, vllm, sglang."),
     ("eval.sandbox=nope", "error: eval.sandbox='nope': no such sandbox. Fix: set eval.sandbox=bwrap"),
+    ("drafter.draft_vocab=1000", "error: drafter.draft_vocab=1000: a draft vocabulary holds the"),
 ])
 def test_a_thinking_switch_or_an_engine_the_stage_cannot_use_fails_before_the_first_stage(tmp_path, monkeypatch, capsys,
                                                                                             override, message):

@@ -135,3 +135,16 @@ def test_methods_without_the_baseline_are_refused_with_the_fix(tmp_path, methods
     cfg = compose("eval", [f"eval.methods={methods}"], tmp_path)
     with pytest.raises(ConfigError, match=r"must include ar.*Fix: eval.methods=\[ar,"):
         method_configs(cfg, bind_config(cfg, "eval").eval)
+
+
+def test_a_drafter_block_too_wide_is_refused_under_its_own_key(tmp_path):
+    """drafter.block_size=300 reached eval's decode files through their interpolation and was refused
+    as `decode.block_size=300`, a key the user never set; d3d.train took it without a word."""
+    from d3d.settings import bind_config
+
+    for job in ("eval", "train"):
+        with pytest.raises(ConfigError, match=r"^drafter.block_size=300: at most 256 .*Fix: set drafter.block_size "
+                                              r"between 2 and 256"):
+            bound_methods(tmp_path, "drafter.block_size=300") if job == "eval" else \
+                bind_config(compose("train", ["drafter.block_size=300"], tmp_path), "train")
+    assert bound_methods(tmp_path, "drafter.block_size=256")["sync"].block_size == 256

@@ -227,3 +227,126 @@ def test_a_prompt_answered_differently_in_two_shards_is_one_line(tmp_path):
     with pytest.raises(ConflictingShards, match=r"prompt 'p1' has different responses in responses.rank0.jsonl and "
                                                 r"responses.rank3.jsonl .*Fix: delete the shard files of one run"):
         read_responses(tmp_path)
+
+
+# --- starting an engine: no CUDA probe before it, spawn by default ----------------------------------
+
+def _unset(monkeypatch, *keys):
+    for key in keys:  # absent during the test, as before it afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
+def test_the_stand_in_refuses_a_fork_after_a_cuda_probe_as_vllm_does(monkeypatch):
+    """The stand-in itself (tests/stub_engine.py): a parent that asked torch.cuda.is_available()
+    forks an engine core that cannot start; asked through NVML, or spawned, the core starts."""
+    import torch
+
+    from tests.stub_engine import LLM, SamplingParams, use_stub_vllm
+
+    probes = use_stub_vllm(monkeypatch)
+    _unset(monkeypatch, "PYTORCH_NVML_BASED_CUDA_CHECK")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    torch.cuda.is_available()
+    assert [kind for kind, _ in probes] == ["driver"] and "test_engines.py" in probes[0][1]
+    with pytest.raises(RuntimeError, match=r"Cannot re-initialize CUDA in forked subprocess.*test_engines.py"):
+        LLM("m")
+    probes.clear()
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    torch.cuda.is_available()
+    assert probes == []
+    llm = LLM("m")
+    llm.llm_engine.add_request("a", {"prompt_token_ids": [5, 6, 7]},
+                               SamplingParams(temperature=0.0, max_tokens=80, stop_token_ids=[2]))
+    outputs = []
+    while not outputs:
+        outputs = llm.llm_engine.step()
+    from tests.stub_engine import plan
+
+    assert outputs[0].request_id == "a" and list(outputs[0].outputs[0].token_ids) == plan([5, 6, 7], None, 80, 2)[1]
+    assert LLM.started[-1]["method"] == "fork"
+    with pytest.raises(TypeError, match="'detokenise'"):
+        SamplingParams(detokenise=False)
+
+
+def test_resolving_an_engine_rank_s_device_and_dtype_makes_no_cuda_probe(monkeypatch):
+    """`target.device=auto` / `target.dtype=auto` for an engine used to ask torch.cuda.is_available(),
+    which initialises the driver on a GPU node: the engine's forked core then dies at start."""
+    from d3d.generate import dtype_name
+    from d3d.models.target import pick_device
+    from tests.stub_engine import record_cuda_probes
+
+    probes = record_cuda_probes(monkeypatch)
+    _unset(monkeypatch, "PYTORCH_NVML_BASED_CUDA_CHECK")
+    assert dtype_name("auto", "auto") in ("float32", "bfloat16") and pick_device("auto").type == "cpu"
+    assert dtype_name("bfloat16", "auto") == "bfloat16"
+    assert probes == []
+
+
+def test_an_engine_starts_by_spawn_and_asks_nvml_unless_the_user_said_otherwise():
+    env = {}
+    engines.prepare_start("vllm", env)
+    assert env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    engines.prepare_start("vllm", env)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    env = {}
+    engines.prepare_start("sglang", env)
+    assert env == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    env = {}
+    engines.prepare_start("hf", env)
+    assert env == {}
+
+
+def test_vllm_is_asked_for_no_text_d3d_would_discard(monkeypatch):
+    """The rows' text is decoded by d3d from the ids: vLLM's detokenizer only cost time."""
+    from tests.stub_engine import use_stub_vllm
+
+    use_stub_vllm(monkeypatch)
+    backend = object.__new__(engines.VLLMBackend)
+    for sampled in (False, True):
+        backend._gen, backend._stop_ids = SimpleNamespace(max_new_tokens=8, do_sample=sampled, temperature=0.7,
+                                                          top_p=0.9, top_k=0), [2]
+        assert backend._params(seed=1).detokenize is False
+
+
+def test_sglang_runs_on_a_loop_of_its_own_even_in_a_thread(monkeypatch):
+    """asyncio.get_event_loop() with no current loop is deprecated (an error in a thread that set
+    none, and from Python 3.14 everywhere); the backend makes its loop current before SGLang, which
+    looks the current loop up itself, is built."""
+    import asyncio
+    import sys
+    import threading
+    import types
+
+    class Engine:
+        def __init__(self, **kwargs):
+            self.loop = asyncio.get_event_loop()  # as SGLang's engine does
+
+        async def async_generate(self, input_ids, sampling_params):
+            assert asyncio.get_running_loop() is self.loop
+            await asyncio.sleep(0)
+            return {"output_ids": [input_ids[0], 2]}
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    gen = SimpleNamespace(batch_size=2, max_new_tokens=8, do_sample=False, temperature=0.0, top_p=1.0, top_k=0,
+                          sglang={})
+    result = {}
+
+    def in_thread():
+        try:
+            backend = engines.SGLangBackend("m", gen, [2], "bfloat16", 0)
+            batches = [(0, [(SimpleNamespace(id=f"p{i}"), [10 + i, 11]) for i in range(3)])]
+            result["rows"] = sorted((p.id, ids) for rows in backend.run(batches, set(), 0) for p, ids, _ in rows)
+            backend.close()
+        except Exception as err:  # noqa: BLE001  (reported to the test's thread)
+            result["error"] = err
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    assert result["rows"] == [("p0", [10, 2]), ("p1", [11, 2]), ("p2", [12, 2])]

@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 
+from d3d.errors import ConfigError
 from d3d.examples import StepBatches, StepLoader, batch_at, load_examples, split_examples
 from d3d.objective import ObjectiveConfig
 from tests.conftest import load_script
@@ -127,3 +128,36 @@ def test_two_workers_pack_the_batches_of_the_loop_process(responses):
     assert here.next_step == 12
     with pytest.raises(StopIteration):
         next(there)
+
+
+def test_a_shard_edited_in_place_with_its_size_and_mtime_kept_rebuilds_the_cache(tmp_path, monkeypatch):
+    """`cp -p` / `rsync -a` of other responses over a shard keeps its size and mtime: the cache, keyed
+    on both, served the old rows. A copy of the folder (new inodes, same bytes) keeps its cache."""
+    import shutil
+
+    import d3d.examples as ex
+
+    folder = bench.write_synthetic_responses(tmp_path / "r", 40, seed=1)
+    first = load_examples(folder, 4096)
+    shard = folder / "responses.rank1.jsonl"
+    before = shard.stat()
+    text = shard.read_text()
+    # the first reply's first token gets a leading digit, a prompt loses a space: same size, other rows
+    edited = text.replace('"response_ids": [', '"response_ids": [7', 1).replace(", ", ",", 1)
+    assert len(edited) == len(text) and edited != text
+    shard.write_text(edited)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert shard.stat().st_size == before.st_size and shard.stat().st_mtime_ns == before.st_mtime_ns
+    again = load_examples(folder, 4096)
+    assert len(again) == len(first) and sum(a != b for a, b in zip(ids_of(again), ids_of(first))) == 1
+    copy = shutil.copytree(folder, tmp_path / "copy")  # copy2: the same mtimes, other inodes
+    built = []
+    monkeypatch.setattr(ex, "build_cache", lambda *a: built.append(a))
+    assert ids_of(load_examples(copy, 4096)) == ids_of(again) and built == []
+
+
+def test_a_val_size_that_leaves_nothing_to_train_on_names_the_key_and_the_fix(tmp_path):
+    folder = bench.write_synthetic_responses(tmp_path / "r", 10, seed=1)
+    with pytest.raises(ConfigError, match=r"^train.val_size=10 holds out all 10 responses, leaving none for training. "
+                                          r"Fix: set train.val_size below 10"):
+        split_examples(load_examples(folder, 4096), 10, 0)

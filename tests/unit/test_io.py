@@ -313,3 +313,63 @@ def test_a_read_only_output_folder_is_one_line(tmp_path):
     assert out.returncode == 0 and len(lines) == 2, (out.stdout, out.stderr)
     assert lines[0].startswith(f"train.out_dir={folder} cannot be written") and "Fix: set train.out_dir" in lines[0]
     assert lines[1].startswith(f"train.out_dir={folder}/new cannot be written") and "Fix:" in lines[1]
+
+
+def test_two_writers_of_one_json_file_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Ranks all write meta.json: with one `meta.json.tmp` for every writer, a second writer that
+    wrote it between the first one's write and rename published the first's file as its own and
+    left the first a FileNotFoundError (or, mid-write, a torn file to publish)."""
+    import os
+
+    from d3d.utils.io import write_json
+
+    path, real, calls = tmp_path / "meta.json", os.replace, []
+
+    def replace(src, dst):
+        calls.append(str(src))
+        if len(calls) == 1:  # the other rank writes the same file just before this one publishes
+            write_json(path, {"writer": "B"})
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    write_json(path, {"writer": "A", "pad": "x" * 1000})
+    assert json.loads(path.read_text())["writer"] == "A" and len(set(calls)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
+
+
+def test_a_waiting_lock_without_flock_waits_for_the_holder(tmp_path, no_flock):
+    """The lock every waiting lock of the project takes (cache builds, generate's report): without
+    flock it used to go unlocked (caches) or fail with ENOLCK (the report); now its O_EXCL file
+    holds it and a second taker waits until the holder lets go."""
+    import threading
+    import time
+
+    from d3d.utils.io import FileLock, LockBusy, cache_lock
+
+    held = tmp_path / "entry.lock.held"
+    order = []
+    with cache_lock(tmp_path / "entry"):
+        assert held.is_file()
+        with pytest.raises(LockBusy) as busy:
+            FileLock(tmp_path / "entry.lock", wait=False)
+        assert busy.value.held_file == held
+
+        def second():
+            with FileLock(tmp_path / "entry.lock", "second"):
+                order.append("second")
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.3)
+        order.append("first done")
+    waiter.join(10)
+    assert order == ["first done", "second"] and not held.exists()
+
+
+def test_a_folder_in_use_names_the_job_that_holds_it(tmp_path):
+    """An eval refused by a running train's lock said "in use by another d3d.eval run": the job named
+    was the one refused, not the holder."""
+    with lock_folder(tmp_path, "d3d.train"):
+        with pytest.raises(FolderBusy, match=r"in use by another d3d.train run \(pid \d+ on .*, d3d.train since") as err:
+            lock_folder(tmp_path, "d3d.eval")
+    assert "d3d.eval" not in str(err.value)

@@ -24,8 +24,7 @@ from d3d.decoding.tree import Tree
 from d3d.decoding.verify import Sampling, draft_from, greedy_verify, probs, sample_verify
 from d3d.errors import ConfigError
 from d3d.models.masks import CLEAN, Layout
-
-MAX_BLOCK = 256  # far above any trained drafter (16); 1000 used to run for minutes before anything failed
+from d3d.specs import MAX_BLOCK  # the drafter's bound (DrafterSpec) is the decode block's
 
 
 @dataclass(frozen=True)

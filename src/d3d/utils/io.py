@@ -1,5 +1,8 @@
 """Append-only jsonl files that survive a kill: a torn last line is dropped, never misread.
-One writer per output folder (`lock_folder`); readers drop duplicate keys anyway (`unique`)."""
+One writer per output folder (`lock_folder`); readers drop duplicate keys anyway (`unique`). Every
+lock of the project is a `FileLock` (flock, or a lock file where the filesystem has none); a small
+file that several processes may write is written whole under a temporary name of its own
+(`write_text_atomic`)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,11 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Iterator
@@ -82,52 +88,57 @@ class FolderBusy(ConfigError):
 NO_FLOCK = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 
 
-class FolderLock:
-    """One writer per output folder, held while this object lives. Each process of a multi-process
-    job holds its own rank's lock; a second job into the folder meets rank 0's.
+class LockBusy(Exception):
+    """A lock taken without waiting is held: `holder` says by whom, `held_file` is the O_EXCL lock
+    file to delete if that holder is dead on another host (None where flock holds it)."""
 
-    What it guarantees. Where the filesystem has flock: an exclusive flock on `<folder>/.lock.<rank>`;
-    the kernel drops it when the process dies, so a killed run never leaves a stale lock. Where flock
-    fails for want of support (NO_FLOCK), a lock file `<folder>/.lock.<rank>.held` made with
-    O_CREAT|O_EXCL (atomic on local disks, NFSv3+ and Lustre) holding this host and pid, removed on
-    release: exclusive among jobs that lock the folder; a holder that died on this host (its pid is
-    gone) is recognised and its file taken over; one that died on another host cannot be checked
-    from here, so the refusal names the file to delete. Two jobs taking over the same dead holder's
-    file at the same instant could both start: the one race it leaves."""
+    def __init__(self, holder: str, held_file: Path | None):
+        super().__init__(holder)
+        self.holder, self.held_file = holder, held_file
 
-    def __init__(self, folder: str | Path, job: str, rank: int = 0):
-        self.folder = folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.job = job
-        self.path = folder / f".lock.{rank}"
+
+class FileLock:
+    """An exclusive lock on `path` between processes, held while this object lives: every lock of the
+    project (one writer per output folder, one builder per cache entry, the report of a generation).
+
+    Where the filesystem has flock: an exclusive flock on `path`, whose text names the holder; the
+    kernel drops it when the process dies, so a killed run never leaves a stale lock. Where flock
+    fails for want of support (NO_FLOCK), a lock file `<path>.held` made with O_CREAT|O_EXCL (atomic
+    on local disks, NFSv3+ and Lustre) holding this host and pid, removed on release: exclusive among
+    the processes that take this lock; a holder that died on this host (its pid is gone) is
+    recognised and its file taken over; one that died on another host cannot be checked from here,
+    so a refusal names the file to delete, and a waiter says once that it waits and for which file.
+    Two processes taking over the same dead holder's file at the same instant could both hold it:
+    the one race it leaves.
+
+    `wait`: block until the lock is free; else raise LockBusy at once. `note`: what the holder does,
+    written into the lock for whoever meets it."""
+
+    def __init__(self, path: str | Path, note: str = "", wait: bool = True):
+        self.path, self.note = Path(path), note
         self.held_file: Path | None = None  # the O_EXCL lock file, when flock is not there
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             holder = os.pread(self._fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
             self.release()
-            raise self._busy(holder) from None
+            raise LockBusy(holder, None) from None
         except OSError as err:
             if err.errno not in NO_FLOCK:
                 raise
             self.release()
-            self._lock_file(folder / f".lock.{rank}.held")
+            self._take(self.path.with_name(self.path.name + ".held"), wait)
             return
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, self._me().encode(), 0)
 
     def _me(self) -> str:
-        return (f"pid {os.getpid()} on {socket.gethostname()}, {self.job} since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        return f"pid {os.getpid()} on {socket.gethostname()}, {self.note} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
 
-    def _busy(self, holder: str, fix: str = "") -> FolderBusy:
-        return FolderBusy(f"{self.folder} is in use by another {self.job or 'd3d'} run ({holder}); two writers would "
-                          f"duplicate or interleave its rows. Fix: wait for it, stop it, or choose another output "
-                          f"folder{fix}.")
-
-    def _lock_file(self, path: Path) -> None:
-        for _ in range(2):  # a second try after removing a dead holder's file
+    def _take(self, path: Path, wait: bool) -> None:
+        pause, said = 0.01, False
+        while True:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
@@ -135,12 +146,19 @@ class FolderLock:
                 if holder and _dead_here(holder):
                     path.unlink(missing_ok=True)
                     continue
-                raise self._busy(holder or "unknown", f" (if that run is dead, delete {path})") from None
+                if not wait:
+                    raise LockBusy(holder or "unknown", path) from None
+                if not said:
+                    print(f"[d3d] waiting for {path} ({holder or 'being written'}); if that run is dead, delete "
+                          f"the file", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self._me())
             self.held_file = path
             return
-        raise self._busy("a run that keeps re-creating its lock", f" (delete {path})")
 
     def release(self) -> None:
         if self._fd is not None:
@@ -153,11 +171,32 @@ class FolderLock:
     def __del__(self) -> None:
         self.release()
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> "FileLock":
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class FolderLock(FileLock):
+    """One writer per output folder: a FileLock on `<folder>/.lock.<rank>`, not waited for. Each
+    process of a multi-process job holds its own rank's lock; a second job into the folder meets
+    rank 0's and is refused, naming the holder."""
+
+    def __init__(self, folder: str | Path, job: str, rank: int = 0):
+        self.folder = folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.job = job
+        try:
+            super().__init__(folder / f".lock.{rank}", job, wait=False)
+        except LockBusy as busy:
+            fix = f" (if that run is dead, delete {busy.held_file})" if busy.held_file else ""
+            # the holder's job, from its note (it used to be this job's name: an eval refused by a
+            # running train said "in use by another d3d.eval run")
+            holder_job = re.search(r", (\S+) since ", busy.holder)
+            raise FolderBusy(f"{folder} is in use by another {holder_job[1] if holder_job else 'd3d'} run "
+                             f"({busy.holder}); two writers would duplicate or interleave its rows. Fix: wait for it, "
+                             f"stop it, or choose another output folder{fix}.") from None
 
 
 def _dead_here(holder: str) -> bool:
@@ -237,9 +276,7 @@ def job_folder(folder: str | Path, kind: str, key: str, rank: int = 0) -> Iterat
                               f"records say so); d3d.{kind} would write over its results. Fix: set {key} to "
                               f"another folder.")
         if rank == 0 and not (folder / KIND_FILE).is_file():
-            tmp = folder / f"{KIND_FILE}.tmp"
-            tmp.write_text(kind + "\n", encoding="utf-8")
-            tmp.replace(folder / KIND_FILE)
+            write_text_atomic(folder / KIND_FILE, kind + "\n")
     except OSError as err:  # a filesystem may refuse what os.access allowed (NFS squashing root)
         if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
@@ -285,12 +322,25 @@ class JsonlWriter:
         self.close()
 
 
-def write_json(path: str | Path, obj) -> None:
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `path` whole or not at all, as readers see it: written to a temporary name of this
+    writer's own (so two processes writing the same file, ranks writing one meta.json, never write
+    into one temporary file and publish each other's torn halves), then renamed over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the file it replaces was not
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 @contextlib.contextmanager
@@ -298,21 +348,12 @@ def cache_lock(dest: str | Path) -> Iterator[None]:
     """`with cache_lock(dest): if dest is missing, build it (published)`: one builder of a cache entry
     at a time, across the jobs sharing the cache. Jobs started together on a fresh cache all saw the
     entry missing and built it at once into the one `.partial` sibling, each removing the others'
-    (two failed, a stale `.partial` stayed); now the others wait, then find it built. A blocking
-    flock on `<dest>.lock`, dropped by the kernel if the holder dies; where the filesystem has no
-    flock (NO_FLOCK) the build goes unlocked, as before."""
+    (two failed, a stale `.partial` stayed); now the others wait, then find it built. A FileLock on
+    `<dest>.lock` (with its lock-file fallback where the filesystem has no flock)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest.with_name(dest.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as err:
-            if err.errno not in NO_FLOCK:
-                raise
+    with FileLock(dest.with_name(dest.name + ".lock"), f"building {dest.name}"):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

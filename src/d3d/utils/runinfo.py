@@ -30,6 +30,20 @@ def git_dirty() -> bool | None:
         return None
 
 
+def gpu_name() -> str | None:
+    """The first visible GPU's name. Asked of CUDA only where this process has initialised it
+    already: d3d.generate records its run before an engine's workers start, and a CUDA probe in the
+    parent would keep a forked engine core from using the GPU; there the driver's own listing
+    (/proc/driver/nvidia/gpus) names the model."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_name(0)
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("Model:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def run_info(device: torch.device | str | None = None) -> dict:
     import transformers
 
@@ -41,7 +55,7 @@ def run_info(device: torch.device | str | None = None) -> dict:
         "git_dirty": git_dirty(),
         "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": gpu_name(),
         "cpu": cpu_info(),  # model, bf16 flags: CPU figures depend on them (bf16 native or emulated)
     }
     if device is not None:
