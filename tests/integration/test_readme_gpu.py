@@ -94,12 +94,18 @@ def written_by(job: str, overrides: list[str]) -> str | None:
 
 
 def generation(overrides: list[str], root: Path) -> subprocess.CompletedProcess:
-    """The engine step: `torchrun --nproc_per_node N -m d3d.generate ... generate.backend=vllm` with the
-    stand-in engine (tests/stub_engine.py) behind each rank's real engine loop, through
-    tests/multiproc/generate_worker.py. The one place that says how an engine runs here."""
+    """The engine step, the line's own command: `torchrun --nproc_per_node N -m d3d.generate ...
+    generate.backend=vllm`, with the fake vLLM first on PYTHONPATH (tests/stub_engine.py). Like vLLM on
+    a GPU node its engine core is a process of its own, forked unless told to spawn, and a forked core
+    refuses to start after a fork-poisoning CUDA probe in its rank; the targets resolve dtype and
+    device as the GPU overlays' do (auto), so a probe on that path fails this step."""
     from tests.conftest import torchrun
+    from tests.stub_engine import STUB_VLLM
 
-    return torchrun(PROCESSES, ROOT / "tests" / "multiproc" / "generate_worker.py", root, *overrides)
+    env = {"PYTHONPATH": os.pathsep.join([str(STUB_VLLM), str(ROOT / "src"), str(ROOT)]),
+           "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(PROCESSES)))}
+    return torchrun(PROCESSES, "d3d.generate", *overrides, "target.dtype=auto", "target.device=auto",
+                    f"hydra.run.dir={root}/hydra/generate", module=True, env=env)
 
 
 def run_line(line: str, root: Path, produced: dict[str, str], step: int) -> tuple[str, subprocess.CompletedProcess | None]:
@@ -144,7 +150,7 @@ def run_line(line: str, root: Path, produced: dict[str, str], step: int) -> tupl
         produced[writes] = str(root / "data" / "responses" / "tiny_random" / "cpu_math")  # smoke's target and prompts
     if argv[0] == "torchrun":
         assert job == "generate", f"README: {line!r}: torchrun is the section's launcher for generation only"
-        return f"torchrun {PROCESSES} ranks, stand-in engine", generation(toy, root)
+        return f"torchrun {PROCESSES} ranks, stand-in vLLM", generation(toy, root)
     if argv[0] == "accelerate":
         config = argv[argv.index("--config_file") + 1]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes",
