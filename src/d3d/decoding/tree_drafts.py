@@ -52,7 +52,7 @@ class TreeDrafts(Drafts):
             most += vocab ** depth
             if most >= cfg.tree_nodes:
                 break
-        if cfg.tree_nodes > most:  # build_tree would fill the rest with copies of a node, verified for nothing
+        if cfg.tree_nodes > most:  # build_tree would leave the rest out: verify slots spent on nothing
             raise ConfigError(f"{where}.tree_nodes={cfg.tree_nodes} (method {name}): a block of {slots + 1} has {slots} "
                               f"draft slot(s) of a {vocab}-token vocabulary, so a tree has at most {most} distinct nodes. "
                               f"Fix: set {where}.tree_nodes={most} or fewer, or a larger {where}.block_size.")
@@ -89,7 +89,9 @@ class TreeDrafts(Drafts):
         b, g, v = len(pending), d.nodes.shape[1], d.law.shape[-1]
         # q after each node: slot depth(n) predicts the token after node n (slot B-1: the bonus)
         after = d.law.gather(1, tree.depth[:, :, None].expand(-1, -1, v))  # (b, g, V), the law the tree was built by
-        children = tree.parents[:, 1:] * v + tree.tokens  # a child's token ends no path at its parent
+        # a child's token ends no path at its parent (a node left out, parent -1, names the root and
+        # its first child's token: already a child)
+        children = tree.parents[:, 1:].clamp(min=0) * v + tree.tokens
         after = after.reshape(b, g * v).scatter(1, children, 0.0).reshape(b, g, v)
         k = min(self.cfg.tree_trays, v)
         top_q, top_t = after.topk(k, dim=-1)  # (b, g, k): each node's likeliest outcomes
