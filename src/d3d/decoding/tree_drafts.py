@@ -5,8 +5,8 @@ probability, the chain inside), verified in one target pass of tree_nodes + 1 to
 seeing the prefix, the pending token and its ancestors at position pending + depth. Acceptance
 takes the longest matching path (greedy) or multi-candidate rejection sampling (T > 0; the
 candidates are deterministic, so q only shapes the tree), and the caches keep the accepted path's
-slots (KVState.keep_path). An outcome is (the node n the accepted path ends at, the token t after
-it); t is never a child of n (a child's token would have extended the path), so those pairs get
+slots (KVState.keep_path, on every backend). An outcome is (the node n the accepted path ends at,
+the token t after it); t is never a child of n (a child's token would have extended the path), so those pairs get
 no tray. Trays go to the `tree_trays` outcomes likeliest under the drafter's own law,
 P(reach n) * q_{depth(n)}(t), the law the tree was built by (a leaf's outcome is its bonus). Tray
 (n, t) sits at position pending + depth(n) + 1 and sees the prefix, n's path and itself.
@@ -27,7 +27,6 @@ class TreeDrafts(Drafts):
     keys = ("block_size", "tree_nodes")
     tray_keys = ("tree_trays",)
     tray_grid = tuple({"tree_trays": t} for t in (1, 2, 4, 8, 16, 23, 32, 64))
-    backends = ("eager",)  # keep_path moves slots of HF's dynamic cache; the static buffers keep prefixes only
 
     @classmethod
     def width(cls, cfg):
