@@ -14,7 +14,7 @@ This script measures, on one device, at a 2k-token context by default:
    default, conf/bench/gpu_readiness.yaml: AR, sync, async at three budgets, a tree, an async tree),
    on a random prompt of the prefix length, each on the backends of --backends its method runs on
    (eager, and compiled: static KV buffers + torch.compile, CUDA graphs on CUDA, where one replay
-   is issued per pass and the host no longer paces the device; a tree's loops are eager only): per
+   is issued per pass and the host no longer paces the device): per
    round, the host wall time next to the passes' CUDA-event times;
 3. projections over the preset's plain row (no drafter: AR) on the same backend, from those
    *measured round times* only, at τ = --tau (random weights give no τ; ROW=TAU for one row):
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None, on_stage=None) -> dict:
     for backend in args.backends:
         suffix = "" if backend == "eager" else f"@{backend}"
         for name, dc in rows.items():
-            if backend not in method_row(dc.method).backends:  # a tree's caches keep a path's slots: eager only
+            if backend not in method_row(dc.method).backends:  # a method declares the backends it runs on
                 continue
             cfg = replace(dc, backend=backend)
             loops[name + suffix] = {**loop_rounds(target, drafter, cfg, args.prefix, args.loop_tokens, device),

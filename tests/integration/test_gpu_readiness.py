@@ -74,13 +74,12 @@ def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatc
     monkeypatch.setattr(script, "loop_rounds", rounds)
     i = TOY.index("--backends")
     res = script.main(TOY[:i] + ["--backends", "eager", "compiled"] + TOY[i + 2:] + ["--out", str(tmp_path / "gr.json")])
-    # trees run eager only (their caches keep a path's slots)
-    assert seen == [(m, "eager") for m in ("ar", "sync", "async", "async", "tree", "async_tree")] + \
-        [(m, "compiled") for m in ("ar", "sync", "async", "async")]
+    # every row on both, trees included (their static caches move the accepted path's slots into place)
+    rows = ("ar", "sync", "async", "async", "tree", "async_tree")
+    assert seen == [(m, "eager") for m in rows] + [(m, "compiled") for m in rows]
+    names = ("ar", "sync", "async_2x1", "async_3x2", "tree_3", "async_tree_3x2")
     assert {k: lp["backend"] for k, lp in res["loops"].items()} == {
-        "ar": "eager", "sync": "eager", "async_2x1": "eager", "async_3x2": "eager", "tree_3": "eager",
-        "async_tree_3x2": "eager", "ar@compiled": "compiled",
-        "sync@compiled": "compiled", "async_2x1@compiled": "compiled", "async_3x2@compiled": "compiled"}
+        **{n: "eager" for n in names}, **{f"{n}@compiled": "compiled" for n in names}}
     compiled = [r for r in res["projection"] if r["backend"] == "compiled"]
     assert compiled[0]["row"] == "sync" and compiled[0]["projected_speedup"] == pytest.approx(7.88 * 4.0 / 12.0)
     assert all(r["projected_speedup_masked_ar"] is None for r in compiled)

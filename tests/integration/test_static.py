@@ -1,5 +1,5 @@
 """decode.backend=static|compiled: preallocated KV buffers and compiled passes give the eager loop's
-tokens (greedy: `generate`'s), on every method, batched and ragged, and reuse their graphs."""
+tokens (greedy: `generate`'s), on every method (trees included), batched and ragged, and reuse their graphs."""
 
 from __future__ import annotations
 
@@ -46,19 +46,52 @@ def test_static_backend_greedy_equals_generate(models, method, B, C, F, batch):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method", ["sync", "async"])
+@pytest.mark.parametrize("method", ["sync", "async", "tree", "async_tree"])
 def test_static_backend_equals_eager_and_is_device_clean(models, method, temperature):
     """Same rounds and τ as the eager loop (sampled too: same seed, same draws), with the default
     device set to `meta`, so a tensor made without naming the model's device fails (the GPU trap)."""
     _, _, tok = models
     prompts = prompts_for(tok, 3)
-    eager = generator(models, method, 4, 3, 2, "eager", temperature=temperature, seed=3).generate(prompts)
+    kw = dict(temperature=temperature, seed=3, tree_nodes=6, tree_trays=4)
+    eager = generator(models, method, 4, 3, 2, "eager", **kw).generate(prompts)
     torch.set_default_device("meta")
     try:
-        static = generator(models, method, 4, 3, 2, "static", temperature=temperature, seed=3).generate(prompts)
+        static = generator(models, method, 4, 3, 2, "static", **kw).generate(prompts)
     finally:
         torch.set_default_device(None)
     assert static.token_ids == eager.token_ids and static.taus() == eager.taus()
+
+
+TREES = [("tree", 8, 1), ("async_tree", 8, 5), ("async_tree", 3, 2)]
+
+
+@pytest.mark.parametrize("method,nodes,trays", TREES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_trees_on_the_static_backend_greedy_equal_generate(models, method, nodes, trays, batch):
+    """A tree's caches keep the accepted path's slots, not a prefix (KVState.keep_path): in the static
+    buffers they are gathered into place at one shape per round. Greedy: generate's tokens (ragged
+    rows retiring inside and out of their bucket), and the eager loop's very rounds."""
+    target, _, tok = models
+    prompts = prompts_for(tok, batch)
+    static = generator(models, method, 6, 1, 0, "static", tree_nodes=nodes, tree_trays=trays).generate(prompts)
+    eager = generator(models, method, 6, 1, 0, "eager", tree_nodes=nodes, tree_trays=trays).generate(prompts)
+    for row, p in enumerate(prompts):
+        assert static.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), (method, row)
+    assert static.taus() == eager.taus() and max(static.taus()) > 1  # paths were kept: the rounds say something
+
+
+@pytest.mark.heavy  # inductor compiles the tree's verify, draft and tray passes: ~1-3 min on 2 busy cores
+@pytest.mark.parametrize("method", ["tree", "async_tree"])
+def test_trees_on_the_compiled_backend_greedy_equal_generate(models, method):
+    """decode.backend=compiled: the tree's passes compiled (their masks carry the tree), the path's
+    slots moved between compiled passes; generate's tokens on a ragged batch, the eager loop's rounds."""
+    target, _, tok = models
+    prompts = prompts_for(tok, 2)  # two rows: every batch bucket is graphs to compile (slow)
+    res = generator(models, method, 6, 1, 0, "compiled", tree_nodes=8, tree_trays=5).generate(prompts)
+    eager = generator(models, method, 6, 1, 0, "eager", tree_nodes=8, tree_trays=5).generate(prompts)
+    for row, p in enumerate(prompts):
+        assert res.token_ids[row] == reference(target, tok, p, 30, tok.eos_token_id), (method, row)
+    assert res.taus() == eager.taus()
 
 
 def graphs_compiled() -> int:

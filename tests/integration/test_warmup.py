@@ -85,3 +85,18 @@ def test_compiled_eval_with_inductor_compiles_nothing_inside_a_timed_call(tmp_pa
     torch._dynamo.reset()
     run = evaluate(tmp_path, monkeypatch, "eval.methods=[ar,sync]", "eval.concurrency=[1,2]", "eval.n=2")
     check_no_compile_after_warm_up(tmp_path, monkeypatch, run, ("ar", "sync"), (1, 2))
+
+
+@pytest.mark.heavy  # five methods' graphs traced (no inductor): ~1-2 min on 2 busy cores
+def test_compiled_eval_runs_trees_equal_to_ar_and_compiles_them_in_the_warm_up(tmp_path, monkeypatch):
+    """decode.backend=compiled with every method, trees included (their accepted path's slots moved in
+    the static buffers between compiled passes): every row's greedy tokens equal AR's, and the warm-up
+    traces the trees' shapes too (none inside a timed call). The counting backend, as above."""
+    count_graphs = load_script("gpu_check").count_graphs
+    methods = ("ar", "sync", "async", "tree", "async_tree")
+    run = evaluate(tmp_path, monkeypatch, f"eval.methods=[{','.join(methods)}]", "methods.tree.tree_nodes=5",
+                   "methods.async_tree.tree_nodes=5", "methods.async_tree.tree_trays=4")
+    graphs = count_graphs(lambda: check_no_compile_after_warm_up(tmp_path, monkeypatch, run, methods))
+    assert sum(graphs.values()) > 0
+    rows = list(read_jsonl(tmp_path / "ev" / "rows.jsonl"))
+    assert {r["method"] for r in rows} == set(methods) and all(r["equal_to_ar"] for r in rows)

@@ -91,6 +91,18 @@ def test_a_tree_has_at_most_the_blocks_distinct_nodes(block, nodes, ok):
                 check(10_000, **kw)
 
 
+def test_a_trees_nodes_are_counted_in_the_draft_vocabulary():
+    """A drafter with a draft vocabulary of 4 tokens drafts from those only (the rest have q = 0), so
+    block 2 holds at most 4 distinct nodes, not the target's 260 (issue 59)."""
+    from dataclasses import replace
+
+    shapes = {"target": TINY, "drafter": replace(TINY, head=4, tied=False)}
+    check(10_000, shapes=shapes, method="tree", block_size=2, tree_nodes=4)
+    with pytest.raises(ConfigError, match=r"^decode.tree_nodes=5 \(method tree\): .* of a 4-token vocabulary, so a "
+                                          r"tree has at most 4 distinct nodes. Fix: set decode.tree_nodes=4 or fewer"):
+        check(10_000, shapes=shapes, method="tree", block_size=2, tree_nodes=5)
+
+
 def test_the_shipped_methods_fit_qwen3_8b_on_an_h200_at_concurrency_16():
     """Sane settings are never refused: Qwen3-8B with the Qwen3-1.7B drafter in bf16, the pipeline's
     max_new_tokens (2048), every shipped decode file at 16 requests at once, on an H200's 139 GiB."""

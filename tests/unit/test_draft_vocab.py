@@ -95,3 +95,14 @@ def test_the_memory_bound_counts_the_smaller_head():
     draft = ModelShape(**{**full.__dict__, "tied": False, "head": 100})
     assert draft.weight_bytes() - full.weight_bytes() == 100 * 64 * 2  # an untied head of 100 rows
     assert draft.pass_bytes(1, 16, 32)["logits"] * 10 == full.pass_bytes(1, 16, 32)["logits"]
+
+
+@pytest.mark.parametrize("d2t", [[1, 5, 3], [1, 3, 3]])
+def test_a_draft_head_refuses_an_unsorted_or_duplicated_map(d2t):
+    """The losses find a target id's draft row by `searchsorted` (d3d.objective) and argmax ties go to
+    the first row: both need d2t strictly increasing. An unsorted or duplicated map is refused in one
+    line (it was accepted and trained on wrong rows)."""
+    with pytest.raises(ConfigError, match=r"^a draft head's map d2t .* strictly increasing") as err:
+        DraftHead(torch.zeros(3, 4), torch.tensor(d2t))
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+    DraftHead(torch.zeros(3, 4), torch.tensor([1, 3, 5]))  # sorted, distinct: fine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from d3d.decoding.tree import build_tree, expected_accepted
@@ -76,3 +77,23 @@ def test_top_k_is_a_stable_sort_prefix_under_ties():
             ref_p, ref_t = (t[..., :k] for t in torch.sort(q, dim=-1, descending=True, stable=True))
             p, t = top_k_stable(q, k)
             assert torch.equal(p, ref_p) and torch.equal(t, ref_t), (seed, k)
+
+
+def test_a_token_of_zero_probability_is_left_out_not_drafted():
+    """Row 0 gives two tokens mass at slot 0 and one at slot 1 (a draft vocabulary's or top-k's zeros
+    elsewhere): it has 4 nodes to draft, so of 6 the last 2 are left out (parent -1, depth 0, score
+    -inf), where they used to be drafted at a clamped score of about -87. Row 1, with mass everywhere,
+    fills all 6 beside it."""
+    q = torch.zeros(2, 2, 8)
+    q[0, 0, 3], q[0, 0, 5], q[0, 1, 2] = 0.6, 0.4, 1.0
+    q[1] = random_q(1, 2, 8, 0)[0]
+    tree = build_tree(q, 6)
+    live = tree.parents[:, 1:] >= 0
+    assert live.sum(1).tolist() == [4, 6]
+    slot = (tree.depth[:, 1:] - 1).clamp(min=0)
+    drafted_q = q[torch.arange(2)[:, None], slot, tree.tokens]  # each node's q at its slot
+    assert (drafted_q[live] > 0).all()  # every node drafted has mass
+    assert sorted(paths(tree, 0)[1:5]) == [(3,), (3, 2), (5,), (5, 2)]
+    assert tree.depth[0, 5:].tolist() == [0, 0] and torch.isinf(tree.score[0, 5:]).all()
+    assert expected_accepted(tree)[0].item() == pytest.approx(0.6 + 0.6 + 0.4 + 0.4)
+

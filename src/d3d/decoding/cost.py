@@ -153,7 +153,8 @@ def check_fits(cfg, method, name: str, shapes: dict[str, ModelShape], batch: int
     verifies). A refusal says which placement would fit (a drafter on a GPU of its own, a target
     spread by target.device_map). What no memory makes work with this vocabulary (the row's
     check_vocab: a chain's F, a tree's node count) is said first."""
-    method.check_vocab(cfg, shapes["target"].vocab, name, where)
+    # what the drafter can draft: its head's rows (a draft vocabulary: the rest have q = 0)
+    method.check_vocab(cfg, shapes["drafter"].head_rows if "drafter" in shapes else shapes["target"].vocab, name, where)
     placement = placement or Placement.one(device, memory)
     needs = device_needs(cfg, method, shapes, batch, placement)
     over = [d for d, per in needs.items() if sum(per.values()) > placement.memory[d]]

@@ -121,14 +121,14 @@ class Drafts:
                               f"decode.block_size to an integer in [{low}, {MAX_BLOCK}].")
         if cfg.backend not in cls.backends:
             raise ConfigError(f"decode.backend={cfg.backend!r}: method={cfg.method} runs on {', '.join(cls.backends)} "
-                              "only (its cache keeps non-contiguous slots, which only the eager cache does). Fix: set "
-                              f"decode.backend={cls.backends[0]}.")
+                              f"only. Fix: set decode.backend={cls.backends[0]}.")
 
     @classmethod
     def check_vocab(cls, cfg, vocab: int, name: str, where: str, trays: bool) -> None:
-        """Its settings that no memory makes work with a `vocab`-token vocabulary, refused in one line
-        once the vocabulary is known (d3d.decoding.cost; `name` is the run's method, `trays` whether
-        its schedule prepares trays): none for a kind without such settings."""
+        """Its settings that no memory makes work with a `vocab`-token vocabulary (what the drafter can
+        draft: a draft vocabulary's size), refused in one line once the vocabulary is known
+        (d3d.decoding.cost; `name` is the run's method, `trays` whether its schedule prepares trays):
+        none for a kind without such settings."""
 
     def make(self, pending: torch.Tensor, logits: torch.Tensor) -> Draft:
         raise NotImplementedError

@@ -168,16 +168,15 @@ class StaticKVState(KVState):
         return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
 
     def forward(self, input_ids: torch.Tensor, layout: Layout, causal: bool = False, once: bool = False,
-                tree: None = None) -> torch.Tensor:
-        if tree is not None:  # the methods that verify trees declare the eager backend only (Drafts.backends)
-            raise ValueError("a static KV state runs no tree of drafts")
+                tree: torch.Tensor | None = None) -> torch.Tensor:
         q = input_ids.shape[1]
         if self.length + q > self.capacity:
             raise RuntimeError(f"static KV cache full: {self.length} + {q} slots > capacity {self.capacity} "
                                "(the driver sizes it per call; this is a bug)")
         run = static_pass if once or not self.compiled else compiled_static_pass(self.device, self.graphs, self.frozen)
         ids, pos, block, limit = map(self._padded, (input_ids, layout.pos, layout.block, layout.limit))
-        h = run(self.model, self.cache, ids, pos, block, limit, self.slot_pos, self.slot_valid)[: self.live]
+        tree = None if tree is None else self._padded(tree)  # a tree's shape is fixed by tree_nodes: one graph
+        h = run(self.model, self.cache, ids, pos, block, limit, self.slot_pos, self.slot_valid, tree)[: self.live]
         self.length += q
         return h.clone() if run is not static_pass and self.device.type == "cuda" else h  # a CUDA graph reuses its output buffer
 
@@ -193,8 +192,23 @@ class StaticKVState(KVState):
         self.crop(start + most)
 
     def keep_path(self, start: int, slots: torch.Tensor, counts: torch.Tensor, most: int) -> None:
-        raise ConfigError("a static KV state keeps prefixes of its slots only: decode.method=tree needs "
-                          "decode.backend=eager")
+        """The eager keep_path in the static buffers: the accepted path's slots moved to start,
+        start+1, ... and the rest hidden. Every round gathers the same number of slots, `width` =
+        the kept list's width (the pending token + B-1) cut to the slots the verify pass wrote, over
+        all `rows`, so the copy has one shape whatever the path's length: nothing here changes a
+        shape a compiled pass or a CUDA graph sees, and the buffers keep their addresses. Entries
+        past counts[r] copy whatever they name into slots keep_first then hides."""
+        width = min(slots.shape[1], self.length - start)
+        src = start + self._padded(slots[:, :width])  # (rows, width): verified slots, all below the length
+        dst = torch.arange(start, start + width, device=self.device)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # (rows, heads, capacity, dim)
+                at = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                t.index_copy_(2, dst, t.gather(2, at))  # gather copies first: moving in place is safe
+        self.slot_pos.index_copy_(1, dst, self.slot_pos.gather(1, src))
+        self.slot_valid.index_copy_(1, dst, self.slot_valid.gather(1, src))
+        self.keep_first(start, counts, most)
 
     def subset(self, rows: torch.Tensor) -> "KVState":
         raise NotImplementedError("a static state drafts every row (a pass over all rows is one compiled shape)")
@@ -258,16 +272,17 @@ def allocate(model, rows: int, capacity: int, frozen: bool = False, compiled: bo
     return cache, slot_pos, slot_valid
 
 
-def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid) -> torch.Tensor:
+def static_pass(model, cache, input_ids, pos, block, limit, slot_pos, slot_valid, tree=None) -> torch.Tensor:
     """One pass over a static cache: the d3d mask of the new tokens against every slot, the new
-    slots written at the cache's length, the model run. Static shapes only, no host sync."""
+    slots written at the cache's length, the model run. Static shapes only, no host sync.
+    `tree` (b, q, q): the new tokens are a tree of drafts, each seeing its ancestors (masks.build_mask)."""
     q, n = input_ids.shape[1], slot_pos.shape[1]
     length = cache.layers[0].cumulative_length  # a device tensor: where the new keys go
     slots = torch.arange(q, device=input_ids.device) + length
     live = slot_valid & (torch.arange(n, device=input_ids.device) < length)
     layout = Layout(pos, block, limit)
     # (b, 1, q, n + q): slots, then the new tokens
-    both = build_mask(layout, cache_valid=live, cache_pos=slot_pos, causal_blocks=causal_blocks(model))
+    both = build_mask(layout, cache_valid=live, cache_pos=slot_pos, tree=tree, causal_blocks=causal_blocks(model))
     mask = both[..., :n].index_copy(-1, slots, both[..., n:])  # the new tokens' columns are their slots
     slot_pos.index_copy_(1, slots, pos)
     slot_valid.index_copy_(1, slots, block == CLEAN)

@@ -30,12 +30,17 @@ import torch
 @dataclass
 class Tree:
     """A batch of trees of the same size. Index 0 is the root (the pending token); node i >= 1 has
-    token tokens[:, i-1]. Every parent comes before its children (parents[:, i] < i)."""
+    token tokens[:, i-1]. Every parent comes before its children (parents[:, i] < i).
 
-    tokens: torch.Tensor  # (b, N) the draft nodes' tokens
-    parents: torch.Tensor  # (b, N+1) parent index per node, -1 for the root
+    A node left out (`build_tree`: no candidate of non-zero probability was left for it) keeps its
+    index, so every row has N nodes and every pass one shape, but is in no tree: parent -1, depth 0,
+    score -inf. Verification never accepts it (it is no root's child, and the root, index 0, wins
+    the ties at depth 0) and no tray is keyed by it (its score gives its outcomes zero weight)."""
+
+    tokens: torch.Tensor  # (b, N) the draft nodes' tokens (a node left out: slot 0's first token, never verified)
+    parents: torch.Tensor  # (b, N+1) parent index per node, -1 for the root and a node left out
     depth: torch.Tensor  # (b, N+1) 0 for the root; node i verifies slot depth-1 of the block
-    score: torch.Tensor  # (b, N+1) log of the product of q along the path (0 for the root)
+    score: torch.Tensor  # (b, N+1) log of the product of q along the path (0 for the root, -inf: left out)
 
     @property
     def nodes(self) -> int:
@@ -52,12 +57,16 @@ def build_tree(q: torch.Tensor, nodes: int) -> Tree:
     its first child (depth d+1, rank 0) and its next sibling (depth d, rank r+1, same parent).
     Every node of the best set is reachable that way (a node's better-ranked siblings and its
     parent have higher scores), so popping the best candidate `nodes` times is the greedy optimum
-    for a score that shrinks along every path and along every sibling list."""
+    for a score that shrinks along every path and along every sibling list.
+
+    A token of zero probability at its slot (outside a draft vocabulary, or cut by top-k / top-p)
+    is never a candidate: once only such are left, the remaining nodes are left out (Tree), so a
+    tree never drafts what the drafter gives no mass."""
     b, S, V = q.shape
     dev = q.device
     k = min(nodes, V)
     top_p, top_tok = top_k_stable(q, k)  # (b, S, k): the rank-r candidate of each slot
-    logp = top_p.clamp(min=torch.finfo(top_p.dtype).tiny).log()
+    logp = top_p.log()  # -inf at zero probability: a score no pick takes (the loop below checks)
     n_cand = 2 * nodes + 1
     rows = torch.arange(b, device=dev)
     # the candidate pool: score, depth (of the node it would be), rank, parent index, chain flag
@@ -75,22 +84,25 @@ def build_tree(q: torch.Tensor, nodes: int) -> Tree:
     used = 1
     for i in range(1, nodes + 1):
         # the best-scoring candidate; of equal ones the chain's, else the first found
-        best = c_score == c_score.max(dim=1, keepdim=True).values
+        top = c_score.max(dim=1, keepdim=True).values
+        live = top[:, 0] > float("-inf")  # a candidate of non-zero probability is left: else node i is left out
+        best = c_score == top
         chain_best = best & c_chain
         pick = torch.where(chain_best.any(dim=1), chain_best.long().argmax(dim=1), best.long().argmax(dim=1))
         d, r, par, sc, on_chain = (t[rows, pick] for t in (c_depth, c_rank, c_parent, c_score, c_chain))
-        tokens[:, i - 1] = top_tok[rows, d - 1, r]
-        parents[:, i], depth[:, i], score[:, i] = par, d, sc
+        tokens[:, i - 1] = torch.where(live, top_tok[rows, (d - 1).clamp(min=0), r], top_tok[:, 0, 0])
+        parents[:, i] = torch.where(live, par, -1)
+        depth[:, i], score[:, i] = torch.where(live, d, 0), sc
         c_score[rows, pick], c_chain[rows, pick] = float("-inf"), False
         if used + 2 > n_cand:  # the last node: its offers could never be taken
             continue
         # its first child (if the block has a slot for it) and its next sibling (if ranked)
-        child_ok = d < S
+        child_ok = live & (d < S)
         child_score = sc + logp[rows, d.clamp(max=S - 1), 0]
         c_score[:, used] = torch.where(child_ok, child_score, float("-inf"))
         c_depth[:, used], c_rank[:, used], c_parent[:, used] = d + 1, 0, i
         c_chain[:, used] = on_chain & child_ok
-        sib_ok = r + 1 < k
+        sib_ok = live & (r + 1 < k)  # (a left-out row's -inf score minus -inf would be NaN)
         sib_score = sc - logp[rows, d - 1, r] + logp[rows, d - 1, (r + 1).clamp(max=k - 1)]
         c_score[:, used + 1] = torch.where(sib_ok, sib_score, float("-inf"))
         c_depth[:, used + 1], c_rank[:, used + 1], c_parent[:, used + 1] = d, r + 1, par

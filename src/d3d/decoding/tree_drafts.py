@@ -5,8 +5,8 @@ probability, the chain inside), verified in one target pass of tree_nodes + 1 to
 seeing the prefix, the pending token and its ancestors at position pending + depth. Acceptance
 takes the longest matching path (greedy) or multi-candidate rejection sampling (T > 0; the
 candidates are deterministic, so q only shapes the tree), and the caches keep the accepted path's
-slots (KVState.keep_path). An outcome is (the node n the accepted path ends at, the token t after
-it); t is never a child of n (a child's token would have extended the path), so those pairs get
+slots (KVState.keep_path, on every backend). An outcome is (the node n the accepted path ends at,
+the token t after it); t is never a child of n (a child's token would have extended the path), so those pairs get
 no tray. Trays go to the `tree_trays` outcomes likeliest under the drafter's own law,
 P(reach n) * q_{depth(n)}(t), the law the tree was built by (a leaf's outcome is its bonus). Tray
 (n, t) sits at position pending + depth(n) + 1 and sees the prefix, n's path and itself.
@@ -27,7 +27,6 @@ class TreeDrafts(Drafts):
     keys = ("block_size", "tree_nodes")
     tray_keys = ("tree_trays",)
     tray_grid = tuple({"tree_trays": t} for t in (1, 2, 4, 8, 16, 23, 32, 64))
-    backends = ("eager",)  # keep_path moves slots of HF's dynamic cache; the static buffers keep prefixes only
 
     @classmethod
     def width(cls, cfg):
@@ -52,7 +51,7 @@ class TreeDrafts(Drafts):
             most += vocab ** depth
             if most >= cfg.tree_nodes:
                 break
-        if cfg.tree_nodes > most:  # build_tree would fill the rest with copies of a node, verified for nothing
+        if cfg.tree_nodes > most:  # build_tree would leave the rest out: verify slots spent on nothing
             raise ConfigError(f"{where}.tree_nodes={cfg.tree_nodes} (method {name}): a block of {slots + 1} has {slots} "
                               f"draft slot(s) of a {vocab}-token vocabulary, so a tree has at most {most} distinct nodes. "
                               f"Fix: set {where}.tree_nodes={most} or fewer, or a larger {where}.block_size.")
@@ -89,7 +88,9 @@ class TreeDrafts(Drafts):
         b, g, v = len(pending), d.nodes.shape[1], d.law.shape[-1]
         # q after each node: slot depth(n) predicts the token after node n (slot B-1: the bonus)
         after = d.law.gather(1, tree.depth[:, :, None].expand(-1, -1, v))  # (b, g, V), the law the tree was built by
-        children = tree.parents[:, 1:] * v + tree.tokens  # a child's token ends no path at its parent
+        # a child's token ends no path at its parent (a node left out, parent -1, names the root and
+        # its first child's token: already a child)
+        children = tree.parents[:, 1:].clamp(min=0) * v + tree.tokens
         after = after.reshape(b, g * v).scatter(1, children, 0.0).reshape(b, g, v)
         k = min(self.cfg.tree_trays, v)
         top_q, top_t = after.topk(k, dim=-1)  # (b, g, k): each node's likeliest outcomes

@@ -131,6 +131,12 @@ class DraftHead(nn.Linear):
     Its forward gives N logits, like any Linear; d3d.models.forward.logits_at maps them to target ids."""
 
     def __init__(self, weight: torch.Tensor, d2t: torch.Tensor):
+        bad = torch.nonzero(d2t[1:] <= d2t[:-1]).flatten()  # objective.py's searchsorted needs it increasing
+        if len(bad):
+            i = int(bad[0])
+            raise ConfigError(f"a draft head's map d2t must list target ids strictly increasing (sorted, no id twice), "
+                              f"but d2t[{i + 1}]={int(d2t[i + 1])} follows d2t[{i}]={int(d2t[i])}. Fix: build it with "
+                              f"d3d.models.drafter.choose_draft_vocab, or pass torch.unique(d2t) (sorted, distinct).")
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.weight.copy_(weight)
