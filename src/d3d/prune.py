@@ -272,6 +272,46 @@ def publish_step(model, tok, out_dir: Path, row: dict, writer: JsonlWriter, fina
     promote(out_dir)
 
 
+def starting_layers(cfg: PruneConfig) -> int | None:
+    """The layer count of the drafter pruning starts from, read without its weights: a checkpoint's
+    config.json, the layers a target_layers init keeps, or the config of the model the drafter copies
+    (a tiny spec, a published shape known by name, a local folder). None when only the Hub knows it
+    (then it is checked once the drafter has loaded)."""
+    import json
+
+    from d3d.models.random_models import SHAPES
+
+    d = cfg.drafter
+    if d.checkpoint:
+        config = json.loads((drafter_folder(d.checkpoint) / "config.json").read_text(encoding="utf-8"))
+        return config.get("num_hidden_layers")
+    if d.init == "target_layers" and d.layers:
+        return len(d.layers)
+    spec = d.model if d.init == "pretrained" and d.model is not None else cfg.target
+    if spec.tiny:
+        return spec.tiny.num_hidden_layers
+    if spec.name in SHAPES:
+        return SHAPES[spec.name]["num_hidden_layers"]
+    if spec.path and (Path(spec.path).expanduser() / "config.json").is_file():
+        return json.loads((Path(spec.path).expanduser() / "config.json").read_text()).get("num_hidden_layers")
+    return None
+
+
+def check_layer_count(num_layers: int, layers: int) -> None:
+    """prune.num_layers counts the layers to REMOVE. Removing all of them, or so many that fewer than
+    a quarter stay (the paper removes 5 of 36: a count of layers to keep, 31, misread as removals),
+    is refused in one line before anything loads. A deeper cut is a second run from the first's final/."""
+    if num_layers >= layers:  # it used to save a final/ with no layer left and report success
+        raise ConfigError(f"prune.num_layers={num_layers} would remove every layer of a {layers}-layer drafter. "
+                          f"Fix: set prune.num_layers={layers - 1} or fewer.")
+    floor = max(1, layers // 4)
+    if layers - num_layers < floor:
+        raise ConfigError(f"prune.num_layers={num_layers} would leave {layers - num_layers} of the drafter's {layers} "
+                          f"layers (fewer than a quarter): it counts the layers to REMOVE, not those kept. Fix: "
+                          f"prune.num_layers={max(layers - num_layers, 1)} keeps {layers - max(layers - num_layers, 1)}; "
+                          f"at most {layers - floor} may go in one run.")
+
+
 def fp32_drafter(cfg: PruneConfig, device: str, folder: Path | None = None):
     """(model, tokenizer) of a drafter in fp32 on `device`: the one saved in `folder` (the checkpoint a
     resumed run continues from), else the one pruning starts from, drafter.checkpoint or what
@@ -319,6 +359,9 @@ def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: 
 def _prune(cfg: PruneConfig) -> Path:
     pc, tc = cfg.prune, cfg.train
     scorer(pc.method)
+    layers = starting_layers(cfg)  # a resumed run starts from the same drafter (its resume key holds it)
+    if layers is not None:
+        check_layer_count(pc.num_layers, layers)
     torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
     # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
@@ -349,9 +392,7 @@ def _prune(cfg: PruneConfig) -> Path:
         log.info("resuming after step %d", history[-1]["step"])
     model.eval()
     layers = history[0]["layers"] if history else len(decoder_layers(model))  # the starting drafter's count
-    if pc.num_layers >= layers:  # it used to save a final/ with no layer left and report success
-        raise ConfigError(f"prune.num_layers={pc.num_layers} would remove every layer of a {layers}-layer drafter. "
-                          f"Fix: set prune.num_layers={layers - 1} or fewer.")
+    check_layer_count(pc.num_layers, layers)  # again: a drafter only the Hub knew the shape of
     s = DrafterSettings.of(model)
     if tc.freeze_embeddings:
         freeze_embeddings_except_mask(model, s.mask_token_id)

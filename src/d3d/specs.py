@@ -420,7 +420,7 @@ class PruneSettings:
     """`prune.*` (conf/prune.yaml): acceptance-guided layer pruning."""
 
     method: str  # a key of d3d.prune.SCORERS
-    num_layers: int
+    num_layers: int  # layers to REMOVE at most (not the layers kept): d3d.prune.check_layer_count
     min_retention: float
     calib_size: int
     holdout_size: int
