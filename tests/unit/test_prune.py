@@ -92,3 +92,27 @@ def test_the_layer_count_is_checked_before_the_drafter_loads(tmp_path, monkeypat
     monkeypatch.setattr(p, "load_examples", lambda *a, **k: pytest.fail("the responses loaded before the check"))
     with pytest.raises(ConfigError, match=r"^prune.num_layers=31 would leave 5 of the drafter's 36 layers"):
         p.run_prune(raw)
+
+
+def test_the_deployed_copy_costs_its_own_bytes_and_takes_no_gradient(monkeypatch):
+    """as_deployed (pruning's scoring, τ and latencies in the decode dtype) casts one parameter at a
+    time: beside the fp32 drafter it allocates the bf16 copy (half the fp32 bytes), not a second fp32
+    copy first (1.5x: 61 GiB at 8B where the plan counted 44); ties hold; no parameter takes a gradient."""
+    import torch
+
+    from d3d.models.drafter import as_deployed
+    from d3d.models.random_models import random_model
+    from tests.conftest import load_script
+
+    monkeypatch.setenv("D3D_CPU_BF16", "1")  # a CPU that decodes in bf16, as a GPU does
+    model = random_model("memory_plan", "cpu", torch.float32, seed=0, attn="sdpa")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    fp32 = sum(p.untyped_storage().nbytes() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    kept = []
+    peak = load_script("memory_plan").measured_peak(lambda: kept.append(as_deployed(model)))
+    deployed = kept[0]
+    assert next(deployed.parameters()).dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+    assert not any(p.requires_grad for p in deployed.parameters())
+    assert deployed.get_output_embeddings().weight is deployed.get_input_embeddings().weight
+    assert peak < 0.6 * fp32, (peak / fp32)
