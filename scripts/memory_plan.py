@@ -612,7 +612,8 @@ def markdown(gpus: int) -> str:
              "| overlay | stage | engine | micro-batch | ckpt | states | gathered | activ. | loss | mask | total | H100 | H200 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in OVERLAYS:
-        for r in train_plan([f"+experiment={name}"], gpus) + prune_plan([f"+experiment={name}"], gpus):
+        for r in (train_plan([f"+experiment={name}"], gpus) + evaluate_plan([f"+experiment={name}"], gpus)
+                  + prune_plan([f"+experiment={name}"], gpus)):
             lines.append(f"| {name} | {r['stage']} | {r['engine']} | {r.get('micro_batch', 1)} | "
                          f"{'yes' if r.get('checkpointing') else 'no'} | {gib(r['states'])} | {gib(r.get('gathered', 0))} | "
                          f"{gib(r['activations'])} | {gib(r['loss'])} | {gib(r['mask'])} | **{gib(r['total'])}** | "
@@ -674,7 +675,8 @@ def main() -> None:
             rows = [{"stage": "train", "engine": e, **train_peak(s, e, args.gpus if e != "single" else 1, step)}
                     for e in engines]
         else:
-            rows = train_plan(overrides, args.gpus, engines) + prune_plan(overrides, args.gpus, engines)
+            rows = (train_plan(overrides, args.gpus, engines) + evaluate_plan(overrides, args.gpus, engines)
+                    + prune_plan(overrides, args.gpus, engines))
         for r in rows:
             print(f"{name:14} {r['stage']:15} {r['engine']:16} {gib(r['states']):>7} {gib(r.get('gathered', 0)):>7} "
                   f"{gib(r['activations']):>7} {gib(r['loss']):>6} {gib(r['mask']):>6} {gib(r['total']):>7}  "

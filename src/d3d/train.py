@@ -250,7 +250,8 @@ class TrainRecipe:
         weights = drafter_state_dict(accelerator, model)
         if accelerator.is_main_process:
             # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
-            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
+            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights,
+                                                                             dtype=tc.save_dtype))
             history = unique(read_jsonl(out_dir / "metrics.jsonl", ("step",)), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {

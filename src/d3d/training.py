@@ -47,7 +47,8 @@ def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[E
 RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every", "progress", "resume",
                         "stop_at_step", "out_dir", "responses_dir", "val_max_new_tokens",
                         "gradient_checkpointing", "loss_chunk_rows",  # memory knobs: same numbers either way
-                        "num_workers"}  # who packs the batches, not which
+                        "num_workers",  # who packs the batches, not which
+                        "save_dtype"}  # how final/ is written, not what is trained
 
 
 # train resume-key entries that hold sets which may grow: adding a benchmark file adds its name to

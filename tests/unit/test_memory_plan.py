@@ -57,7 +57,8 @@ def test_what_each_engine_shards(plan):
 @pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_32b"])
 def test_the_1p7b_drafter_overlays_fit_an_h100_under_every_engine(plan, name):
     """Training, recovery and the layer sweep of the 1.7B drafter fit 8 x H100 whatever the engine."""
-    rows = plan.train_plan([f"+experiment={name}"], 8) + plan.prune_plan([f"+experiment={name}"], 8)
+    rows = (plan.train_plan([f"+experiment={name}"], 8) + plan.evaluate_plan([f"+experiment={name}"], 8)
+            + plan.prune_plan([f"+experiment={name}"], 8))
     assert {r["engine"] for r in rows} == set(plan.ENGINES)
     assert all(plan.fits(r["total"], "H100") for r in rows), [r for r in rows if not plan.fits(r["total"], "H100")]
 
@@ -78,7 +79,7 @@ def launch_lines(name: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("name", ["qwen3_8b_d8b", "qwen3_32b_d8b"])
 def test_the_8b_drafter_overlays_fit_the_gpus_their_header_names(plan, name):
     """Each GPU class's launch line in the overlay's header: its accelerate config exists, and
-    training, recovery and the layer sweep fit 8 of those GPUs with the plan's headroom; the same
+    training, its evaluation, recovery and the layer sweep fit 8 of those GPUs with the plan's headroom; the same
     global batch on both; one process (no sharding) would not fit."""
     lines = launch_lines(name)
     assert set(lines) == {"H100", "H200"}, lines
@@ -87,7 +88,8 @@ def test_the_8b_drafter_overlays_fit_the_gpus_their_header_names(plan, name):
         assert (ROOT / config).is_file()
         engine = {"fsdp.yaml": "fsdp", "deepspeed_zero3.yaml": "deepspeed_zero3",
                   "deepspeed_zero2.yaml": "deepspeed_zero2", "ddp.yaml": "ddp"}[config.rsplit("/", 1)[1]]
-        rows = plan.train_plan(overrides, 8, (engine, "single")) + plan.prune_plan(overrides, 8, (engine,))
+        rows = (plan.train_plan(overrides, 8, (engine, "single")) + plan.evaluate_plan(overrides, 8, (engine,))
+                + plan.prune_plan(overrides, 8, (engine,)))
         for r in rows:
             assert plan.fits(r["total"], gpu) == (r["engine"] != "single" or r["stage"] == "layer sweep"), (gpu, r)
         train = rows[0]
