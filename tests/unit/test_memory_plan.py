@@ -133,3 +133,32 @@ def test_the_cost_follows_its_inputs():
     assert train(["+experiment=qwen3_8b_d8b"], x)["seconds"] / base == pytest.approx((8.19 - 0.62) / 1.72, rel=0.05)
     ev = next(r for r in cost.stage_rows(["+experiment=qwen3_32b_d8b"], x) if r["stage"] == "eval")
     assert ev["gpus"] == 2
+
+
+def test_pruning_recovery_is_priced_at_its_global_batch():
+    """d3d.prune recovers on train.batch_size x grad_accum per GPU (with_global_batch), so the recovery
+    part of the prune row grows with grad_accum (it was priced at one micro-batch: 4x low at grad_accum 4)."""
+    cost = load_script("gpu_cost")
+    x = cost.Inputs()
+
+    prune = {n: next(r for r in cost.stage_rows(["+experiment=qwen3_8b", f"train.grad_accum={n}"], x)
+                     if r["stage"] == "prune")["seconds"] for n in (1, 2, 4)}
+    one_micro_batch = prune[2] - prune[1]  # the sweep does not change with grad_accum; recovery does
+    assert one_micro_batch > 0 and prune[4] - prune[1] == pytest.approx(3 * one_micro_batch)
+
+
+def test_eager_evaluation_is_priced_host_bound():
+    """An eager round takes the host's time to issue its aten ops when that is longer than reading the
+    weights (docs/design.md: ~2.6 k ops at ~7.5 µs a Qwen3-8B AR round, ~20 ms, against ~7 ms of HBM
+    reads): the eager eval of qwen3_8b costs several times the bandwidth-bound figure, and with no host
+    cost (or decode.backend=compiled) it is the bandwidth-bound one again."""
+    cost = load_script("gpu_cost")
+    ev = lambda x, *o: next(r for r in cost.stage_rows(["+experiment=qwen3_8b", *o], x) if r["stage"] == "eval")  # noqa: E731
+    eager, bound = ev(cost.Inputs()), ev(cost.Inputs(host_us_per_op=0))
+    assert eager["seconds"] > 3 * bound["seconds"]
+    assert "eager" in eager["how"]
+    # the AR rounds alone (the drafting ones' ops set to 0): one Qwen3-8B round's 2,600 ops per token,
+    # 7.5 µs more an op costs 786 items x 600 tokens x 2,600 x 7.5 µs more
+    ar_only = dict(eager_ops_sync=0, eager_ops_async=0)
+    slower = ev(cost.Inputs(host_us_per_op=15, **ar_only))["seconds"] - ev(cost.Inputs(**ar_only))["seconds"]
+    assert slower == pytest.approx(786 * 600 * 2_600 * 7.5e-6)
