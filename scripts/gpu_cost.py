@@ -13,16 +13,20 @@ Per stage (N parameters of the model that runs, counted from its config.json num
   checkpointing: the forward runs twice; N without an untied input embedding, a lookup; + attention
   4·L·heads·head_dim·(mean keys) per forward)
   over the node's bf16 dense peak at an assumed MFU.
-- prune: per removed layer (prune.num_layers, all of them: min_retention may stop it earlier), the
-  layer sweep over prune.calib_size responses (one forward of the whole drafter and L/2 of its upper
-  layers per response over [response | a block at every anchor]) + prune.recovery_steps training
-  steps at train.batch_size per GPU, on the node (`accelerate launch -m d3d.prune`: responses split
-  over the ranks, recovery sharded) at the same MFU.
-- eval: every item of benchmark=all x eval.methods at one request, each round memory-bound: a pass
-  reads the model's bf16 weights at a share of the HBM bandwidth; a drafting method's round is one
-  target pass + one drafter pass (sync, tree) or the slower of the two when its row overlaps them
-  (async, async_tree: d3d.decoding.methods) for an assumed τ tokens;
-  on the GPUs the memory plan gives a request (two where the target needs its own, target.device_map).
+- prune: per removed layer (prune.num_layers: the layers to remove, all of them: min_retention may stop
+  it earlier), the layer sweep over prune.calib_size responses (one forward of the whole drafter and
+  L/2 of its upper layers per response over [response | a block at every anchor]) + prune.recovery_steps
+  training steps of the global batch (train.batch_size x grad_accum per GPU, as d3d.prune recovers),
+  on the node (`accelerate launch -m d3d.prune`: responses split over the ranks, recovery sharded) at
+  the same MFU.
+- eval: every item of benchmark=all x eval.methods at one request. A round's device time reads the
+  models' bf16 weights at a share of the HBM bandwidth: one target pass + one drafter pass (sync, tree)
+  or the slower of the two when its row overlaps them (async, async_tree: d3d.decoding.methods), for
+  an assumed τ tokens. Eager passes (decode.backend=eager, the overlays' default) are host-bound: the
+  host issues each round's aten ops one after another (counted at Qwen3-8B structure, scaled by the
+  layers that run), so an eager round takes the longer of its device time and its ops x µs per op;
+  the host issues the drafter's ops too, overlap or not. On the GPUs the memory plan gives a request
+  (two where the target needs its own, target.device_map).
 Left out: model downloads, compile warm-up (~90 s per 8B graph and shape, docs/design.md), evaluation
 and checkpoints inside training, prefill.
 """
@@ -56,6 +60,10 @@ class Inputs:
     reply_tokens: int = 600  # assumed mean Qwen3 non-thinking reply (capped at generate.max_new_tokens)
     padding: float = 0.15  # padding share of a packed batch (issue 44's goal for the input pipeline)
     tau: float = 4.0  # assumed accepted tokens per target pass (the run measures it)
+    host_us_per_op: float = 7.5  # host time to issue one eager aten op (docs/design.md: 5-10 µs)
+    eager_ops_ar: int = 2_600  # aten ops of an eager AR round, Qwen3-8B structure (36 layers)
+    eager_ops_sync: int = 5_200  # ... of a sync round (target pass + drafter pass, 36 + 36 layers)
+    eager_ops_async: int = 7_600  # ... of an async round (target pass + the drafter's packed tray pass)
     # benchmark=all: gsm8k 128 + math500 128 + aime25 30 + humaneval 164 + mbpp 128 + livecodebench 128 + mt_bench 80
     eval_items: int = 786
 
@@ -70,6 +78,10 @@ SOURCES = {
     "reply_tokens": "assumption",
     "padding": "issue 44's goal (≤ 15 %)",
     "tau": "assumption",
+    "host_us_per_op": "docs/design.md (5-10 µs an op: the middle)",
+    "eager_ops_ar": "docs/design.md (counted at Qwen3-8B structure)",
+    "eager_ops_sync": "docs/design.md (counted at Qwen3-8B structure)",
+    "eager_ops_async": "docs/design.md (counted at Qwen3-8B structure)",
     "eval_items": "conf/benchmark/*.yaml (n of each in benchmark=all)",
     "gpus": "one node",
 }
@@ -112,31 +124,48 @@ def stage_rows(overrides: list[str], x: Inputs) -> list[dict]:
     pc = pcfg.prune
     T = seq_clean - 1 + reply * B
     sweep = pc.calib_size * 2 * Nd * T * (1 + d.layers / 2)
-    recovery = pc.recovery_steps * step_flops(d, tc.batch_size * x.gpus, tc.gradient_checkpointing)
+    recovery = pc.recovery_steps * step_flops(d, global_batch, tc.gradient_checkpointing)
     prune_s = pc.num_layers * (sweep + recovery) / (node * x.gpus)
     rows.append({"stage": "prune", "gpus": x.gpus, "seconds": prune_s,
-                 "how": f"{pc.num_layers} layers x (sweep of {pc.calib_size} responses + {pc.recovery_steps} "
-                        f"recovery steps of {tc.batch_size} x {x.gpus} sequences)"})
+                 "how": f"{pc.num_layers} layers removed x (sweep of {pc.calib_size} responses + {pc.recovery_steps} "
+                        f"recovery steps of {global_batch} sequences)"})
 
     # eval: one request at a time, each pass memory-bound
     def pass_s(n: int) -> float:
         return 2 * n / (x.hbm_bandwidth * x.bandwidth_share)
 
+    def host_s(row, eager: bool) -> float:
+        """Host seconds to issue one round's aten ops (0 for a compiled backend: CUDA graphs replay)."""
+        if not eager:
+            return 0.0
+        if not row.needs_drafter:
+            return x.eager_ops_ar * t.layers / 36 * x.host_us_per_op * 1e-6
+        ops = x.eager_ops_async if row.overlaps else x.eager_ops_sync
+        return ops * (t.layers + d.layers) / 72 * x.host_us_per_op * 1e-6
+
     def per_token_s(name: str) -> float:
         """Seconds per token of eval method `name`, by its row of the table: one target pass a token
         without a drafter; else a target and a drafter pass per τ tokens, the slower of the two when
-        the row overlaps them (the drafter's tray pass beside verification), their sum when not."""
+        the row overlaps them (the drafter's tray pass beside verification), their sum when not; an
+        eager round no shorter than the host's time to issue its ops."""
         row = method_row(ecfg_raw.methods[name].method)
+        eager = decode[name].backend == "eager"
         if not row.needs_drafter:
-            return pass_s(Nt)
-        return (max if row.overlaps else sum)((pass_s(Nt), pass_s(Nd))) / x.tau
+            return max(pass_s(Nt), host_s(row, eager))
+        return max((max if row.overlaps else sum)((pass_s(Nt), pass_s(Nd))), host_s(row, eager)) / x.tau
+
+    from d3d.settings import method_configs
+
+    decode = method_configs(ecfg_raw, ecfg.eval)
 
     methods = list(ecfg.eval.methods)
     eval_reply = min(x.reply_tokens, ecfg.eval.max_new_tokens)
     eval_s = sum(x.eval_items * eval_reply * per_token_s(m) for m in methods)
     decode_gpus = max(plan.decode_gpus(r, "H100") for r in plan.decode_plan(overrides, 1))  # target.device_map when > 1
+    backends = sorted({decode[m].backend for m in methods})
     rows.append({"stage": "eval", "gpus": decode_gpus, "seconds": eval_s,
-                 "how": f"{x.eval_items} items x {eval_reply} tokens x {'/'.join(methods)}, τ {x.tau}"})
+                 "how": f"{x.eval_items} items x {eval_reply} tokens x {'/'.join(methods)}, τ {x.tau}, "
+                        f"{'/'.join(backends)}"})
     return rows
 
 

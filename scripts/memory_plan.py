@@ -25,6 +25,13 @@ Pruning: recovery is the training step at prune's batch (train.batch_size, one m
 AdamW; + a frozen fp32 teacher under prune.recovery_loss=distill); the layer sweep
 (d3d.layer_scores) is inference on one response: fp32 weights, every layer's input and every
 candidate's final hidden state over [response | a block at every anchor].
+Pruning's layer sweep decodes a copy in the deployed dtype (bf16 on a GPU: d3d.models.drafter.as_deployed,
+cast one parameter at a time) beside the fp32 drafter that recovery trains: 4 + 2 bytes a parameter.
+Evaluation inside training (d3d.train.evaluate, every train.eval_every steps): the engine's states
+between steps (gradients freed), the drafter it decodes (gathering engines: a bf16 copy without
+grad, d3d.training.plain_drafter; single/DDP: autocast's bf16 copy of the fp32 weights), and the
+estimator on the longest held-out response (train.max_len; train.val_max_new_tokens cuts it): its KV
+cache, its widest pass (the prefix, or 64 anchors' blocks at once, d3d.estimator) and their logits.
 Decoding: d3d.decoding.cost's bound (both models' weights and widest passes on one device).
 Not counted: allocator fragmentation and the CUDA context (~1-3 GiB): a fit keeps 25 % headroom.
 """
@@ -32,6 +39,7 @@ Not counted: allocator fragmentation and the CUDA context (~1-3 GiB): a fit keep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -106,13 +114,15 @@ class Engine:
     gathers: bool  # unshards the root unit and a decoder layer at a time (+ the next one, prefetched)
     fp32_weights: bool  # full fp32 weights under autocast: a bf16 copy of each is cached in the forward
     states: str  # what the bytes are
+    grads_freed: float = 0  # bytes per parameter of gradients that zero_grad frees between steps (in `sharded`
+    #                         when the engine shards, else in `replicated`); DeepSpeed keeps its buffers
 
 
 ENGINES = {
-    "single": Engine(16, 0, False, True, "fp32 weights 4 + grads 4 + AdamW m, v 8, all whole"),
-    "ddp": Engine(20, 0, False, True, "as single + DDP's fp32 gradient buckets 4, all whole"),
+    "single": Engine(16, 0, False, True, "fp32 weights 4 + grads 4 + AdamW m, v 8, all whole", 4),
+    "ddp": Engine(20, 0, False, True, "as single + DDP's fp32 gradient buckets 4, all whole", 4),
     "fsdp": Engine(0, 16, True, False, "FSDP2 full shard: fp32 weights 4, grads 4, AdamW 8, all sharded; "
-                                       "layers gathered in bf16"),
+                                       "layers gathered in bf16, gradients reduced in fp32", 4),
     "deepspeed_zero2": Engine(4, 14, False, False, "bf16 weights 2 + bf16 grad buckets 2 whole; fp32 master 4 + "
                                                    "AdamW 8 + bf16 grad partition 2 sharded"),
     "deepspeed_zero3": Engine(0, 16, True, False, "bf16 weights 2, grads 2, fp32 master 4, AdamW 8, all sharded; "
@@ -178,14 +188,54 @@ def sweep_peak(s: ModelShape, prompt_len: int, response_len: int, block_size: in
                weight_bytes: int = 4, act_bytes: int = 2) -> dict:
     """Bytes of d3d.layer_scores on one response: its packed forward is [response | a block at every
     anchor] (T = L - 1 + R x B tokens); it keeps every layer's input and every candidate's final
-    hidden state, and runs one layer at a time without gradients."""
+    hidden state, and runs one layer at a time without gradients. It runs on the deployed copy
+    (act_bytes a weight) beside the drafter recovery trains (weight_bytes): both held ("states")."""
     T = prompt_len + response_len - 1 + response_len * block_size
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    terms = {"states": params(s) * weight_bytes,
+    deployed = params(s) * act_bytes if act_bytes != weight_bytes else 0
+    terms = {"states": params(s) * weight_bytes, "gathered": deployed,
              "activations": (2 * s.layers + 1) * T * s.hidden * act_bytes
              + T * (2 * s.hidden + q + 2 * kv + 3 * s.intermediate) * act_bytes,
              "loss": response_len * s.vocab * (act_bytes + 4),  # one slot's head rows over every anchor
              "mask": 0 if flex else T * T * (1 + act_bytes)}
+    return {**terms, "total": sum(terms.values())}
+
+
+ESTIMATOR_CHUNK = 64  # anchors whose blocks d3d.estimator.match_lengths runs in one pass (its `chunk`)
+
+
+def estimator_peak(s: ModelShape, length: int, block_size: int, flex: bool, act_bytes: int = 2,
+                   chunk: int = ESTIMATOR_CHUNK) -> dict:
+    """Bytes of d3d.estimator.match_lengths on one response of `length` tokens, without gradients:
+    the KV cache of the prefix and a chunk of blocks, the wider of its two passes (the prefix, causal
+    without a mask; `chunk` anchors' blocks under a mask over prefix + blocks) one layer at a time,
+    and the chunk's logits at the B - 1 draft slots."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    blocks = min(chunk, length) * block_size
+    keys = length - 1 + blocks
+    widest = max(length - 1, blocks)
+    return {"activations": 2 * s.layers * keys * kv * act_bytes
+            + widest * (4 * s.hidden + q + 2 * kv + 3 * s.intermediate) * act_bytes,
+            "loss": min(chunk, length) * (block_size - 1) * s.vocab * act_bytes,
+            "mask": 0 if flex else blocks * keys * (1 + act_bytes)}
+
+
+def evaluate_peak(s: ModelShape, engine: str, gpus: int, length: int, block_size: int, flex: bool,
+                  mixed: bool = True) -> dict:
+    """Bytes per GPU of d3d.train's in-training evaluation (module docstring): the engine's states
+    with the gradients freed, the drafter it decodes, the estimator on one response of `length`."""
+    e, P = ENGINES[engine], params(s)
+    a = 2 if mixed else 4
+    whole = e.replicated - (e.grads_freed if not e.sharded else 0)
+    split = e.sharded - (e.grads_freed if e.sharded else 0)
+    if e.gathers:
+        # d3d.training.plain_drafter(..., inference=bf16): gathered in the decode dtype, a tensor at a
+        # time; the largest (the embeddings) also in flight twice (the all-gather's output and its staging)
+        weights = a * P + 2 * a * s.vocab * s.hidden
+    else:
+        weights = 2 * P if mixed and e.fp32_weights else 0  # autocast's cached bf16 copy of the fp32 weights
+    terms = {"states": whole * P + split * P / gpus, "gathered": weights,
+             **estimator_peak(s, length, block_size, flex, a)}
     return {**terms, "total": sum(terms.values())}
 
 
@@ -230,6 +280,20 @@ def train_plan(overrides: list[str], gpus: int, engines=tuple(ENGINES)) -> list[
     return [{"stage": "train", "engine": e, "gpus": gpus, "params": params(s), "micro_batch": step.batch,
              "packed_len": step.seq, "checkpointing": step.checkpointing, "grad_accum": cfg.train.grad_accum,
              **train_peak(s, e, gpus if e != "single" else 1, step)} for e in engines]
+
+
+def evaluate_plan(overrides: list[str], gpus: int, engines=tuple(ENGINES)) -> list[dict]:
+    """The in-training evaluation's rows (train.eval_every), one per engine: the longest held-out
+    response is train.max_len tokens, its response cut to train.val_max_new_tokens."""
+    _, cfg = compose_overlay("train", overrides)
+    s, _, flex = overlay_shapes(cfg)
+    tc = cfg.train
+    prompt = tc.max_len // 4
+    length = prompt + min(tc.val_max_new_tokens or tc.max_len, tc.max_len - prompt)
+    return [{"stage": "evaluate", "engine": e, "gpus": gpus, "params": params(s), "micro_batch": 1,
+             "packed_len": length, "checkpointing": False,
+             **evaluate_peak(s, e, gpus if e != "single" else 1, length, cfg.drafter.block_size, flex)}
+            for e in engines]
 
 
 def prune_plan(overrides: list[str], gpus: int, engines=tuple(ENGINES)) -> list[dict]:
@@ -296,6 +360,11 @@ def measured_peak(fn) -> int:
     """Peak bytes of live CPU tensor memory while fn() runs, over what was live before: the profiler's
     allocator events (every alloc and free, a storage resized to 0 included, as FSDP2 frees the layers
     it gathered), summed in time order."""
+    return measured_live(fn)[0]
+
+
+def measured_live(fn) -> tuple[int, int]:
+    """(peak, still live at the end) in bytes of CPU tensor memory fn() allocated (measured_peak)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -305,7 +374,7 @@ def measured_peak(fn) -> int:
     for _, n in events:
         live += n
         peak = max(peak, live)
-    return peak
+    return peak, live
 
 
 TOY = dict(batch=2, length=512, anchors=16, block=16, chunk=512)  # the measured step
@@ -370,36 +439,133 @@ def toy_step(engine: str, checkpointing: bool, batch: int, bf16: bool = False) -
             "estimated_mb": est_total / 2**20, "ratio": est_total / measured}
 
 
-def toy_sweep() -> dict:
-    """d3d.layer_scores.score_layers on one toy response (fp32, one process): measured against sweep_peak."""
+@contextlib.contextmanager
+def decoding_in_bf16(bf16: bool):
+    """d3d's `auto` dtype is bf16 on a GPU; on this CPU it is what D3D_CPU_BF16 says (d3d.utils.hardware)."""
+    old = os.environ.get("D3D_CPU_BF16")
+    os.environ["D3D_CPU_BF16"] = "1" if bf16 else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["D3D_CPU_BF16"]
+        else:
+            os.environ["D3D_CPU_BF16"] = old
+
+
+def toy_response():
+    """One toy response (64 prompt + 192 response tokens) of the "memory_plan" toy Qwen3's vocabulary."""
     import torch
 
-    from d3d.layer_scores import score_layers
-    from d3d.models.random_models import SHAPES, random_model
+    from d3d.models.random_models import SHAPES
     from d3d.objective import Example
 
     s = shape_of_config(SHAPES["memory_plan"])
-    model = random_model("memory_plan", "cpu", torch.float32, seed=0, attn="sdpa")
-    prompt, response, B = 64, 192, TOY["block"]
     g = torch.Generator().manual_seed(0)
-    ex = Example(torch.randint(1, s.vocab - 1, (prompt + response,), generator=g).tolist(), prompt)
+    return Example(torch.randint(1, s.vocab - 1, (64 + 192,), generator=g).tolist(), 64)
+
+
+def toy_sweep(bf16: bool = False) -> dict:
+    """d3d.prune's layer sweep on one toy response (one process): d3d.layer_scores.score_layers on
+    the deployed copy (as_deployed: bf16 where the drafter decodes in bf16, beside the fp32 drafter),
+    measured against sweep_peak."""
+    import torch
+
+    from d3d.layer_scores import score_layers
+    from d3d.models.drafter import as_deployed
+    from d3d.models.random_models import SHAPES, random_model
+
+    s = shape_of_config(SHAPES["memory_plan"])
+    model = random_model("memory_plan", "cpu", torch.float32, seed=0, attn="sdpa")
+    ex, B = toy_response(), TOY["block"]
+    prompt, response = ex.prompt_len, len(ex.ids) - ex.prompt_len
     weights = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    measured = weights + measured_peak(lambda: score_layers(model, [ex], B, s.vocab - 1, s.vocab))
-    est = sweep_peak(s, prompt, response, B, flex=False, weight_bytes=4, act_bytes=4)
+    with decoding_in_bf16(bf16):
+        measured = weights + measured_peak(lambda: score_layers(as_deployed(model), [ex], B, s.vocab - 1, s.vocab))
+    est = sweep_peak(s, prompt, response, B, flex=False, weight_bytes=4, act_bytes=2 if bf16 else 4)
     T = prompt + response - 1 + response * B
     est_total = est["total"] - est["mask"] + T * T  # the bool mask only on the CPU (as above)
     return {"stage": "layer sweep", "engine": "single", "world": 1, "checkpointing": False, "batch": 1,
-            "precision": "fp32",
+            "precision": "bf16" if bf16 else "fp32",
+            "measured_mb": measured / 2**20, "estimated_mb": est_total / 2**20, "ratio": est_total / measured}
+
+
+def toy_evaluate(engine: str, bf16: bool) -> dict:
+    """d3d.train's in-training evaluation of the toy Qwen3 under `engine` in the running process group:
+    the step wrapped as toy_step wraps it (FSDP2 with d3d.training.fsdp_plugin's policy under bf16),
+    one optimizer step and zero_grad (the states between steps), then d3d.training.plain_drafter and
+    the estimator on one toy response under autocast, as d3d.train.evaluate runs them. Measured: what
+    the model, its wrap and its step left live, and the evaluation's peak over it; against evaluate_peak."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    from d3d.estimator import estimate_acceptance
+    from d3d.models.random_models import SHAPES, random_model
+    from d3d.objective import Example, ObjectiveConfig, pack
+    from d3d.training import D3DTrainingStep, autocast, plain_drafter
+
+    s = shape_of_config(SHAPES["memory_plan"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    g = torch.Generator().manual_seed(0)
+    packed = pack([Example(torch.randint(1, s.vocab - 1, (128,), generator=g).tolist(), 32)],
+                  ObjectiveConfig.shipped(TOY["block"], anchors_per_seq=4), s.vocab - 1, 0, g)
+    precision = "bf16" if bf16 else "no"
+    held = {}
+
+    def train_one_step():  # the model is made in here: FSDP2 frees its whole weights once sharded
+        model = random_model("memory_plan", "cpu", torch.float32, seed=0, attn="sdpa").train()
+        step = D3DTrainingStep(model, s.vocab, 1.0, loss_chunk_rows=TOY["chunk"])
+        if bf16:
+            step.forward = torch.autocast("cpu", torch.bfloat16)(step.forward)
+        module = step
+        if engine == "ddp":
+            module = torch.nn.parallel.DistributedDataParallel(step)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+            for layer in model.base_model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(step, mp_policy=policy)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        loss, _ = module(packed)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        held.update(step=step, module=module, opt=opt)
+
+    def evaluate():
+        kind = DistributedType.FSDP if engine == "fsdp" else DistributedType.MULTI_CPU
+        step = held["step"]
+        acc = SimpleNamespace(unwrap_model=lambda m: step, distributed_type=kind)
+        drafter = plain_drafter(acc, step, inference=torch.bfloat16 if bf16 else torch.float32)
+        drafter.eval()
+        with autocast(precision, "cpu"):
+            estimate_acceptance(drafter, [toy_response()], TOY["block"], s.vocab - 1, s.vocab)
+
+    _, left = measured_live(train_one_step)
+    measured = left + measured_peak(evaluate)
+    length = len(toy_response().ids)
+    est = evaluate_peak(s, engine, world, length, TOY["block"], flex=False, mixed=bf16)
+    blocks = min(ESTIMATOR_CHUNK, length) * TOY["block"]
+    est_total = est["total"] - est["mask"] + blocks * (length - 1 + blocks)  # the bool mask only (as above)
+    return {"stage": "evaluate", "engine": engine, "world": world, "checkpointing": False, "batch": 1,
+            "precision": precision if bf16 else "fp32",
             "measured_mb": measured / 2**20, "estimated_mb": est_total / 2**20, "ratio": est_total / measured}
 
 
 CASES = ["ddp:train", "ddp:train_ckpt", "ddp:prune", "ddp:train_ckpt_bf16", "fsdp:train", "fsdp:train_ckpt",
-         "fsdp:prune", "fsdp:train_ckpt_bf16", "single:sweep"]
+         "fsdp:prune", "fsdp:train_ckpt_bf16", "single:sweep", "single:sweep_bf16", "ddp:evaluate_bf16",
+         "fsdp:evaluate_bf16"]
 
 
 def validate(cases=tuple(CASES)) -> list[dict]:
     """The measured cases (engine:what; prune = the recovery step at its batch of one sequence,
-    _bf16 = under bf16 mixed precision, sweep = the layer sweep, one process) in this process group
+    _bf16 = under bf16 mixed precision (the sweep and the evaluation decode in bf16), sweep = the layer
+    sweep, one process; evaluate = the in-training evaluation after a step) in this process group
     (world size 1 unless under torchrun)."""
     import torch.distributed as dist
 
@@ -412,9 +578,12 @@ def validate(cases=tuple(CASES)) -> list[dict]:
     out = []
     for case in cases:
         engine, what = case.split(":")
-        if what == "sweep":
+        if what.startswith("sweep"):
             if dist.get_world_size() == 1:
-                out.append(toy_sweep())
+                out.append(toy_sweep(bf16=what.endswith("bf16")))
+            continue
+        if what.startswith("evaluate"):
+            out.append(toy_evaluate(engine, bf16=what.endswith("bf16")))
             continue
         out.append(toy_step(engine, what.startswith("train_ckpt"), 1 if what == "prune" else TOY["batch"],
                             bf16=what.endswith("bf16")))
@@ -443,7 +612,8 @@ def markdown(gpus: int) -> str:
              "| overlay | stage | engine | micro-batch | ckpt | states | gathered | activ. | loss | mask | total | H100 | H200 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in OVERLAYS:
-        for r in train_plan([f"+experiment={name}"], gpus) + prune_plan([f"+experiment={name}"], gpus):
+        for r in (train_plan([f"+experiment={name}"], gpus) + evaluate_plan([f"+experiment={name}"], gpus)
+                  + prune_plan([f"+experiment={name}"], gpus)):
             lines.append(f"| {name} | {r['stage']} | {r['engine']} | {r.get('micro_batch', 1)} | "
                          f"{'yes' if r.get('checkpointing') else 'no'} | {gib(r['states'])} | {gib(r.get('gathered', 0))} | "
                          f"{gib(r['activations'])} | {gib(r['loss'])} | {gib(r['mask'])} | **{gib(r['total'])}** | "
@@ -505,7 +675,8 @@ def main() -> None:
             rows = [{"stage": "train", "engine": e, **train_peak(s, e, args.gpus if e != "single" else 1, step)}
                     for e in engines]
         else:
-            rows = train_plan(overrides, args.gpus, engines) + prune_plan(overrides, args.gpus, engines)
+            rows = (train_plan(overrides, args.gpus, engines) + evaluate_plan(overrides, args.gpus, engines)
+                    + prune_plan(overrides, args.gpus, engines))
         for r in rows:
             print(f"{name:14} {r['stage']:15} {r['engine']:16} {gib(r['states']):>7} {gib(r.get('gathered', 0)):>7} "
                   f"{gib(r['activations']):>7} {gib(r['loss']):>6} {gib(r['mask']):>6} {gib(r['total']):>7}  "

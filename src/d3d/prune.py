@@ -248,28 +248,88 @@ def resume_point(out_dir: Path, history: list[dict]) -> tuple[list[dict], Path |
     return trim_rows(out_dir / "steps.jsonl", lambda r: r["step"] <= step), last
 
 
-def publish_drafter(model, tok, out_dir: Path, name: str, step: int) -> Path:
+def publish_drafter(model, tok, out_dir: Path, name: str, step: int, dtype: str | None = None) -> Path:
     """out_dir/<name> (final, step_<k>) written aside and renamed into place whole, marked with its
-    step: a kill while saving never leaves a folder with an empty config.json behind."""
-    return publish(out_dir, name, step, lambda tmp: save_drafter(model, tok, tmp))
+    step: a kill while saving never leaves a folder with an empty config.json behind. `dtype`:
+    train.save_dtype (bf16 where the drafter decodes in bf16)."""
+    return publish(out_dir, name, step, lambda tmp: save_drafter(model, tok, tmp, dtype=dtype))
 
 
-def publish_step(model, tok, out_dir: Path, row: dict, writer: JsonlWriter, final: bool) -> None:
+def linked_copy(source: Path, dest: Path) -> None:
+    """`source`'s files (its completion marker aside) in `dest` as hard links: the same weights under a
+    second name without writing them again (a copy where the filesystem has no links). Safe because a
+    published folder is never written in place: it is replaced whole (d3d.utils.checkpoints.publish)."""
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(MARKER), copy_function=link)
+
+
+def publish_step(model, tok, out_dir: Path, row: dict, writer: JsonlWriter, final: bool,
+                 save_dtype: str | None = None) -> None:
     """A finished step, in the order resume_point relies on: its drafter as step_<k>/ (and as final/
     when it kept the retention), then the checkpoint to resume from, last.partial, written whole and
     marked with the step, then the step's row, then last.partial promoted to last/. The row comes
     after the complete checkpoint and before the promotion, so a kill anywhere leaves a folder that
-    resumes: a complete last.partial with its row is promoted, one without it is redone."""
+    resumes: a complete last.partial with its row is promoted, one without it is redone.
+    Each set of weights is written once: final/ links step_<k>/'s files, and so does last.partial
+    when they are its fp32 weights; with save_dtype=bfloat16 last.partial is written in fp32 (a resumed
+    run continues from the weights recovery trained, not their bf16 rounding)."""
     step = row["step"]
-    publish_drafter(model, tok, out_dir, f"step_{step}", step)
+    published = publish_drafter(model, tok, out_dir, f"step_{step}", step, save_dtype)
     if final:
-        publish_drafter(model, tok, out_dir, "final", step)
+        publish(out_dir, "final", step, lambda tmp: linked_copy(published, tmp))
     partial = out_dir / "last.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    save_drafter(model, tok, partial)
+    if save_dtype in (None, "float32"):
+        linked_copy(published, partial)
+    else:
+        save_drafter(model, tok, partial)
     mark_complete(partial, step)
     writer.write([row])
     promote(out_dir)
+
+
+def starting_layers(cfg: PruneConfig) -> int | None:
+    """The layer count of the drafter pruning starts from, read without its weights: a checkpoint's
+    config.json, the layers a target_layers init keeps, or the config of the model the drafter copies
+    (a tiny spec, a published shape known by name, a local folder). None when only the Hub knows it
+    (then it is checked once the drafter has loaded)."""
+    import json
+
+    from d3d.models.random_models import SHAPES
+
+    d = cfg.drafter
+    if d.checkpoint:
+        config = json.loads((drafter_folder(d.checkpoint) / "config.json").read_text(encoding="utf-8"))
+        return config.get("num_hidden_layers")
+    if d.init == "target_layers" and d.layers:
+        return len(d.layers)
+    spec = d.model if d.init == "pretrained" and d.model is not None else cfg.target
+    if spec.tiny:
+        return spec.tiny.num_hidden_layers
+    if spec.name in SHAPES:
+        return SHAPES[spec.name]["num_hidden_layers"]
+    if spec.path and (Path(spec.path).expanduser() / "config.json").is_file():
+        return json.loads((Path(spec.path).expanduser() / "config.json").read_text()).get("num_hidden_layers")
+    return None
+
+
+def check_layer_count(num_layers: int, layers: int) -> None:
+    """prune.num_layers counts the layers to REMOVE. Removing all of them, or so many that fewer than
+    a quarter stay (the paper removes 5 of 36: a count of layers to keep, 31, misread as removals),
+    is refused in one line before anything loads. A deeper cut is a second run from the first's final/."""
+    if num_layers >= layers:  # it used to save a final/ with no layer left and report success
+        raise ConfigError(f"prune.num_layers={num_layers} would remove every layer of a {layers}-layer drafter. "
+                          f"Fix: set prune.num_layers={layers - 1} or fewer.")
+    floor = max(1, layers // 4)
+    if layers - num_layers < floor:
+        raise ConfigError(f"prune.num_layers={num_layers} would leave {layers - num_layers} of the drafter's {layers} "
+                          f"layers (fewer than a quarter): it counts the layers to REMOVE, not those kept. Fix: "
+                          f"prune.num_layers={max(layers - num_layers, 1)} keeps {layers - max(layers - num_layers, 1)}; "
+                          f"at most {layers - floor} may go in one run.")
 
 
 def fp32_drafter(cfg: PruneConfig, device: str, folder: Path | None = None):
@@ -288,7 +348,8 @@ def final_step(history: list[dict], min_retention: float) -> int:
     return next(r["step"] for r in reversed(history) if r["retention"] >= min_retention or r["step"] == 0)
 
 
-def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: float) -> None:
+def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: float,
+                 save_dtype: str | None = None) -> None:
     """On resume, make final/ the whole drafter of final_step(): a run killed while saving it (in
     place, before final/ was published; or between the two renames) used to finish with rc 0 and a
     summary.json naming a folder with an empty config.json. Redone from the drafter in memory (the
@@ -305,7 +366,7 @@ def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: 
         return
     if want == history[-1]["step"]:
         log.warning("%s: saving final/ again (step %d)", problem, want)
-        publish_drafter(model, tok, out_dir, "final", want)
+        publish_drafter(model, tok, out_dir, "final", want, save_dtype)
         return
     source = out_dir / f"step_{want}"
     why = drafter_problem(source)
@@ -319,6 +380,9 @@ def ensure_final(out_dir: Path, model, tok, history: list[dict], min_retention: 
 def _prune(cfg: PruneConfig) -> Path:
     pc, tc = cfg.prune, cfg.train
     scorer(pc.method)
+    layers = starting_layers(cfg)  # a resumed run starts from the same drafter (its resume key holds it)
+    if layers is not None:
+        check_layer_count(pc.num_layers, layers)
     torch.manual_seed(cfg.seed)
     out_dir = resolve_path(pc.out_dir)
     # Recovery trains as d3d.train does with train.mixed_precision=auto: bf16 matmuls under autocast
@@ -349,9 +413,7 @@ def _prune(cfg: PruneConfig) -> Path:
         log.info("resuming after step %d", history[-1]["step"])
     model.eval()
     layers = history[0]["layers"] if history else len(decoder_layers(model))  # the starting drafter's count
-    if pc.num_layers >= layers:  # it used to save a final/ with no layer left and report success
-        raise ConfigError(f"prune.num_layers={pc.num_layers} would remove every layer of a {layers}-layer drafter. "
-                          f"Fix: set prune.num_layers={layers - 1} or fewer.")
+    check_layer_count(pc.num_layers, layers)  # again: a drafter only the Hub knew the shape of
     s = DrafterSettings.of(model)
     if tc.freeze_embeddings:
         freeze_embeddings_except_mask(model, s.mask_token_id)
@@ -365,11 +427,11 @@ def _prune(cfg: PruneConfig) -> Path:
                **{f"{k}_before_recovery": v for k, v in full.items()}, **full, "retention": 1.0,
                **latencies(model, s, pc)}
         if main:
-            publish_drafter(model, tok, out_dir, "final", 0)  # before the row: a recorded step 0 has its final/
+            publish_drafter(model, tok, out_dir, "final", 0, tc.save_dtype)  # before the row: a recorded step 0 has its final/
             writer.write([row])
         history.append(row)
     elif main:
-        ensure_final(out_dir, model, tok, history, pc.min_retention)
+        ensure_final(out_dir, model, tok, history, pc.min_retention, tc.save_dtype)
     tau_full = history[0]["tau"]
     step = history[-1]["step"]
     teacher = None
@@ -393,7 +455,8 @@ def _prune(cfg: PruneConfig) -> Path:
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
                **latencies(model, s, pc), "choose_s": round(scored_s, 1), "step_s": round(time.perf_counter() - start, 1)}
         if main:
-            publish_step(model, tok, out_dir, row, writer, final=row["retention"] >= pc.min_retention)
+            publish_step(model, tok, out_dir, row, writer, final=row["retention"] >= pc.min_retention,
+                         save_dtype=tc.save_dtype)
             held = f", hold-out τ {row['holdout_tau_before_recovery']:.3f} -> {row['holdout_tau']:.3f}" if holdout else ""
             print(f"[d3d.prune] step {step}: removed layer(s) {original}, {row['layers']} left, τ {row['tau_before_recovery']:.3f} -> "
                   f"{row['tau']:.3f}{held} (retention {row['retention']:.3f}), draft {row['draft_latency_ms']:.1f} ms", flush=True)

@@ -385,6 +385,7 @@ class StepSettings(ObjectiveKnobs):
     loss_chunk_rows: int
     drop_looping: bool  # leave out responses caught in a repetition loop (d3d.data.responses.is_looping)
     allow_mixed_backends: bool  # train on a folder whose rows come from several generate.backend
+    save_dtype: Optional[str]  # dtype of final/ and step_<k>/ (null: the weights' own, fp32); resume checkpoints stay fp32
 
     def __post_init__(self) -> None:
         at_least("train", self, anchors_per_seq=1, val_size=0, val_max_new_tokens=1, max_len=2, batch_size=1,
@@ -395,6 +396,9 @@ class StepSettings(ObjectiveKnobs):
         if self.partial_mask >= 1:
             raise ConfigError(f"train.partial_mask={self.partial_mask}: must be below 1 (at 1 every slot shows its clean "
                               f"token and nothing is learnt). Fix: set train.partial_mask in [0, 1).")
+        if self.save_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"train.save_dtype={self.save_dtype!r}: not a dtype to save in. Fix: null (the weights' "
+                              f"own, fp32), bfloat16 or float16.")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):  # AdamW refused it after the drafter loaded
             raise ConfigError(f"train.betas={self.betas}: two numbers in [0, 1). Fix: set train.betas=[0.9,0.95].")
 
@@ -434,7 +438,7 @@ class PruneSettings:
     """`prune.*` (conf/prune.yaml): acceptance-guided layer pruning."""
 
     method: str  # a key of d3d.prune.SCORERS
-    num_layers: int
+    num_layers: int  # layers to REMOVE at most (not the layers kept): d3d.prune.check_layer_count
     min_retention: float
     calib_size: int
     holdout_size: int

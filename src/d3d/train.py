@@ -27,7 +27,7 @@ from d3d.models.drafter import build_drafter, check_draft_vocab_spec, coverage, 
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
-    D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, cut_responses, drafter_state_dict,
+    D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, compute_dtype, cut_responses, drafter_state_dict,
     enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
     make_accelerator, make_optimizer, make_scheduler, my_share, optimizer_step, plain_drafter, split_examples,
     sum_over_processes, train_resume_key, with_global_batch, world_size,
@@ -52,7 +52,7 @@ def evaluate(accelerator, step_module, val: list, settings: DrafterSettings) -> 
     (`plain_drafter`: gathered under FSDP2 / ZeRO-3) and the counts are summed, so the τ is the one
     a single process computes on all of them. The step module is left in train mode."""
     B = settings.block_size
-    model = plain_drafter(accelerator, step_module)
+    model = plain_drafter(accelerator, step_module, inference=compute_dtype(accelerator.mixed_precision))
     model.eval()  # the estimator fills a KV cache, which gradient checkpointing turns off in train mode
     with autocast(accelerator.mixed_precision, accelerator.device):
         stats = estimate_acceptance(model, my_share(val, accelerator), B, settings.mask_token_id, settings.vocab_size)
@@ -250,7 +250,8 @@ class TrainRecipe:
         weights = drafter_state_dict(accelerator, model)
         if accelerator.is_main_process:
             # written aside and renamed whole: a kill never leaves final/ half-written (d3d.utils.checkpoints)
-            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights))
+            final = publish(out_dir, "final", step, lambda tmp: save_drafter(self.drafter(), self.tokenizer, tmp, weights,
+                                                                             dtype=tc.save_dtype))
             history = unique(read_jsonl(out_dir / "metrics.jsonl", ("step",)), lambda r: r["step"])
             evals = [r for r in history if "val_tau" in r]
             write_json(out_dir / "summary.json", {

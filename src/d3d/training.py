@@ -47,7 +47,8 @@ def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[E
 RESUMABLE_TRAIN_KEYS = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every", "progress", "resume",
                         "stop_at_step", "out_dir", "responses_dir", "val_max_new_tokens",
                         "gradient_checkpointing", "loss_chunk_rows",  # memory knobs: same numbers either way
-                        "num_workers"}  # who packs the batches, not which
+                        "num_workers",  # who packs the batches, not which
+                        "save_dtype"}  # how final/ is written, not what is trained
 
 
 # train resume-key entries that hold sets which may grow: adding a benchmark file adds its name to
@@ -244,6 +245,11 @@ def mixed_precision(setting: str) -> str:
     return setting
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype a precision computes in (and a drafter trained in it decodes in): bf16, fp16, else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
 def autocast(precision: str, device: torch.device | str):
     """The autocast context of a precision on a device (what accelerate wraps a prepared module's
     forward in), for the work outside that module: pruning's recovery steps and the estimator."""
@@ -307,30 +313,50 @@ def make_accelerator(tc: StepSettings, *, timeout_s: float, cpu: bool | None = N
         # TF32 for the fp32 matmuls that remain (loss, fp32 master copies): ~8x faster on H100/H200.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    fsdp = fsdp_plugin(precision)
     accelerator = Accelerator(mixed_precision=precision, step_scheduler_with_optimizer=False,
                               gradient_accumulation_steps=tc.grad_accum,
-                              deepspeed_plugin=deepspeed_plugin(tc, precision),
+                              deepspeed_plugin=deepspeed_plugin(tc, precision), fsdp_plugin=fsdp,
                               kwargs_handlers=[InitProcessGroupKwargs(**group_kwargs(timeout_s))],
                               cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
-    _fsdp_on_cpu(accelerator)
+    _fsdp_on_cpu(accelerator, fsdp)
     check_sharding(accelerator, tc)
     if accelerator.num_processes > 1 and accelerator.is_main_process:
         print(f"[d3d] {describe_group(accelerator.num_processes)}", flush=True)
     return accelerator
 
 
-def _fsdp_on_cpu(accelerator) -> None:
+def fsdp_plugin(precision: str):
+    """The FSDP plugin of a launch that asks for FSDP (read from its FSDP_* variables; None otherwise),
+    with d3d's mixed precision under FSDP2: weights gathered in the compute dtype, gradients
+    reduce-scattered in fp32. accelerate's own policy reduces in the compute dtype (bf16) while DDP
+    all-reduces fp32 gradients: a 1.7B drafter under DDP and an 8B one under FSDP2 would not train
+    alike (speculators pins reduce_dtype=float32 too). In fp32 (`no`) FSDP2 keeps the weights' dtype."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    compute = compute_dtype(precision)
+    if compute != torch.float32 and plugin.fsdp_version == 2:  # FSDP1 is refused by check_sharding
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    return plugin
+
+
+def _fsdp_on_cpu(accelerator, plugin) -> None:
     """accelerate turns an FSDP launch into plain DDP on CPU processes (MULTI_CPU), silently. FSDP2
     runs on CPU with gloo (docs/design.md, Training), so the launch's FSDP is honoured there too:
     the multi-process tests then shard as a GPU node does. Both shared states are set, as an
     AcceleratorState made later copies the PartialState's type."""
     from accelerate import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
 
     if accelerator.distributed_type != DistributedType.MULTI_CPU or \
             os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # read from the launch's FSDP_* variables
+    accelerator.state.fsdp_plugin = plugin  # fsdp_plugin(): read from the launch's FSDP_* variables
     for state in (PartialState(), accelerator.state):
         state.distributed_type = DistributedType.FSDP
 
@@ -359,31 +385,42 @@ def is_zero3(accelerator) -> bool:
             and accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
-def plain_drafter(accelerator, step_module) -> nn.Module:
+def plain_drafter(accelerator, step_module, inference: torch.dtype | None = None) -> nn.Module:
     """The drafter with whole, ordinary tensors on every process, for the work outside the training
     forward (held-out τ, pruning's scores, latencies and its next removal). Under one process, DDP
     and ZeRO-1/2 that is the trained module itself. Under FSDP2 and ZeRO-3 a process holds shards
     (FSDP2's root-owned embeddings are DTensors: calling the drafter outside the root's forward fails
     with "mixed torch.Tensor and DTensor"), so every process gathers the weights, in the same order,
     into a copy of its own: no collective runs inside it afterwards, so processes may then work on
-    different responses. Every process must call this."""
+    different responses. Every process must call this.
+
+    `inference`: the copy is for decoding only (the in-training evaluation), gathered in that dtype
+    (bf16 under bf16 mixed precision: the dtype the drafter decodes in) with no parameter taking a
+    gradient. An fp32 copy whose parameters required grad made autocast cache a bf16 copy of every
+    weight beside it: 6 bytes a parameter instead of 2 (at 8B, 60 GiB a GPU against 38 planned).
+    Without it, the trainable drafter in its own dtype (pruning's recovery returns it)."""
     from torch.distributed.tensor import DTensor
 
     drafter = accelerator.unwrap_model(step_module).drafter
+    cast = (lambda t: t.detach().to(inference)) if inference is not None else (lambda t: t)
     if is_zero3(accelerator):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
-            return _twin(drafter, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
+            return _twin(drafter, {k: cast(v.detach().clone()) for k, v in drafter.state_dict().items()},
+                         trainable=inference is None)
     state = drafter.state_dict()
     if not any(isinstance(v, DTensor) for v in state.values()):
         return drafter
-    return _twin(drafter, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()})
+    # each shard cast before its all-gather: the whole tensor is never made in fp32 for a bf16 copy
+    return _twin(drafter, {k: cast(v).full_tensor() if isinstance(v, DTensor) else cast(v) for k, v in state.items()},
+                 trainable=inference is None)
 
 
-def _twin(drafter: nn.Module, state: dict) -> nn.Module:
+def _twin(drafter: nn.Module, state: dict, trainable: bool = True) -> nn.Module:
     """A new module of the drafter's class and config holding `state` (allocated by the gather, not
-    twice), with the drafter's buffers (rotary tables are not in a state dict) and ties."""
+    twice), with the drafter's buffers (rotary tables are not in a state dict) and ties; its
+    parameters take gradients only when `trainable`."""
     with torch.device("meta"):
         twin = type(drafter)._from_config(copy.deepcopy(drafter.config),
                                           attn_implementation=drafter.config._attn_implementation)
@@ -393,6 +430,8 @@ def _twin(drafter: nn.Module, state: dict) -> nn.Module:
         twin.get_submodule(owner)._buffers[leaf] = buf.detach()
     if getattr(twin.config, "tie_word_embeddings", False):
         twin.tie_weights()
+    if not trainable:
+        twin.requires_grad_(False)
     return twin.eval()
 
 

@@ -239,7 +239,7 @@ def test_latencies_are_timed_in_the_deployment_dtype(tmp_path, monkeypatch):
     assert set(seen) == {torch.float32}
 
 
-def _cut_save(model, tok, folder):
+def _cut_save(model, tok, folder, *args, **kwargs):
     """save_drafter killed after it made the folder and an empty config.json (as a SIGKILL can)."""
     from pathlib import Path
 
@@ -354,3 +354,34 @@ def test_two_processes_choose_the_layers_one_process_does(root, tmp_path, monkey
     for a, b in zip(two, one):  # the same counts; recovered drafters equal up to fp32 reduction order
         assert (a["tau_before_recovery"], a["tau"]) == pytest.approx((b["tau_before_recovery"], b["tau"]), abs=1e-6)
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["final_step"] == 3
+
+
+def test_each_step_writes_its_weights_once(root):
+    """step_<k>/, final/ and last/ of a step hold the same fp32 weights: written once, the other two
+    folders link the files (they used to be written three times: 3 x 33 GB a step at 8B)."""
+    import os
+
+    _, out, _ = prune(root, "written_once", "prune.num_layers=1")
+    inode = lambda name: os.stat(out / name / "model.safetensors").st_ino  # noqa: E731
+    assert inode("step_1") == inode("final") == inode("last")
+
+
+def test_save_dtype_writes_the_drafters_in_bf16_and_resumes_from_fp32(root):
+    """train.save_dtype=bfloat16 (the GPU overlays): final/ and step_<k>/ in bf16, config.json saying so
+    and loading as a drafter; last/, the checkpoint a resumed run continues from, stays fp32."""
+    import json
+
+    from safetensors import safe_open
+
+    from d3d.models.drafter import load_drafter
+
+    _, out, _ = prune(root, "bf16_saved", "prune.num_layers=1", "train.save_dtype=bfloat16")
+
+    def dtypes(name):
+        with safe_open(str(out / name / "model.safetensors"), "pt") as f:
+            return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+    assert dtypes("final") == dtypes("step_1") == {"BF16"} and dtypes("last") == {"F32"}
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    model, _ = load_drafter(out / "final", dtype="float32")
+    assert next(model.parameters()).dtype == torch.float32

@@ -262,3 +262,23 @@ def test_starting_over_drops_the_earlier_runs_checkpoint(root):
     train(root, "over", "train.resume=false", "train.stop_at_step=1")  # saves every 3: no checkpoint yet
     resumed, _ = train(root, "over")
     assert losses(resumed) == losses(full)
+
+
+@pytest.mark.heavy  # torchrun: one two-process run (gloo), ~1 min on 2 cores
+def test_fsdp2_under_bf16_reduces_in_fp32_and_evaluates_a_bf16_gather_without_grad(root, tmp_path):
+    """conf/accelerate/fsdp.yaml under bf16 mixed precision, as on a GPU node: the prepared FSDP2 root
+    gathers its weights in bf16 but reduce-scatters the gradients in fp32, as DDP all-reduces them (so
+    the 1.7B and 8B drafters train alike; accelerate's default policy reduces in bf16). The held-out τ
+    decodes a gather in bf16 (the dtype the drafter decodes in) whose parameters take no gradient:
+    an fp32 gather requiring grad made autocast cache a bf16 copy of every weight beside it."""
+    env = {**accelerate_env(ROOT / "conf" / "accelerate" / "fsdp.yaml", 2), "ACCELERATE_MIXED_PRECISION": "bf16"}
+    common = ["+experiment=smoke", "data.limit=10", "train.max_steps=2", "train.warmup_steps=1", "train.eval_every=2",
+              "train.log_every=1", "train.save_every=2", "train.batch_size=1", "train.freeze_embeddings=false",
+              "train.progress=false", "train.mixed_precision=bf16", f"train.out_dir={tmp_path}/run"]
+    proc = torchrun(2, ROOT / "tests" / "multiproc" / "train_worker.py", tmp_path, root, *common, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["distributed_type"].endswith("FSDP") for r in ranks)
+    for r in ranks:
+        assert r["mp_policy"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}, r
+        assert r["evaluated"] == [{"dtype": "torch.bfloat16", "requires_grad": False}] * 2, r  # steps 0 and 2

@@ -23,7 +23,18 @@ from tests.conftest import compose  # noqa: E402
 def main() -> None:
     from torch.distributed.tensor import DTensor
 
+    import d3d.train
+
     out, root, overrides = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    evaluated = []  # the drafter each in-training evaluation decodes with: its dtype and whether it takes gradients
+    estimate = d3d.train.estimate_acceptance
+
+    def recording(model, *args, **kwargs):
+        p = next(model.parameters())
+        evaluated.append({"dtype": str(p.dtype), "requires_grad": any(q.requires_grad for q in model.parameters())})
+        return estimate(model, *args, **kwargs)
+
+    d3d.train.estimate_acceptance = recording
     recipe = TrainRecipe(compose("train", overrides, root))
     recipe.train()
     acc = recipe.accelerator
@@ -39,7 +50,17 @@ def main() -> None:
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         "params": len(params), "dtensor_params": len(sharded),
         "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params.values()),
-        "numel": sum(p.numel() for p in params.values())}))
+        "numel": sum(p.numel() for p in params.values()), "evaluated": evaluated,
+        # the FSDP2 mixed-precision policy of the prepared root (None under DDP or one process)
+        "mp_policy": mp_policy(recipe.step_module)}))
+
+
+def mp_policy(module) -> dict | None:
+    state = getattr(module, "_get_fsdp_state", None)
+    if state is None:
+        return None
+    policy = state()._mp_policy
+    return {"param_dtype": str(policy.param_dtype), "reduce_dtype": str(policy.reduce_dtype)}
 
 
 if __name__ == "__main__":

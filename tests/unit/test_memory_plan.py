@@ -57,7 +57,8 @@ def test_what_each_engine_shards(plan):
 @pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_32b"])
 def test_the_1p7b_drafter_overlays_fit_an_h100_under_every_engine(plan, name):
     """Training, recovery and the layer sweep of the 1.7B drafter fit 8 x H100 whatever the engine."""
-    rows = plan.train_plan([f"+experiment={name}"], 8) + plan.prune_plan([f"+experiment={name}"], 8)
+    rows = (plan.train_plan([f"+experiment={name}"], 8) + plan.evaluate_plan([f"+experiment={name}"], 8)
+            + plan.prune_plan([f"+experiment={name}"], 8))
     assert {r["engine"] for r in rows} == set(plan.ENGINES)
     assert all(plan.fits(r["total"], "H100") for r in rows), [r for r in rows if not plan.fits(r["total"], "H100")]
 
@@ -78,7 +79,7 @@ def launch_lines(name: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("name", ["qwen3_8b_d8b", "qwen3_32b_d8b"])
 def test_the_8b_drafter_overlays_fit_the_gpus_their_header_names(plan, name):
     """Each GPU class's launch line in the overlay's header: its accelerate config exists, and
-    training, recovery and the layer sweep fit 8 of those GPUs with the plan's headroom; the same
+    training, its evaluation, recovery and the layer sweep fit 8 of those GPUs with the plan's headroom; the same
     global batch on both; one process (no sharding) would not fit."""
     lines = launch_lines(name)
     assert set(lines) == {"H100", "H200"}, lines
@@ -87,7 +88,8 @@ def test_the_8b_drafter_overlays_fit_the_gpus_their_header_names(plan, name):
         assert (ROOT / config).is_file()
         engine = {"fsdp.yaml": "fsdp", "deepspeed_zero3.yaml": "deepspeed_zero3",
                   "deepspeed_zero2.yaml": "deepspeed_zero2", "ddp.yaml": "ddp"}[config.rsplit("/", 1)[1]]
-        rows = plan.train_plan(overrides, 8, (engine, "single")) + plan.prune_plan(overrides, 8, (engine,))
+        rows = (plan.train_plan(overrides, 8, (engine, "single")) + plan.evaluate_plan(overrides, 8, (engine,))
+                + plan.prune_plan(overrides, 8, (engine,)))
         for r in rows:
             assert plan.fits(r["total"], gpu) == (r["engine"] != "single" or r["stage"] == "layer sweep"), (gpu, r)
         train = rows[0]
@@ -131,3 +133,32 @@ def test_the_cost_follows_its_inputs():
     assert train(["+experiment=qwen3_8b_d8b"], x)["seconds"] / base == pytest.approx((8.19 - 0.62) / 1.72, rel=0.05)
     ev = next(r for r in cost.stage_rows(["+experiment=qwen3_32b_d8b"], x) if r["stage"] == "eval")
     assert ev["gpus"] == 2
+
+
+def test_pruning_recovery_is_priced_at_its_global_batch():
+    """d3d.prune recovers on train.batch_size x grad_accum per GPU (with_global_batch), so the recovery
+    part of the prune row grows with grad_accum (it was priced at one micro-batch: 4x low at grad_accum 4)."""
+    cost = load_script("gpu_cost")
+    x = cost.Inputs()
+
+    prune = {n: next(r for r in cost.stage_rows(["+experiment=qwen3_8b", f"train.grad_accum={n}"], x)
+                     if r["stage"] == "prune")["seconds"] for n in (1, 2, 4)}
+    one_micro_batch = prune[2] - prune[1]  # the sweep does not change with grad_accum; recovery does
+    assert one_micro_batch > 0 and prune[4] - prune[1] == pytest.approx(3 * one_micro_batch)
+
+
+def test_eager_evaluation_is_priced_host_bound():
+    """An eager round takes the host's time to issue its aten ops when that is longer than reading the
+    weights (docs/design.md: ~2.6 k ops at ~7.5 µs a Qwen3-8B AR round, ~20 ms, against ~7 ms of HBM
+    reads): the eager eval of qwen3_8b costs several times the bandwidth-bound figure, and with no host
+    cost (or decode.backend=compiled) it is the bandwidth-bound one again."""
+    cost = load_script("gpu_cost")
+    ev = lambda x, *o: next(r for r in cost.stage_rows(["+experiment=qwen3_8b", *o], x) if r["stage"] == "eval")  # noqa: E731
+    eager, bound = ev(cost.Inputs()), ev(cost.Inputs(host_us_per_op=0))
+    assert eager["seconds"] > 3 * bound["seconds"]
+    assert "eager" in eager["how"]
+    # the AR rounds alone (the drafting ones' ops set to 0): one Qwen3-8B round's 2,600 ops per token,
+    # 7.5 µs more an op costs 786 items x 600 tokens x 2,600 x 7.5 µs more
+    ar_only = dict(eager_ops_sync=0, eager_ops_async=0)
+    slower = ev(cost.Inputs(host_us_per_op=15, **ar_only))["seconds"] - ev(cost.Inputs(**ar_only))["seconds"]
+    assert slower == pytest.approx(786 * 600 * 2_600 * 7.5e-6)
