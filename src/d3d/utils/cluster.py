@@ -55,7 +55,8 @@ def accelerate_environment(name: str, processes: int) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import prepare_multi_gpu_env
 
-    from d3d.config import ConfigError, config_dir
+    from d3d.configdir import config_dir
+    from d3d.errors import ConfigError
 
     path = config_dir() / "accelerate" / f"{name}.yaml"
     if not path.is_file():
