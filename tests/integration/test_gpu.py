@@ -273,10 +273,11 @@ def break_thread_hand_off(monkeypatch):
     real = schedules.Async.beside_verify
 
     def broken(self, r):
-        prev, self._prev = getattr(self, "_prev", None), r.draft
-        if self.passes.pool is None or prev is None or prev.tokens.shape != r.draft.tokens.shape:
+        draft, *rest = r.tray_inputs  # sent to the drafter before verification (Async.propose)
+        prev, self._prev = getattr(self, "_prev", None), draft
+        if self.passes.pool is None or prev is None or prev.tokens.shape != draft.tokens.shape:
             return real(self, r)
-        stale = replace(r, draft=replace(r.draft, tokens=prev.tokens, logits=prev.logits))
+        stale = replace(r, tray_inputs=(replace(draft, tokens=prev.tokens, logits=prev.logits), *rest))
         real(self, stale)  # the worker's arguments are taken here
         r.trays = stale.trays
 
@@ -537,6 +538,106 @@ def test_placement_two_gpus_copy_between_target_and_drafter(tmp_path, name, reco
     record_property("result", case)
     assert len({*case["target_devices"], case["drafter_device"]}) == 2  # two devices, copies between them
     assert case["cases"] == 3 * len(PLACEMENT_CASES) and case["real"] == 0, case["details"]
+
+
+# ---- placement, the order of a round's copies: a drafter on a GPU of its own gets the tray pass's
+# inputs before verification is queued (a copy between GPUs queued after it waits for it) ----
+
+def copy_order(monkeypatch, target, drafter, method: str) -> list[dict]:
+    """Each round of an async loop, in the order the host issued them: the copies to the drafter
+    (Passes.to_drafter) and back (Passes.to_target), the target's verify pass and its accept, and
+    the tray pass. Per round: whether the tray pass's inputs (the draft, pending tokens, positions)
+    were sent before the verify pass, and whether its keys came back before the accept."""
+    from d3d.decoding import passes, schedules
+    from d3d.decoding.methods import METHODS
+
+    log: list[tuple] = []
+
+    def logged(name, real, returns=False):
+        def wrapper(*args, **kw):
+            out = real(*args, **kw)
+            log.append((name, args[1:], out if returns else None))
+            return out
+        return wrapper
+
+    drafts = METHODS[method].drafts
+    monkeypatch.setattr(passes.Passes, "to_drafter", logged("send", passes.Passes.to_drafter, True))
+    monkeypatch.setattr(passes.Passes, "to_target", logged("back", passes.Passes.to_target, True))
+    monkeypatch.setattr(drafts, "verify", logged("verify", drafts.verify))
+    monkeypatch.setattr(drafts, "accept", logged("accept", drafts.accept))
+    monkeypatch.setattr(schedules.Async, "_tray_pass", logged("trays", schedules.Async._tray_pass, True))
+    generator(target, drafter, method, block_size=6, C=3, F=2, overlap="none",
+              max_new_tokens=16).generate(random_prompts(3, 256, seed=4))
+    rounds, at = [], [i for i, (name, *_) in enumerate(log) if name == "verify"]
+    for k, v in enumerate(at):
+        end = at[k + 1] if k + 1 < len(at) else len(log)
+        trays = next(i for i in range(v, end) if log[i][0] == "trays")
+        accept = next(i for i in range(v, end) if log[i][0] == "accept")
+        inputs = log[trays][1][1:]  # (draft, pending, next_pos); args[0] is the drafter's KV state
+        keys = log[trays][2][0]
+
+        def last_made(x, name):  # where the copy that handed over `x` was issued (None: never)
+            return max((i for i, (n, _, out) in enumerate(log) if n == name and out is not None and
+                        any(o is x for o in out) and i < end), default=None)
+
+        sent = [last_made(x, "send") for x in inputs]
+        back = next((i for i in range(trays, end) if log[i][0] == "back" and any(a is keys for a in log[i][1])), None)
+        rounds.append({"inputs_sent_before_verify": all(i is not None and i < v for i in sent),
+                       "keys_back_before_accept": back is not None and back < accept})
+    return rounds
+
+
+@pytest.mark.parametrize("method", [m for m, row in METHODS.items() if row.trays])
+def test_placement_tray_inputs_cross_before_verification(method, monkeypatch, record_property):
+    """On the CPU (the copies are no-ops there, the order of their calls is what the host issues on
+    two GPUs): in every round the tray pass's inputs go to the drafter before verification is
+    queued, and its keys come back before the accept (the target's stream waits for them only in
+    settle). Seen failing on the order before: sent in beside_verify, after verification."""
+    target, drafter = tiny_pair("cpu", torch.float32, block_size=6)
+    rounds = copy_order(monkeypatch, target, drafter, method)
+    record_property("result", rounds)
+    assert len(rounds) > 2 and all(r["inputs_sent_before_verify"] and r["keys_back_before_accept"] for r in rounds), \
+        rounds
+
+
+@on_device
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2,
+                    reason=f"needs 2 CUDA devices (this machine has {torch.cuda.device_count()})")
+@pytest.mark.parametrize("method", [m for m, row in METHODS.items() if row.trays])
+def test_placement_two_gpus_trays_do_not_wait_for_verification(method, monkeypatch, record_property):
+    """The drafter on cuda:1, the target on cuda:0 held back ~50 ms (torch.cuda._sleep) right before
+    each verify pass: the tray pass (a tiny model: well under 50 ms) must end on cuda:1 while
+    cuda:0 still sleeps, in most rounds. A copy to the drafter queued behind verification, or one
+    back that holds cuda:1 until verification ends, makes it end after."""
+    from d3d.decoding import schedules
+    from d3d.decoding.methods import METHODS
+
+    drafts = METHODS[method].drafts
+    real_verify, real_beside = drafts.verify, schedules.Async.beside_verify
+    seen = []
+
+    def late_verify(self, passes, tgt, r):
+        torch.cuda._sleep(50_000_000)  # on cuda:0's stream, before the verify pass
+        out = real_verify(self, passes, tgt, r)
+        r.verified = torch.cuda.Event()
+        r.verified.record(torch.cuda.current_stream(torch.device("cuda:0")))
+        return out
+
+    def beside(self, r):
+        real_beside(self, r)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(torch.device("cuda:1")))
+        while not (done.query() or r.verified.query()):
+            pass
+        seen.append(done.query() and not r.verified.query())
+
+    monkeypatch.setattr(drafts, "verify", late_verify)
+    monkeypatch.setattr(schedules.Async, "beside_verify", beside)
+    target, drafter = tiny_pair("cuda:0", torch.float32, block_size=6)
+    drafter = drafter.to("cuda:1")
+    generator(target, drafter, method, block_size=6, C=3, F=2, max_new_tokens=16).generate(random_prompts(3, 256, seed=4))
+    record_property("result", {"rounds": len(seen), "trays_first": sum(seen)})
+    assert len(seen) > 2 and sum(seen) >= 0.8 * len(seen), seen
 
 
 # ---- compiled_equal: decode.backend=compiled gives the eager loop's greedy tokens ----

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 
@@ -57,6 +57,22 @@ class _Clock:
         self.spans = []
 
 
+def _tensors(value) -> list:
+    """The tensors of a tensor, a Draft (its fields, a tree's included) or None."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for f in fields(value) for t in _tensors(getattr(value, f.name))] if is_dataclass(value) else []
+
+
+def _moved(value, device: torch.device):
+    """A tensor or a Draft on `device` (None stays None)."""
+    if value is None:
+        return None
+    return value.to(device) if isinstance(value, Draft) else moved(value, device)
+
+
 def _on(stream):
     """`with _on(s):` runs on CUDA stream s, or on whatever is current when s is None."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -98,6 +114,7 @@ class Round:
     # async: where the glue starts in the drafter's cache, the tray pass's (keys, logits) (a future
     # while a worker thread runs it), and the tray that served each row's outcome, -1 for none
     glue_start: int = 0
+    tray_inputs: tuple | None = None  # (draft, pending, next_pos) on the drafter's device, sent before verification
     trays: object = None
     hit_idx: torch.Tensor | None = None
 
@@ -131,6 +148,11 @@ class Passes:
         # queues its own work, and the copies between them (to_drafter, to_target) order the two
         two = self.drafter_device != self.device
         self.stream = torch.cuda.Stream(self.device) if overlap == "stream" and not two else None
+        # two GPUs: the copies between them run on two streams of the target's device (to_drafter,
+        # to_target), never on the stream its passes run on
+        both_cuda = two and self.device.type == self.drafter_device.type == "cuda"
+        self.outbox = torch.cuda.Stream(self.device) if both_cuda else None
+        self.inbox = torch.cuda.Stream(self.device) if both_cuda else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
         # static buffers, reused across calls: (id(model), rows, capacity) -> (cache, slot_pos, slot_valid)
         self.buffer_pool: dict[tuple[int, int, int], tuple] = {}
@@ -159,14 +181,35 @@ class Passes:
 
     # ------------------------------------------------------------------ devices
 
-    def to_drafter(self, *tensors):
-        """The loop's tensors a drafter pass reads, on the drafter's device (explicit copies when
-        drafter.device is not the target's; the same tensors otherwise)."""
-        return tuple(t if t is None else moved(t, self.drafter_device) for t in tensors)
+    # A copy between two GPUs runs on the source device's current stream, behind a two-way barrier
+    # with the destination's current stream: each waits for what the other had queued. Issued on
+    # the target's own stream after its verify pass, a copy to the drafter would wait for that
+    # verification (and the drafter's tray pass with it); a copy back would hold the drafter's
+    # stream until verification ends. So both directions run on streams of their own on the
+    # target's device (`outbox`, `inbox`), and the target's stream waits for a copy back only
+    # where it reads it (`take`).
 
-    def to_target(self, *tensors):
-        """The drafter's results the loop reads (logits, tray keys), on the loop's device."""
-        return tuple(t if t is None else moved(t, self.device) for t in tensors)
+    def to_drafter(self, *values):
+        """The loop's tensors (or a Draft) a drafter pass reads, on the drafter's device: explicit
+        copies when drafter.device is not the target's (on `outbox`, after the work queued so far on
+        the target's stream), the same values otherwise."""
+        if self.outbox is None:
+            return tuple(_moved(v, self.drafter_device) for v in values)
+        self.lend(self.outbox, *[t for v in values for t in _tensors(v)])
+        with torch.cuda.stream(self.outbox):
+            return tuple(_moved(v, self.drafter_device) for v in values)
+
+    def to_target(self, *tensors, wait: bool = True):
+        """The drafter's results the loop reads (logits, tray keys), on the loop's device. Between
+        two GPUs copied on `inbox`, which waits for nothing of the target's; `wait=False` leaves the
+        target's stream free until a `take(inbox, ...)` where it reads them."""
+        if self.inbox is None:
+            return tuple(_moved(t, self.device) for t in tensors)
+        with torch.cuda.stream(self.inbox):
+            out = tuple(_moved(t, self.device) for t in tensors)
+        if wait:
+            self.take(self.inbox, *out)
+        return out
 
     # ------------------------------------------------------------------ streams
 
