@@ -453,6 +453,20 @@ def test_engine_every_method_runs_ragged_at_both_temperatures():
 
 
 @on_device
+@pytest.mark.skipif(not CUDA, reason="host issue time against the device's (CUDA); a CPU runs ops as issued")
+def test_engine_tiny_eager_rounds_are_measured_host_bound(record_property):
+    """The tiny pair's eager passes are a few µs of device work behind hundreds of host-issued ops:
+    the host issues each round while the device waits, and GenerationResult.host_issue_share
+    (what d3d.report flags from HOST_BOUND on) must say so."""
+    from d3d.report import HOST_BOUND
+
+    target, drafter = tiny_pair(DEVICE, torch.bfloat16, block_size=6)
+    res = generator(target, drafter, "sync", block_size=6, max_new_tokens=24).generate(random_prompts(1, 256, seed=3))
+    record_property("result", {"host_issue_share": res.host_issue_share, "rounds": len(res.rounds)})
+    assert res.host_issue_share is not None and res.host_issue_share >= HOST_BOUND, res.host_issue_share
+
+
+@on_device
 @pytest.mark.skipif(not CUDA, reason="flex_attention's BlockMask path is the CUDA training path")
 def test_engine_flex_block_mask_equals_dense_sdpa():
     """The training step under flex_attention (a BlockMask) gives the hidden states and the loss of
@@ -642,7 +656,9 @@ def test_placement_two_gpus_trays_do_not_wait_for_verification(method, monkeypat
 
 # ---- compiled_equal: decode.backend=compiled gives the eager loop's greedy tokens ----
 
-COMPILED_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("async", 4, 3, 2)]
+# every method of the table through the ordinary entry with decode.backend=compiled (trees: their
+# defaults' 15 nodes and 23 trays; C and F are async's)
+COMPILED_CASES = [("ar", 1, 1, 0), *[(m, 4, 3, 2) for m, row in METHODS.items() if row.needs_drafter]]
 
 
 def compiled_cases(toy: bool) -> list[tuple]:
@@ -668,6 +684,38 @@ def test_compiled_equals_eager(method, B, C, F, batch, record_property):
     case = compiled_against_eager(DEVICE, method, B, C, F, batch)
     record_property("result", case)
     assert case["cases"] == batch and case["real"] == 0, case["details"]
+
+
+@on_device
+@pytest.mark.skipif(not CUDA, reason="the side stream's CUDA graphs (kv.SideStreamGraphs)")
+def test_compiled_async_trays_replay_graphs_of_their_own_pool(record_property):
+    """decode.backend=compiled, async with its tray pass on the side stream: after the warm-up
+    (run twice, as d3d.eval does) every drafter pass on that stream is a replay of a graph captured
+    in its own pool (the draft and the tray pass: two shapes at least), the timed call captures and
+    compiles nothing, and its rounds equal those of async run serially on the same backend (the
+    main stream's graph trees), tokens, τ and hits bit for bit in bf16."""
+    from torch._dynamo.utils import counters
+
+    target, drafter = tiny_pair(DEVICE, torch.bfloat16, block_size=6)
+    prompt = random_prompts(1, 256, seed=21)[0]
+    runs, seen = {}, {}
+    for overlap in ("none", "stream"):
+        gen = generator(target, drafter, "async", block_size=6, C=3, F=2, overlap=overlap, backend="compiled",
+                        max_new_tokens=24)
+        for _ in range(2):
+            gen.warm_up(1, len(prompt) + 24, prompt)
+        graphs = gen.passes.side_graphs
+        before = (graphs.captures if graphs else None, counters["stats"]["unique_graphs"])
+        runs[overlap] = gen.generate([prompt], max_new_tokens=24)
+        seen[overlap] = {"side_graphs": graphs is not None, "captured": before[0],
+                         "captured_in_timed": graphs.captures - before[0] if graphs else None,
+                         "compiled_in_timed": counters["stats"]["unique_graphs"] - before[1]}
+    same = same_rounds(runs["none"], runs["stream"])
+    record_property("result", {**seen, **same})
+    assert not seen["none"]["side_graphs"] and seen["stream"]["side_graphs"], seen
+    assert seen["stream"]["captured"] >= 2 and seen["stream"]["captured_in_timed"] == 0, seen
+    assert seen["stream"]["compiled_in_timed"] == 0 == seen["none"]["compiled_in_timed"], seen
+    assert same["tokens_equal"] and same["tau_equal"] and same["hits_equal"], same
 
 
 @pytest.mark.slow

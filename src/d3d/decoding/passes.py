@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 import torch
 
 from d3d.decoding.drafts import Draft, moved
-from d3d.decoding.kv import KVState, StaticKVState, allocate, batch_bucket
+from d3d.decoding.kv import KVState, SideStreamGraphs, StaticKVState, allocate, batch_bucket
 from d3d.errors import ConfigError
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import in_target_vocab, logits_at
@@ -39,6 +39,7 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[RoundStats, str, object, object]] = []
+        self.overlaps: list[tuple] = []
 
     def mark(self, stream=None):
         if not self.cuda:
@@ -51,10 +52,21 @@ class _Clock:
         """stats.<name> = the time from `start` to `end` (now), once the call resolves it."""
         self.spans.append((stats, name, start, self.mark() if end is None else end))
 
+    def hidden(self, stats: RoundStats, origin, verify: tuple, trays: tuple) -> None:
+        """stats.tray_hidden_s = how long the tray pass (marks `trays`, on its stream) ran while the
+        verify pass (marks `verify`, on the target's) ran: the overlap of the two spans, once the
+        call resolves it. `origin`: a mark both streams passed before either span began (on CUDA
+        the events are read as times after it)."""
+        self.overlaps.append((stats, origin, verify, trays))
+
     def resolve(self) -> None:
         for stats, name, a, b in self.spans:
             setattr(stats, name, a.elapsed_time(b) / 1000 if self.cuda else b - a)
-        self.spans = []
+        for stats, origin, verify, trays in self.overlaps:
+            (v0, v1), (t0, t1) = [[origin.elapsed_time(e) / 1000 if self.cuda else e - origin for e in span]
+                                  for span in (verify, trays)]
+            stats.tray_hidden_s = max(0.0, min(v1, t1) - max(v0, t0))
+        self.spans, self.overlaps = [], []
 
 
 def _tensors(value) -> list:
@@ -92,6 +104,8 @@ class RoundStats:
     verify_s: float | None = None
     tray_s: float | None = None
     tray_wait_s: float | None = None  # overlap=thread: how long the main thread waited for the trays
+    tray_hidden_s: float | None = None  # of tray_s, what ran while the target's verify pass ran (its overlap)
+    issue_s: float | None = None  # CUDA: host time from the round's start to its host transfer, before waiting there
 
 
 @dataclass
@@ -113,6 +127,7 @@ class Round:
     outcome: torch.Tensor | None = None  # (b,) where verification ended, as a tray is keyed
     # async: where the glue starts in the drafter's cache, the tray pass's (keys, logits) (a future
     # while a worker thread runs it), and the tray that served each row's outcome, -1 for none
+    verify_marks: tuple | None = None  # (round start, verify start, verify end) on the target's stream (Clock.mark)
     glue_start: int = 0
     tray_inputs: tuple | None = None  # (draft, pending, next_pos) on the drafter's device, sent before verification
     trays: object = None
@@ -153,6 +168,10 @@ class Passes:
         both_cuda = two and self.device.type == self.drafter_device.type == "cuda"
         self.outbox = torch.cuda.Stream(self.device) if both_cuda else None
         self.inbox = torch.cuda.Stream(self.device) if both_cuda else None
+        # a compiled backend's passes on the side stream: CUDA graphs of their own pool, kept across calls
+        # with the buffers they read (the main stream's passes are inductor's CUDA-graph trees)
+        self.side_graphs = SideStreamGraphs(self.stream, backend == "frozen") \
+            if self.stream is not None and backend in ("compiled", "frozen") else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
         # static buffers, reused across calls: (id(model), rows, capacity) -> (cache, slot_pos, slot_valid)
         self.buffer_pool: dict[tuple[int, int, int], tuple] = {}
@@ -250,8 +269,8 @@ class Passes:
         held = [cap for (m, r, cap) in self.buffer_pool if m == id(model) and r == rows and cap >= need]
         capacity = min(held, default=max(256, 1 << (need - 1).bit_length()))
         state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
-                              graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen",
-                              buffers=lambda r, cap: self.buffers(model, r, cap))
+                              frozen=self.backend == "frozen", buffers=lambda r, cap: self.buffers(model, r, cap),
+                              side_graphs=self.side_graphs if side_stream else None)
         return state
 
     def buffers(self, model, rows: int, capacity: int) -> tuple:

@@ -211,7 +211,9 @@ class Async(Schedule):
             with _on(ds):
                 t = r.clock.mark(ds)
                 r.trays = tray_pass()
-                r.clock.span(r.stats, "tray_s", t, r.clock.mark(ds))
+                end = r.clock.mark(ds)
+            r.clock.span(r.stats, "tray_s", t, end)
+            r.clock.hidden(r.stats, r.verify_marks[0], r.verify_marks[1:], (t, end))
         elif p.pool is not None:  # a worker thread (CPU, overlap=thread)
 
             @torch.inference_mode()  # grad mode is per thread: the worker needs its own
@@ -223,7 +225,10 @@ class Async(Schedule):
         else:  # serially (or on a drafter's GPU of its own)
             t = r.clock.mark()
             r.trays = tray_pass()
-            r.clock.span(r.stats, "tray_s", t)
+            end = r.clock.mark()
+            r.clock.span(r.stats, "tray_s", t, end)
+            if p.drafter_device == p.device:  # (the events of a drafter's own GPU are not the clock's)
+                r.clock.hidden(r.stats, r.verify_marks[0], r.verify_marks[1:], (t, end))
             # the keys back as soon as they are made, on a stream that waits for no verification
             # (settle makes the target's stream wait for them, after the accept is queued)
             r.trays = (*p.to_target(r.trays[0], wait=False), r.trays[1])
