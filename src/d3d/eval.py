@@ -295,6 +295,7 @@ def result_row(spec, name: str, key_id: str, turn: int, concurrency: int, prompt
             "prompt_tokens": len(prompts[0]) if single else [len(p) for p in prompts],
             "new_tokens": res.new_tokens, "rounds": len(taus),  # request-rounds
             "prefill_s": res.prefill_s, "decode_s": res.decode_s, "compiles": compiles, "hit_rate": res.hit_rate,
+            "host_issue_share": res.host_issue_share,  # CUDA: near 1, host-bound passes (d3d.report flags them)
             "taus": taus,
             "token_ids": res.token_ids[0] if single else res.token_ids,
             "text": res.texts[0] if single else res.texts,

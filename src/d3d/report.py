@@ -43,6 +43,10 @@ def read_rows(folder: str | Path) -> list[dict]:
     return unique(rows, row_key)
 
 
+# A row whose host spent this share of its rounds issuing them was host-bound (the device waited for
+# it): the summary flags it, so an eager row on a GPU is never read as the method's speed
+HOST_BOUND = 0.9
+
 ROW_FIELDS = ("benchmark", "id", "method")  # what row_key indexes: a row without one is damage (read_jsonl)
 
 
@@ -76,6 +80,8 @@ def method_stats(rs: list[dict]) -> dict:
         "prefill_ms": 1000 * statistics.mean(r["prefill_s"] for r in rs),
         # graphs torch.compile made inside timed calls: 0 when the warm-up compiled every shape (d3d.eval)
         "compiles_in_timed": sum(r.get("compiles") or 0 for r in rs),
+        # CUDA: the share of the decode's rounds the host spent issuing them (HOST_BOUND flags it)
+        "host_issue_share": _mean_or_none([r.get("host_issue_share") for r in rs]),
         "equal_to_ar": statistics.mean(1.0 if r["equal_to_ar"] else 0.0 for r in rs),
         "accuracy": _mean_or_none([None if c is None else float(c) for c in correct]),
         # graded answers that stopped at eval.max_new_tokens: graded wrong for want of room, not skill
@@ -210,6 +216,10 @@ def summary_markdown(summary: dict) -> str:
     notes += [f"{bench}/{method}: {m['graded_in_answer']} of {m['rows']} graded answers were judged by tests that ran in "
               f"the answer's own interpreter, not compared apart (docs/reliability.md, Round 8)"
               for bench, per in summary["benchmarks"].items() for method, m in per.items() if m.get("graded_in_answer")]
+    notes += [f"{bench}/{method}: HOST-BOUND, the host spent {m['host_issue_share']:.0%} of its rounds issuing passes the "
+              f"device then waited for, so its speedup times the host's Python, not the method (decode.backend=compiled "
+              f"replays CUDA graphs)" for bench, per in summary["benchmarks"].items() for method, m in per.items()
+              if (m.get("host_issue_share") or 0) >= HOST_BOUND]
     notes += [source["fallback"] for source in summary.get("benchmark_sources", {}).values() if source.get("fallback")]
     notes += [f"tray budget `auto` of {name}: {choice['why']}" for name, choice in summary.get("auto_budget", {}).items()
               if choice.get("why")]  # older run.json files hold the choice without a reason

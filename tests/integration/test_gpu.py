@@ -22,6 +22,7 @@ import torch
 
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.decoding.divergence import classify
+from d3d.decoding.methods import METHODS
 from d3d.decoding.verify import Sampling, probs, sample_verify
 from d3d.models.random_models import NoText, random_prompts, tiny_pair
 
@@ -272,10 +273,11 @@ def break_thread_hand_off(monkeypatch):
     real = schedules.Async.beside_verify
 
     def broken(self, r):
-        prev, self._prev = getattr(self, "_prev", None), r.draft
-        if self.passes.pool is None or prev is None or prev.tokens.shape != r.draft.tokens.shape:
+        draft, *rest = r.tray_inputs  # sent to the drafter before verification (Async.propose)
+        prev, self._prev = getattr(self, "_prev", None), draft
+        if self.passes.pool is None or prev is None or prev.tokens.shape != draft.tokens.shape:
             return real(self, r)
-        stale = replace(r, draft=replace(r.draft, tokens=prev.tokens, logits=prev.logits))
+        stale = replace(r, tray_inputs=(replace(draft, tokens=prev.tokens, logits=prev.logits), *rest))
         real(self, stale)  # the worker's arguments are taken here
         r.trays = stale.trays
 
@@ -295,39 +297,116 @@ def test_race_check_fails_on_a_broken_hand_off(device, monkeypatch, record_prope
         assert all(r["tokens_equal"] for r in runs), runs
 
 
-def syncs_per_round(target, drafter, method: str, prompts, new_tokens: int) -> dict:
-    """Synchronising CUDA calls per round (torch's sync debug mode counts them). Prefill and setup
-    syncs are taken out by differencing a long call against a one-round call."""
-    import warnings
+class HostSyncs:
+    """Counts what makes the host wait for the device in a decoding call, as torch functions
+    (a TorchFunctionMode: it sees them on the CPU too, where nothing waits): `reads`, a device
+    value read on the host (tolist, item, bool/int/float of a tensor, cpu, nonzero, ...), and
+    `uploads`, a tensor made from non-empty host data with an explicit device (on CUDA a copy
+    from pageable memory that waits too). On CUDA `warned` also counts what torch's sync debug
+    mode reports, which sees the syncs made below the Python API as well."""
 
-    gen = generator(target, drafter, method, block_size=6, C=3, F=2, max_new_tokens=new_tokens)
-    gen.generate(prompts, max_new_tokens=8)  # warm-up outside the count
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+             "masked_select", "unique", "argwhere"}
 
-    def syncs(n):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                res = gen.generate(prompts, max_new_tokens=n)
-        finally:
+    def __init__(self, cuda: bool):
+        from torch.overrides import TorchFunctionMode
+
+        self.cuda, self.reads, self.uploads, self.warned = cuda, [], 0, 0
+        counter = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                if name in HostSyncs.READS:
+                    counter.reads.append(name)
+                elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None and host_data(args[0]):
+                    counter.uploads += 1
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        import warnings
+
+        self.mode.__enter__()
+        if self.cuda:
+            self._caught = warnings.catch_warnings(record=True)
+            self._warnings = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
             torch.cuda.set_sync_debug_mode("default")
-        return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)], len(res.rounds)
-
-    (one, r1), (many, rn) = syncs(1), syncs(new_tokens)
-    return {"rounds": rn, "per_round": (len(many) - len(one)) / max(rn - r1, 1), "setup": len(one),
-            "kinds": sorted(set(many))[:5]}
+            self.warned = sum("synchroniz" in str(w.message) for w in self._warnings)
+            self._caught.__exit__(*exc)
+        self.mode.__exit__(*exc)
 
 
-@on_device
-@pytest.mark.skipif(not CUDA, reason="counts CUDA synchronisations")
-@pytest.mark.parametrize("method", ["ar", "sync", "async", "tree", "async_tree"])
-def test_race_host_syncs_per_round(method, record_property):
-    """Recorded for the results page; required: the loop's own host transfer is seen (at least one
-    sync a round), so the count counts."""
-    target, drafter = tiny_pair(DEVICE, torch.bfloat16, block_size=6)
-    res = syncs_per_round(target, drafter, method, random_prompts(3, 256, seed=13), race_tokens(DEVICE))
+def host_data(x) -> bool:
+    """Non-empty Python data (a list of ids): what torch.tensor copies from the host."""
+    return not isinstance(x, torch.Tensor) and (not hasattr(x, "__len__") or len(x) > 0)
+
+
+def retirements(res) -> int:
+    """Rounds after which some rows left and others went on (the driver uploads their index)."""
+    return sum(len(a.rows) > len(b.rows) for a, b in zip(res.rounds, res.rounds[1:]))
+
+
+def row_uploads(res, device: str, backend: str) -> int:
+    """On a CPU only, eager async drafts just the rows that missed, by an index made from a host
+    list (Async._draft_misses); on CUDA or a static backend every row is drafted, with no upload."""
+    if device.startswith("cuda") or backend != "eager":
+        return 0
+    live = [len(r.rows) for r in res.rounds]
+    return sum(r.drafted_rows is not None and 0 < r.drafted_rows < n for r, n in zip(res.rounds, live))
+
+
+def host_syncs(target, drafter, method: str, backend: str, prompts, new_tokens: int, device: str) -> dict:
+    """Host syncs of a one-round call and of a long ragged call (HostSyncs), and what the loop
+    allows: one read a round (the round's host transfer), one upload when rows retire. Setup
+    (prefill, the first tensors) is what the one-round call has beyond its one round."""
+    gen = generator(target, drafter, method, block_size=6, C=3, F=2, max_new_tokens=new_tokens, backend=backend)
+    # warm-up (a static backend's first allocations) outside the count; then one of row 0's tokens
+    # becomes the EOS, so that row stops early and the others go on (a retirement, as AR has none else)
+    gen.eos = {gen.generate(prompts, max_new_tokens=new_tokens).token_ids[0][new_tokens // 3]}
+    out = {}
+    for name, n in (("one", 1), ("many", new_tokens)):
+        with HostSyncs(device.startswith("cuda")) as count:
+            res = gen.generate(prompts, max_new_tokens=n)
+        out[name] = {"rounds": len(res.rounds), "retired": retirements(res), "reads": len(count.reads),
+                     "read_kinds": sorted(set(count.reads)), "uploads": count.uploads, "warned": count.warned,
+                     "row_uploads": row_uploads(res, device, backend)}
+    one, many = out["one"], out["many"]
+    out["reads_beyond_rounds"] = (many["reads"] - one["reads"]) - (many["rounds"] - one["rounds"])
+    out["uploads_beyond_retirements"] = (many["uploads"] - one["uploads"]) - many["retired"] - many["row_uploads"]
+    # CUDA: every sync the driver sees beyond one per round and one per retirement
+    out["warned_beyond"] = (many["warned"] - one["warned"]) - (many["rounds"] - one["rounds"]) - many["retired"]
+    return out
+
+
+SYNC_CASES = [(m, b) for m, row in METHODS.items() for b in ("eager", "static") if b in row.backends]
+
+
+@pytest.mark.parametrize("device", AND_CPU)
+@pytest.mark.parametrize("method,backend", SYNC_CASES, ids=[f"{m}_{b}" for m, b in SYNC_CASES])
+def test_race_host_syncs_per_round(device, method, backend, record_property):
+    """Exactly one host read a round (the host transfer of accept counts, tokens, hits and the path:
+    a `.tolist()`), one upload when rows retire, nothing else, for every method on the eager
+    backend and the static one (the compiled backend's passes, uncompiled). On CUDA the sync debug
+    mode's count must agree: one sync a round and one a retirement (a copy from pageable host
+    memory waits). A sync added to a round fails here."""
+    target, drafter = tiny_pair(device, torch.bfloat16 if device.startswith("cuda") else torch.float32, block_size=6)
+    res = host_syncs(target, drafter, method, backend, random_prompts(3, 256, seed=13), race_tokens(device), device)
     record_property("result", res)
-    assert res["rounds"] > 1 and res["per_round"] >= 1, res
+    many = res["many"]
+    assert many["rounds"] > 2 and many["retired"] >= 1, res  # a ragged call: rounds and a retirement counted
+    assert res["reads_beyond_rounds"] == 0 and set(many["read_kinds"]) == {"tolist"}, res
+    assert res["uploads_beyond_retirements"] == 0, res
+    if device.startswith("cuda"):
+        assert res["warned_beyond"] == 0, res
 
 
 # ---- async against sync: what survives each dtype (docs/design.md#losslessness) ----
@@ -371,6 +450,20 @@ def test_engine_every_method_runs_ragged_at_both_temperatures():
                             max_new_tokens=20).generate(prompts)
             assert [len(t) for t in res.token_ids] == [20, 20, 20]
             assert all(0 <= x < 256 for t in res.token_ids for x in t)
+
+
+@on_device
+@pytest.mark.skipif(not CUDA, reason="host issue time against the device's (CUDA); a CPU runs ops as issued")
+def test_engine_tiny_eager_rounds_are_measured_host_bound(record_property):
+    """The tiny pair's eager passes are a few µs of device work behind hundreds of host-issued ops:
+    the host issues each round while the device waits, and GenerationResult.host_issue_share
+    (what d3d.report flags from HOST_BOUND on) must say so."""
+    from d3d.report import HOST_BOUND
+
+    target, drafter = tiny_pair(DEVICE, torch.bfloat16, block_size=6)
+    res = generator(target, drafter, "sync", block_size=6, max_new_tokens=24).generate(random_prompts(1, 256, seed=3))
+    record_property("result", {"host_issue_share": res.host_issue_share, "rounds": len(res.rounds)})
+    assert res.host_issue_share is not None and res.host_issue_share >= HOST_BOUND, res.host_issue_share
 
 
 @on_device
@@ -461,9 +554,111 @@ def test_placement_two_gpus_copy_between_target_and_drafter(tmp_path, name, reco
     assert case["cases"] == 3 * len(PLACEMENT_CASES) and case["real"] == 0, case["details"]
 
 
+# ---- placement, the order of a round's copies: a drafter on a GPU of its own gets the tray pass's
+# inputs before verification is queued (a copy between GPUs queued after it waits for it) ----
+
+def copy_order(monkeypatch, target, drafter, method: str) -> list[dict]:
+    """Each round of an async loop, in the order the host issued them: the copies to the drafter
+    (Passes.to_drafter) and back (Passes.to_target), the target's verify pass and its accept, and
+    the tray pass. Per round: whether the tray pass's inputs (the draft, pending tokens, positions)
+    were sent before the verify pass, and whether its keys came back before the accept."""
+    from d3d.decoding import passes, schedules
+    from d3d.decoding.methods import METHODS
+
+    log: list[tuple] = []
+
+    def logged(name, real, returns=False):
+        def wrapper(*args, **kw):
+            out = real(*args, **kw)
+            log.append((name, args[1:], out if returns else None))
+            return out
+        return wrapper
+
+    drafts = METHODS[method].drafts
+    monkeypatch.setattr(passes.Passes, "to_drafter", logged("send", passes.Passes.to_drafter, True))
+    monkeypatch.setattr(passes.Passes, "to_target", logged("back", passes.Passes.to_target, True))
+    monkeypatch.setattr(drafts, "verify", logged("verify", drafts.verify))
+    monkeypatch.setattr(drafts, "accept", logged("accept", drafts.accept))
+    monkeypatch.setattr(schedules.Async, "_tray_pass", logged("trays", schedules.Async._tray_pass, True))
+    generator(target, drafter, method, block_size=6, C=3, F=2, overlap="none",
+              max_new_tokens=16).generate(random_prompts(3, 256, seed=4))
+    rounds, at = [], [i for i, (name, *_) in enumerate(log) if name == "verify"]
+    for k, v in enumerate(at):
+        end = at[k + 1] if k + 1 < len(at) else len(log)
+        trays = next(i for i in range(v, end) if log[i][0] == "trays")
+        accept = next(i for i in range(v, end) if log[i][0] == "accept")
+        inputs = log[trays][1][1:]  # (draft, pending, next_pos); args[0] is the drafter's KV state
+        keys = log[trays][2][0]
+
+        def last_made(x, name):  # where the copy that handed over `x` was issued (None: never)
+            return max((i for i, (n, _, out) in enumerate(log) if n == name and out is not None and
+                        any(o is x for o in out) and i < end), default=None)
+
+        sent = [last_made(x, "send") for x in inputs]
+        back = next((i for i in range(trays, end) if log[i][0] == "back" and any(a is keys for a in log[i][1])), None)
+        rounds.append({"inputs_sent_before_verify": all(i is not None and i < v for i in sent),
+                       "keys_back_before_accept": back is not None and back < accept})
+    return rounds
+
+
+@pytest.mark.parametrize("method", [m for m, row in METHODS.items() if row.trays])
+def test_placement_tray_inputs_cross_before_verification(method, monkeypatch, record_property):
+    """On the CPU (the copies are no-ops there, the order of their calls is what the host issues on
+    two GPUs): in every round the tray pass's inputs go to the drafter before verification is
+    queued, and its keys come back before the accept (the target's stream waits for them only in
+    settle). Seen failing on the order before: sent in beside_verify, after verification."""
+    target, drafter = tiny_pair("cpu", torch.float32, block_size=6)
+    rounds = copy_order(monkeypatch, target, drafter, method)
+    record_property("result", rounds)
+    assert len(rounds) > 2 and all(r["inputs_sent_before_verify"] and r["keys_back_before_accept"] for r in rounds), \
+        rounds
+
+
+@on_device
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2,
+                    reason=f"needs 2 CUDA devices (this machine has {torch.cuda.device_count()})")
+@pytest.mark.parametrize("method", [m for m, row in METHODS.items() if row.trays])
+def test_placement_two_gpus_trays_do_not_wait_for_verification(method, monkeypatch, record_property):
+    """The drafter on cuda:1, the target on cuda:0 held back ~50 ms (torch.cuda._sleep) right before
+    each verify pass: the tray pass (a tiny model: well under 50 ms) must end on cuda:1 while
+    cuda:0 still sleeps, in most rounds. A copy to the drafter queued behind verification, or one
+    back that holds cuda:1 until verification ends, makes it end after."""
+    from d3d.decoding import schedules
+    from d3d.decoding.methods import METHODS
+
+    drafts = METHODS[method].drafts
+    real_verify, real_beside = drafts.verify, schedules.Async.beside_verify
+    seen = []
+
+    def late_verify(self, passes, tgt, r):
+        torch.cuda._sleep(50_000_000)  # on cuda:0's stream, before the verify pass
+        out = real_verify(self, passes, tgt, r)
+        r.verified = torch.cuda.Event()
+        r.verified.record(torch.cuda.current_stream(torch.device("cuda:0")))
+        return out
+
+    def beside(self, r):
+        real_beside(self, r)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(torch.device("cuda:1")))
+        while not (done.query() or r.verified.query()):
+            pass
+        seen.append(done.query() and not r.verified.query())
+
+    monkeypatch.setattr(drafts, "verify", late_verify)
+    monkeypatch.setattr(schedules.Async, "beside_verify", beside)
+    target, drafter = tiny_pair("cuda:0", torch.float32, block_size=6)
+    drafter = drafter.to("cuda:1")
+    generator(target, drafter, method, block_size=6, C=3, F=2, max_new_tokens=16).generate(random_prompts(3, 256, seed=4))
+    record_property("result", {"rounds": len(seen), "trays_first": sum(seen)})
+    assert len(seen) > 2 and sum(seen) >= 0.8 * len(seen), seen
+
+
 # ---- compiled_equal: decode.backend=compiled gives the eager loop's greedy tokens ----
 
-COMPILED_CASES = [("ar", 1, 1, 0), ("sync", 4, 1, 0), ("async", 4, 3, 2)]
+# every method of the table through the ordinary entry with decode.backend=compiled (trees: their
+# defaults' 15 nodes and 23 trays; C and F are async's)
+COMPILED_CASES = [("ar", 1, 1, 0), *[(m, 4, 3, 2) for m, row in METHODS.items() if row.needs_drafter]]
 
 
 def compiled_cases(toy: bool) -> list[tuple]:
@@ -489,6 +684,38 @@ def test_compiled_equals_eager(method, B, C, F, batch, record_property):
     case = compiled_against_eager(DEVICE, method, B, C, F, batch)
     record_property("result", case)
     assert case["cases"] == batch and case["real"] == 0, case["details"]
+
+
+@on_device
+@pytest.mark.skipif(not CUDA, reason="the side stream's CUDA graphs (kv.SideStreamGraphs)")
+def test_compiled_async_trays_replay_graphs_of_their_own_pool(record_property):
+    """decode.backend=compiled, async with its tray pass on the side stream: after the warm-up
+    (run twice, as d3d.eval does) every drafter pass on that stream is a replay of a graph captured
+    in its own pool (the draft and the tray pass: two shapes at least), the timed call captures and
+    compiles nothing, and its rounds equal those of async run serially on the same backend (the
+    main stream's graph trees), tokens, τ and hits bit for bit in bf16."""
+    from torch._dynamo.utils import counters
+
+    target, drafter = tiny_pair(DEVICE, torch.bfloat16, block_size=6)
+    prompt = random_prompts(1, 256, seed=21)[0]
+    runs, seen = {}, {}
+    for overlap in ("none", "stream"):
+        gen = generator(target, drafter, "async", block_size=6, C=3, F=2, overlap=overlap, backend="compiled",
+                        max_new_tokens=24)
+        for _ in range(2):
+            gen.warm_up(1, len(prompt) + 24, prompt)
+        graphs = gen.passes.side_graphs
+        before = (graphs.captures if graphs else None, counters["stats"]["unique_graphs"])
+        runs[overlap] = gen.generate([prompt], max_new_tokens=24)
+        seen[overlap] = {"side_graphs": graphs is not None, "captured": before[0],
+                         "captured_in_timed": graphs.captures - before[0] if graphs else None,
+                         "compiled_in_timed": counters["stats"]["unique_graphs"] - before[1]}
+    same = same_rounds(runs["none"], runs["stream"])
+    record_property("result", {**seen, **same})
+    assert not seen["none"]["side_graphs"] and seen["stream"]["side_graphs"], seen
+    assert seen["stream"]["captured"] >= 2 and seen["stream"]["captured_in_timed"] == 0, seen
+    assert seen["stream"]["compiled_in_timed"] == 0 == seen["none"]["compiled_in_timed"], seen
+    assert same["tokens_equal"] and same["tau_equal"] and same["hits_equal"], same
 
 
 @pytest.mark.slow

@@ -42,8 +42,10 @@ def test_a_stage_the_budget_cannot_hold_is_recorded_as_skipped(check, tmp_path, 
     assert saved["skipped"] == ["async_sync"] and report["ok"] and ran == ["race"]
 
 
-def test_the_default_run_fits_six_and_a_half_minutes_on_an_h200_by_its_estimate(check):
+def test_the_default_run_fits_twelve_minutes_on_an_h200_by_its_estimate(check):
     plan = check.ESTIMATE.table(check.STAGES)
     assert set(plan["seconds"]) == {"startup", *check.STAGES}
-    assert plan["total_s"] <= 410, plan  # 355 s before the trees' cases (greedy, race, readiness), 389 before dist
-    assert plan["total_s"] < 420 < 480  # the default --budget-s, inside the README's `timeout 480`
+    # 389 s before readiness's compiled async row at 8B / 1.7B shapes (3 cold compiles, 223 s),
+    # compiled_equal's trees and side-stream graphs and the exact host-sync counts came in
+    assert plan["total_s"] <= 720, plan
+    assert plan["total_s"] <= 720 < 780  # the default --budget-s, inside the README's `timeout 780`

@@ -102,3 +102,25 @@ def test_a_run_fails_its_own_checks(script):
     empty = good_run()
     del empty["loops"]
     assert "loops missing" in script.problems(empty)
+
+
+def test_an_async_row_that_hides_too_little_of_its_trays_on_the_compiled_backend_fails_by_name(script):
+    """At the paper's shapes (8B target, 1.7B drafter) on CUDA, an async row on the compiled backend
+    must hide at least half of its tray pass behind verification (its measured `overlap`), and no
+    compiled loop may compile inside its timed call; the problem names the row. Elsewhere (the toy
+    shapes, a CPU) the overlap is reported, not bound."""
+    run = {**good_run(), "target": "qwen3_8b", "drafter": "qwen3_1p7b"}
+    run["loops"]["async_2x1@compiled"] = {**loop(30.0, tray=12.0), "backend": "compiled", "trays": True,
+                                          "overlap": 0.3, "compiles_in_timed": 0}
+    run["loops"]["ar@compiled"] = {**loop(10.0), "backend": "compiled", "trays": False, "overlap": None,
+                                   "compiles_in_timed": 2}
+    assert script.problems(run) == [
+        "loops[ar@compiled]: 2 graphs compiled inside the timed call",
+        f"loops[async_2x1@compiled]: overlap 0.3 < {script.MIN_OVERLAP} (the share of its tray pass hidden behind "
+        "verification)"]
+    run["loops"]["async_2x1@compiled"]["overlap"] = 0.8
+    run["loops"]["ar@compiled"]["compiles_in_timed"] = 0
+    assert script.problems(run) == []
+    run["loops"]["async_2x1@compiled"]["overlap"] = 0.3
+    assert script.problems({**run, "target": "toy", "drafter": "toy"}) == []
+    assert script.problems({**run, "device": "cpu"}) == []

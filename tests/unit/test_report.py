@@ -79,3 +79,17 @@ def test_graded_answers_judged_inside_the_answer_are_counted_and_said():
         summary_markdown(summary)
     old = [{k: v for k, v in r.items() if k != "compared_apart"} for r in rows]  # rows written before the split
     assert summarise(old)["benchmarks"]["mbpp"]["sync"]["graded_in_answer"] == 0
+
+def test_a_host_bound_row_is_flagged_in_the_summary():
+    """Rows whose host spent most of each round issuing it (eager HF passes on a GPU: the device
+    waited for the host) are flagged by method, so their speedup is not read as the method's; a
+    device-bound row and a CPU row (no share measured) are not."""
+    from d3d.report import summarise, summary_markdown
+
+    row = {"benchmark": "gsm8k", "turn": 0, "concurrency": 1, "new_tokens": 8, "decode_s": 0.1, "prefill_s": 0.01,
+           "rounds": 4, "hit_rate": None, "equal_to_ar": True, "taus": [2, 2, 2, 2]}
+    share = {"ar": 0.97, "sync": 0.4, "async": None}
+    rows = [{**row, "id": f"gsm8k/{i}", "method": m, "host_issue_share": s} for m, s in share.items() for i in range(2)]
+    text = summary_markdown(summarise(rows))
+    assert "gsm8k/ar: HOST-BOUND, the host spent 97% of its rounds" in text
+    assert "gsm8k/sync: HOST-BOUND" not in text and "gsm8k/async: HOST-BOUND" not in text

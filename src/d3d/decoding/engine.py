@@ -32,20 +32,26 @@ EOS / stop strings and retire rows. Sampling uses a generator on the device. A d
 of its own (drafter.device; a target spread by target.device_map) keeps its cache and passes
 there: the loop's tensors it reads are copied to it (`Passes.to_drafter`) and its logits and tray
 keys back (`Passes.to_target`), explicitly, once each per round; drafts are made and verified on
-the target's input device, with the one sampling generator.
+the target's input device, with the one sampling generator. Between two GPUs the copies run on
+streams of their own (a copy queued on the target's stream after verification would wait for it):
+async sends the tray pass's inputs before the verify pass is queued.
 
 Streams (overlap=stream, CUDA). All drafter work runs on one side stream and all target work on
 the current stream, so each KV cache has one owner stream and the caching allocator never hands
 a cache's memory to the other stream. The few tensors that cross (drafts, q, tray logits one way;
 pending tokens, positions, accept counts the other) are ordered with `wait_stream` and marked
 with `record_stream`. Each round launches the verify pass first, then the tray pass, so the GPU
-runs them concurrently.
+runs them concurrently; on a compiled backend both are CUDA-graph replays (the side stream's in a
+memory pool of its own: kv.SideStreamGraphs), so the host issues them back to back.
 
 Timings per round (`rounds[i]`, a RoundStats): `wall_s` is host wall time from the round's start to its host
 transfer (it includes waiting for the device). `draft_s`, `verify_s`, `tray_s` are the passes'
 device time: CUDA events on their stream (on CUDA), wall time of the synchronous call (on CPU);
 `verify_s` includes the accept/reject decision. `tray_wait_s` (CPU worker thread only) is how
-long the main thread waited for the tray pass after verifying.
+long the main thread waited for the tray pass after verifying. `tray_hidden_s` is how much of the
+tray pass ran while the target's verify pass ran (the overlap of their spans, CUDA events on both
+streams; 0 when run serially). `issue_s` (CUDA) is the host time up to the round's transfer, before
+it waits for the device: a round whose issue_s is near its wall_s was host-bound.
 """
 
 from __future__ import annotations
@@ -88,6 +94,14 @@ class GenerationResult:
     def hit_rate(self) -> float | None:
         hits = [h for r in self.rounds for h in r.hit or []]
         return sum(hits) / len(hits) if hits else None
+
+    @property
+    def host_issue_share(self) -> float | None:
+        """The share of the rounds' wall time the host spent issuing them (CUDA; None elsewhere, where
+        ops run as they are issued). Near 1 the device waited for the host: the passes are host-bound,
+        and the loop's time is the host's Python, not the method's (eager HF passes on a GPU)."""
+        timed = [(r.issue_s, r.wall_s) for r in self.rounds if r.issue_s is not None and r.wall_s]
+        return sum(i for i, _ in timed) / sum(w for _, w in timed) if timed else None
 
     @property
     def new_tokens(self) -> int:
@@ -190,10 +204,12 @@ class SpecGenerator:
         while rows:
             r_start = time.perf_counter()
             r = Round(pending, next_pos, RoundStats(list(rows)), clock)
+            origin = clock.mark()  # before anything of the round, on either stream
             schedule.propose(r)  # r.draft
             start = len(tgt)
             v0 = clock.mark()
             p_logits = drafts.verify(passes, tgt, r)
+            r.verify_marks = (origin, v0, clock.mark())  # the verify pass alone: what a tray pass can hide behind
             schedule.beside_verify(r)  # launched after verification: on CUDA the two overlap
             drafts.accept(r, p_logits)  # r.accepted, r.token, r.path, r.kept, r.outcome
             clock.span(r.stats, "verify_s", v0)
@@ -201,7 +217,10 @@ class SpecGenerator:
             # ---- the one host transfer of the round: accept counts, next tokens, hits (-1: no tray
             # prepared, as for a method without trays), the drafts' path
             hits = r.hit_idx if r.hit_idx is not None else torch.full_like(r.accepted, -1)
-            host = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.path], dim=1).tolist()
+            sent = torch.cat([r.accepted[:, None], r.token[:, None], hits[:, None], r.path], dim=1)
+            if clock.cuda:  # what the host spent issuing the round; the transfer then waits for the device
+                r.stats.issue_s = time.perf_counter() - r_start
+            host = sent.tolist()
             most = max(h[0] for h in host) + 1  # the longest commit of any row
             tgt.keep(start, r.kept, r.accepted + 1, most)  # the pending token and the accepted path
             schedule.commit(r, host, most)

@@ -137,9 +137,10 @@ class StaticKVState(KVState):
     of what the compiled one runs."""
 
     def __init__(self, model, batch: int, capacity: int, compiled: bool, graphs: bool = True, frozen: bool = False,
-                 buffers=None):
+                 buffers=None, side_graphs: "SideStreamGraphs | None" = None):
         self.model, self.compiled, self.graphs, self.capacity = model, compiled, graphs, capacity
         self.frozen = frozen
+        self.side_graphs = side_graphs  # a side stream's passes: CUDA graphs of their own pool (SideStreamGraphs)
         # (rows, capacity) -> (cache, slot_pos, slot_valid): a pool that hands the same buffers back for
         # the same shape (Passes.buffers), so a shape warmed up before timing keeps its graphs' addresses
         self.buffers = buffers or (lambda rows, cap: allocate(model, rows, cap, frozen, compiled))
@@ -173,7 +174,8 @@ class StaticKVState(KVState):
         if self.length + q > self.capacity:
             raise RuntimeError(f"static KV cache full: {self.length} + {q} slots > capacity {self.capacity} "
                                "(the driver sizes it per call; this is a bug)")
-        run = static_pass if once or not self.compiled else compiled_static_pass(self.device, self.graphs, self.frozen)
+        run = static_pass if once or not self.compiled else \
+            self.side_graphs or compiled_static_pass(self.device, self.graphs, self.frozen)
         ids, pos, block, limit = map(self._padded, (input_ids, layout.pos, layout.block, layout.limit))
         tree = None if tree is None else self._padded(tree)  # a tree's shape is fixed by tree_nodes: one graph
         h = run(self.model, self.cache, ids, pos, block, limit, self.slot_pos, self.slot_valid, tree)[: self.live]
@@ -298,8 +300,9 @@ def compiled_static_pass(device: torch.device, graphs: bool = True, frozen: bool
     """`static_pass` under torch.compile, made once per process: each model and each shape (q, batch,
     capacity) is a graph of its own. On CUDA it records CUDA graphs (inductor's `triton.cudagraphs`,
     which mode="reduce-overhead" turns on), unless
-    `graphs=False`: passes on a side stream (async's drafter) run compiled kernels without them,
-    because CUDA-graph trees share one memory pool and assume their graphs replay one after another.
+    `graphs=False`: what SideStreamGraphs captures itself for the passes on a side stream (async's
+    drafter), because CUDA-graph trees share one memory pool and assume their graphs replay one
+    after another.
     `frozen` (decode.backend=frozen): inductor's freezing, the weights folded into the graph as
     constants and, on CPU, prepacked into oneDNN's blocked layout; a graph per model then."""
     graphs = device.type == "cuda" and graphs
@@ -316,3 +319,48 @@ def compiled_static_pass(device: torch.device, graphs: bool = True, frozen: bool
         options = {"triton.cudagraphs": graphs, "freezing": frozen}
         _COMPILED[key] = torch.compile(static_pass, options=options, dynamic=False)
     return _COMPILED[key]
+
+
+class SideStreamGraphs:
+    """The compiled passes of a KV state that lives on a side CUDA stream (async's drafter: its tray
+    pass and its drafts beside verification), each shape captured once in a CUDA graph and then
+    replayed, so the host issues a pass as one launch and the tray pass hides behind a verification
+    that is itself a graph replay. inductor's CUDA-graph trees cannot serve here: they share one
+    memory pool and assume their graphs replay one after another on one stream, while the verify
+    graphs replay on the main stream at the same time. So these graphs have a pool of their own
+    (`torch.cuda.graph(..., pool=...)`, as serving engines capture their passes), shared only with
+    each other: they replay one after another on their one stream, and each keeps its output.
+
+    A shape is (model, pass width, rows, buffers): the buffers are pooled per (rows, capacity)
+    (Passes.buffers), so their addresses, which a graph reads and writes, never change. Its first
+    call runs the compiled pass for real (it compiles, and warms the stream's kernels up) and
+    captures it afterwards; every later call copies its inputs into the graph's static inputs and
+    replays. A warm-up call (SpecGenerator.warm_up) thus captures every shape before timing, as it
+    records the verify graphs. The pass has static shapes and no host sync, and the cache's length
+    is a device tensor (StaticKVState), so a replay writes where the live pass would."""
+
+    def __init__(self, stream: torch.cuda.Stream, frozen: bool = False):
+        self.stream, self.frozen = stream, frozen
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, tuple] = {}  # shape -> (graph, static inputs, static output)
+        self.captures = 0  # graphs captured so far (a timed call must add none)
+
+    def __call__(self, model, cache, input_ids, pos, block, limit, slot_pos, slot_valid) -> torch.Tensor:
+        key = (id(model), tuple(input_ids.shape), slot_pos.data_ptr(), slot_pos.shape[1])
+        inputs = (input_ids, pos, block, limit)
+        if key in self.graphs:
+            graph, static, out = self.graphs[key]
+            for dst, src in zip(static, inputs):
+                dst.copy_(src)
+            graph.replay()  # on the current stream: the side stream the state's passes run on
+            return out
+        run = compiled_static_pass(input_ids.device, graphs=False, frozen=self.frozen)
+        h = run(model, cache, *inputs, slot_pos, slot_valid)  # the live pass, compiled on its first call
+        static = tuple(t.clone() for t in inputs)
+        graph = torch.cuda.CUDAGraph()
+        # captured, not run: the cache, its length and the slots stay as the live pass left them
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = run(model, cache, *static, slot_pos, slot_valid)
+        self.graphs[key] = (graph, static, out)
+        self.captures += 1
+        return h

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 
 from d3d.decoding.drafts import Draft, moved
-from d3d.decoding.kv import KVState, StaticKVState, allocate, batch_bucket
+from d3d.decoding.kv import KVState, SideStreamGraphs, StaticKVState, allocate, batch_bucket
 from d3d.errors import ConfigError
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import in_target_vocab, logits_at
@@ -39,6 +39,7 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[RoundStats, str, object, object]] = []
+        self.overlaps: list[tuple] = []
 
     def mark(self, stream=None):
         if not self.cuda:
@@ -51,10 +52,37 @@ class _Clock:
         """stats.<name> = the time from `start` to `end` (now), once the call resolves it."""
         self.spans.append((stats, name, start, self.mark() if end is None else end))
 
+    def hidden(self, stats: RoundStats, origin, verify: tuple, trays: tuple) -> None:
+        """stats.tray_hidden_s = how long the tray pass (marks `trays`, on its stream) ran while the
+        verify pass (marks `verify`, on the target's) ran: the overlap of the two spans, once the
+        call resolves it. `origin`: a mark both streams passed before either span began (on CUDA
+        the events are read as times after it)."""
+        self.overlaps.append((stats, origin, verify, trays))
+
     def resolve(self) -> None:
         for stats, name, a, b in self.spans:
             setattr(stats, name, a.elapsed_time(b) / 1000 if self.cuda else b - a)
-        self.spans = []
+        for stats, origin, verify, trays in self.overlaps:
+            (v0, v1), (t0, t1) = [[origin.elapsed_time(e) / 1000 if self.cuda else e - origin for e in span]
+                                  for span in (verify, trays)]
+            stats.tray_hidden_s = max(0.0, min(v1, t1) - max(v0, t0))
+        self.spans, self.overlaps = [], []
+
+
+def _tensors(value) -> list:
+    """The tensors of a tensor, a Draft (its fields, a tree's included) or None."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for f in fields(value) for t in _tensors(getattr(value, f.name))] if is_dataclass(value) else []
+
+
+def _moved(value, device: torch.device):
+    """A tensor or a Draft on `device` (None stays None)."""
+    if value is None:
+        return None
+    return value.to(device) if isinstance(value, Draft) else moved(value, device)
 
 
 def _on(stream):
@@ -76,6 +104,8 @@ class RoundStats:
     verify_s: float | None = None
     tray_s: float | None = None
     tray_wait_s: float | None = None  # overlap=thread: how long the main thread waited for the trays
+    tray_hidden_s: float | None = None  # of tray_s, what ran while the target's verify pass ran (its overlap)
+    issue_s: float | None = None  # CUDA: host time from the round's start to its host transfer, before waiting there
 
 
 @dataclass
@@ -97,7 +127,9 @@ class Round:
     outcome: torch.Tensor | None = None  # (b,) where verification ended, as a tray is keyed
     # async: where the glue starts in the drafter's cache, the tray pass's (keys, logits) (a future
     # while a worker thread runs it), and the tray that served each row's outcome, -1 for none
+    verify_marks: tuple | None = None  # (round start, verify start, verify end) on the target's stream (Clock.mark)
     glue_start: int = 0
+    tray_inputs: tuple | None = None  # (draft, pending, next_pos) on the drafter's device, sent before verification
     trays: object = None
     hit_idx: torch.Tensor | None = None
 
@@ -131,6 +163,15 @@ class Passes:
         # queues its own work, and the copies between them (to_drafter, to_target) order the two
         two = self.drafter_device != self.device
         self.stream = torch.cuda.Stream(self.device) if overlap == "stream" and not two else None
+        # two GPUs: the copies between them run on two streams of the target's device (to_drafter,
+        # to_target), never on the stream its passes run on
+        both_cuda = two and self.device.type == self.drafter_device.type == "cuda"
+        self.outbox = torch.cuda.Stream(self.device) if both_cuda else None
+        self.inbox = torch.cuda.Stream(self.device) if both_cuda else None
+        # a compiled backend's passes on the side stream: CUDA graphs of their own pool, kept across calls
+        # with the buffers they read (the main stream's passes are inductor's CUDA-graph trees)
+        self.side_graphs = SideStreamGraphs(self.stream, backend == "frozen") \
+            if self.stream is not None and backend in ("compiled", "frozen") else None
         self.pool = None  # overlap=thread: a worker thread that lives for one generate() call
         # static buffers, reused across calls: (id(model), rows, capacity) -> (cache, slot_pos, slot_valid)
         self.buffer_pool: dict[tuple[int, int, int], tuple] = {}
@@ -159,14 +200,35 @@ class Passes:
 
     # ------------------------------------------------------------------ devices
 
-    def to_drafter(self, *tensors):
-        """The loop's tensors a drafter pass reads, on the drafter's device (explicit copies when
-        drafter.device is not the target's; the same tensors otherwise)."""
-        return tuple(t if t is None else moved(t, self.drafter_device) for t in tensors)
+    # A copy between two GPUs runs on the source device's current stream, behind a two-way barrier
+    # with the destination's current stream: each waits for what the other had queued. Issued on
+    # the target's own stream after its verify pass, a copy to the drafter would wait for that
+    # verification (and the drafter's tray pass with it); a copy back would hold the drafter's
+    # stream until verification ends. So both directions run on streams of their own on the
+    # target's device (`outbox`, `inbox`), and the target's stream waits for a copy back only
+    # where it reads it (`take`).
 
-    def to_target(self, *tensors):
-        """The drafter's results the loop reads (logits, tray keys), on the loop's device."""
-        return tuple(t if t is None else moved(t, self.device) for t in tensors)
+    def to_drafter(self, *values):
+        """The loop's tensors (or a Draft) a drafter pass reads, on the drafter's device: explicit
+        copies when drafter.device is not the target's (on `outbox`, after the work queued so far on
+        the target's stream), the same values otherwise."""
+        if self.outbox is None:
+            return tuple(_moved(v, self.drafter_device) for v in values)
+        self.lend(self.outbox, *[t for v in values for t in _tensors(v)])
+        with torch.cuda.stream(self.outbox):
+            return tuple(_moved(v, self.drafter_device) for v in values)
+
+    def to_target(self, *tensors, wait: bool = True):
+        """The drafter's results the loop reads (logits, tray keys), on the loop's device. Between
+        two GPUs copied on `inbox`, which waits for nothing of the target's; `wait=False` leaves the
+        target's stream free until a `take(inbox, ...)` where it reads them."""
+        if self.inbox is None:
+            return tuple(_moved(t, self.device) for t in tensors)
+        with torch.cuda.stream(self.inbox):
+            out = tuple(_moved(t, self.device) for t in tensors)
+        if wait:
+            self.take(self.inbox, *out)
+        return out
 
     # ------------------------------------------------------------------ streams
 
@@ -207,8 +269,8 @@ class Passes:
         held = [cap for (m, r, cap) in self.buffer_pool if m == id(model) and r == rows and cap >= need]
         capacity = min(held, default=max(256, 1 << (need - 1).bit_length()))
         state = StaticKVState(model, batch, capacity, compiled=self.backend in ("compiled", "frozen"),
-                              graphs=not (side_stream and self.stream is not None), frozen=self.backend == "frozen",
-                              buffers=lambda r, cap: self.buffers(model, r, cap))
+                              frozen=self.backend == "frozen", buffers=lambda r, cap: self.buffers(model, r, cap),
+                              side_graphs=self.side_graphs if side_stream else None)
         return state
 
     def buffers(self, model, rows: int, capacity: int) -> tuple:

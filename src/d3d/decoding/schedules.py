@@ -178,6 +178,9 @@ class Async(Schedule):
                 q_logits = self.prepared
             r.draft, r.glue_start = self.drafts.make(r.pending, p.target_vocab(q_logits)), len(self.dr)
         p.take(ds, *r.draft.handed())
+        # the tray pass's inputs, on the drafter's device before verification is queued (a drafter on
+        # a GPU of its own: copies queued after verification would wait for it; Passes.to_drafter)
+        r.tray_inputs = p.to_drafter(r.draft, r.pending, r.next_pos)
 
     def _draft_misses(self, r, miss: list[int]) -> torch.Tensor:
         """Drafter logits for every row: the hit rows' prepared blocks, a synchronous draft for the
@@ -202,14 +205,15 @@ class Async(Schedule):
 
     def beside_verify(self, r):
         p, ds = self.passes, self.passes.stream
-        # values, bound now; on the drafter's device (one copy of the round's drafts when it has its own)
-        tray_pass = functools.partial(self._tray_pass, self.dr, r.draft.to(p.drafter_device),
-                                      *p.to_drafter(r.pending, r.next_pos))
+        # values, bound now; already on the drafter's device (propose sent them)
+        tray_pass = functools.partial(self._tray_pass, self.dr, *r.tray_inputs)
         if ds is not None:  # queued on the side stream; its inputs were lent to it before verify
             with _on(ds):
                 t = r.clock.mark(ds)
                 r.trays = tray_pass()
-                r.clock.span(r.stats, "tray_s", t, r.clock.mark(ds))
+                end = r.clock.mark(ds)
+            r.clock.span(r.stats, "tray_s", t, end)
+            r.clock.hidden(r.stats, r.verify_marks[0], r.verify_marks[1:], (t, end))
         elif p.pool is not None:  # a worker thread (CPU, overlap=thread)
 
             @torch.inference_mode()  # grad mode is per thread: the worker needs its own
@@ -218,19 +222,27 @@ class Async(Schedule):
                 return tray_pass(), time.perf_counter() - t
 
             r.trays = p.pool.submit(work)
-        else:  # serially
+        else:  # serially (or on a drafter's GPU of its own)
             t = r.clock.mark()
             r.trays = tray_pass()
-            r.clock.span(r.stats, "tray_s", t)
+            end = r.clock.mark()
+            r.clock.span(r.stats, "tray_s", t, end)
+            if p.drafter_device == p.device:  # (the events of a drafter's own GPU are not the clock's)
+                r.clock.hidden(r.stats, r.verify_marks[0], r.verify_marks[1:], (t, end))
+            # the keys back as soon as they are made, on a stream that waits for no verification
+            # (settle makes the target's stream wait for them, after the accept is queued)
+            r.trays = (*p.to_target(r.trays[0], wait=False), r.trays[1])
 
     def settle(self, r):
         t = time.perf_counter()
         if hasattr(r.trays, "result"):  # the worker's future: wait for it
             r.trays, r.stats.tray_s = r.trays.result()
             r.stats.tray_wait_s = time.perf_counter() - t
+        p = self.passes
         keys, tray_logits = r.trays
-        self.passes.take(self.passes.stream, keys, tray_logits)
-        r.hit_idx = find_trays(*self.passes.to_target(keys), r.outcome, r.token)
+        p.take(p.stream, keys, tray_logits)
+        p.take(p.inbox, keys)  # a drafter on a GPU of its own: beside_verify sent them back already
+        r.hit_idx = find_trays(*p.to_target(keys), r.outcome, r.token)
 
     def commit(self, r, host, most):
         p, ds = self.passes, self.passes.stream
