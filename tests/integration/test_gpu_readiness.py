@@ -69,7 +69,8 @@ def test_the_compiled_backend_is_timed_beside_eager(script, tmp_path, monkeypatc
         seen.append((cfg.method, cfg.backend))
         t = {"eager": 10.0, "compiled": 4.0}[cfg.backend] * (1 if cfg.method == "ar" else 3)
         return {"rounds": 4, "tau": 1.0, "hit_rate": 0.0, "round_wall_ms": t, "verify_ms": t / 3, "draft_ms": t / 3,
-                "tray_ms": t / 3 if cfg.method == "async" else 0.0, "overhead_ms": 0.0}
+                "tray_ms": t / 3 if cfg.method == "async" else 0.0, "overhead_ms": 0.0, "overlap": None,
+                "compiles_in_timed": 0, "warmup_s": 0.0}
 
     monkeypatch.setattr(script, "loop_rounds", rounds)
     i = TOY.index("--backends")
@@ -162,7 +163,7 @@ def test_the_gpu_tests_and_their_runner_import_without_hydra():
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
                            "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/integration/test_gpu.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and re.search(r"\b50/\d+ tests collected", proc.stdout), \
+    assert proc.returncode == 0 and re.search(r"\b52/\d+ tests collected", proc.stdout), \
         proc.stdout[-2000:] + proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, "tests/gpu_machine.py", "scripts/gpu_check.py", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
