@@ -164,6 +164,9 @@ def optimizer_step(step_module, optimizer, batches, clip: float | None, accelera
             if accelerator.sync_gradients and clip:
                 norm = accelerator.clip_grad_norm_(step_module.parameters(), clip)
                 if norm is not None:  # DeepSpeed clips inside its engine and may not report it
+                    # accelerate 1.15 under FSDP2 returns the total norm as a replicated DTensor (1.16 a
+                    # tensor): every rank holds the whole norm, so its local value is the norm
+                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                     m["grad_norm"] = torch.as_tensor(norm).detach()
             optimizer.step()
             optimizer.zero_grad()
