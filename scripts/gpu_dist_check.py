@@ -49,14 +49,10 @@ def shipped(path: Path) -> dict:
 
 def launch_env(processes: int) -> dict[str, str]:
     """The ACCELERATE_* / FSDP_* variables `accelerate launch --config_file conf/accelerate/fsdp.yaml`
-    gives each of `processes` processes."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import prepare_multi_gpu_env
+    gives each of `processes` processes (d3d.utils.process_group, as SLURM sweeps get them)."""
+    from d3d.utils.process_group import accelerate_environment
 
-    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "conf" / "accelerate" / "fsdp.yaml"),
-                                               "--num_processes", str(processes), "x"])
-    args, _, _ = _validate_launch_command(args)
-    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+    return accelerate_environment("fsdp", processes)
 
 
 def main(argv: list[str] | None = None) -> int:

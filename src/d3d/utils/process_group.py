@@ -36,3 +36,24 @@ def describe_group(processes: int) -> str:
 
     backend = dist.get_backend() if dist.is_initialized() else "none"
     return f"{processes} processes ({backend}), process-group timeout {group_timeout_s():.0f} s (dist.timeout_s)"
+
+
+def accelerate_environment(name: str, processes: int) -> dict[str, str]:
+    """The ACCELERATE_* and FSDP_* variables `accelerate launch --config_file conf/accelerate/<name>.yaml
+    --num_processes <processes>` gives each process, made by accelerate's own launcher code from the file."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    from d3d.configdir import config_dir
+    from d3d.errors import ConfigError
+
+    path = config_dir() / "accelerate" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"hydra.callbacks.distributed_tasks.accelerate={name}: no conf/accelerate/{name}.yaml. "
+                          f"Fix: fsdp or ddp.")
+    args = launch_command_parser().parse_args(["--config_file", str(path), "--num_processes", str(processes), "d3d"])
+    args, _, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        raise ConfigError(f"hydra.callbacks.distributed_tasks.accelerate={name}: DeepSpeed starts its processes with "
+                          f"its own launcher. Fix: fsdp, or submit with scripts/slurm/d3d.sbatch.")
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE_", "FSDP_"))}
