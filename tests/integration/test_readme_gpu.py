@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CACHE_DIR, FIXTURES, ROOT, compose
-from tests.unit.test_readme_gpu import commands, hydra_call
+from tests.conftest import CACHE_DIR, FIXTURES, ROOT
+from tests.unit.test_readme_gpu import commands, hydra_call, written_by
 
 pytestmark = pytest.mark.heavy  # a fresh interpreter per line, ~10 s each
 
@@ -43,8 +43,6 @@ NOT_HERE = {
     "scripts/gpu_check.py": "`make test-gpu-check` runs it on the CPU (--toy), every stage",
     "hydra/launcher=slurm": "a scheduler; the same multirun through submitit's local executor is "
                             "tests/integration/test_sweeps.py",
-    "+experiment=qwen3_32b ": "another pair: its drafter comes from lines 1-2 run with +experiment=qwen3_32b, which "
-                              "the section does not repeat; drafter.device is tests/integration/test_placement.py",
 }
 PROCESSES = 2  # the toy node's GPUs: every `torchrun --nproc_per_node` / accelerate launch gets 2
 NODES, GPUS_PER_NODE = 2, 1  # the toy allocation of an sbatch line
@@ -84,13 +82,6 @@ def toy_overrides(job: str, overrides: list[str], root: Path, produced: dict[str
             o = f"drafter.checkpoint={produced[value]}"
         out.append(o)
     return [*out, *sizes, f"paths.root_dir={root}", f"paths.cache_dir={CACHE_DIR}"]
-
-
-def written_by(job: str, overrides: list[str]) -> str | None:
-    """Where the line writes by default on a GPU node (relative, as the section's later lines name it)."""
-    cfg = compose(job, [o for o in overrides if not o.startswith("hydra/")])
-    folder = {"generate": lambda: cfg.generate.out_dir, "train": lambda: f"{cfg.train.out_dir}/final"}.get(job)
-    return folder().removeprefix("./") if folder else None
 
 
 def generation(overrides: list[str], root: Path) -> subprocess.CompletedProcess:
@@ -143,8 +134,8 @@ def run_line(line: str, root: Path, produced: dict[str, str], step: int) -> tupl
     job, overrides = call
     toy = toy_overrides(job, overrides, root, produced)
     writes = written_by(job, overrides)
-    if job == "train":
-        toy.append(f"train.out_dir={root}/ckpt/{step}")
+    if job in ("train", "prune"):  # each drafter at its toy place, where the next line reads it
+        toy.append(f"{job}.out_dir={root}/ckpt/{step}")
         produced[writes] = f"{root}/ckpt/{step}/final"
     if job == "generate":
         produced[writes] = str(root / "data" / "responses" / "tiny_random" / "cpu_math")  # smoke's target and prompts
@@ -164,9 +155,10 @@ def run_line(line: str, root: Path, produced: dict[str, str], step: int) -> tupl
 @pytest.mark.parametrize("_", ["in order"])
 def test_the_section_rehearsed_line_by_line_at_toy_scale(_, tmp_path):
     """Each line of the section, in order, at toy scale (TOY_SIZES, 2 processes, 2 stand-in nodes of one):
-    generation on 2 torchrun ranks through an engine, training (DDP, then FSDP2 on gloo), pruning
-    under FSDP2 from that training's checkpoint, the seven-benchmark eval on 2 ranks with the Hub off
-    (offline sources), export, the sweep's dry run, and the SLURM script under the stand-in srun. Each
+    generation on 2 torchrun ranks through an engine, training under FSDP2 on gloo, pruning under
+    FSDP2 from that training's checkpoint, the seven-benchmark eval of the pruned drafter on 2 ranks
+    with the Hub off (offline sources), its export, the sweep's dry run, and the SLURM script under
+    the stand-in srun. Each
     line must finish with status 0 and leave what the next one reads; the lines this CPU cannot run
     are NOT_HERE, each with what covers it."""
     import json
@@ -192,5 +184,5 @@ def test_the_section_rehearsed_line_by_line_at_toy_scale(_, tmp_path):
     runs = [json.loads(p.read_text()) for p in root.glob("hydra/*/run.json")]
     suite = [r for r in runs if len(r["benchmark_sources"]) >= 7]
     assert suite and suite[0]["processes"] == PROCESSES, [(r["processes"], list(r["benchmark_sources"])) for r in runs]
-    pruned = list(root.glob("checkpoints/*/final/config.json"))
-    assert pruned, "the pruning line left no final/"
+    pruned = [Path(produced[k]) for k in produced if k.endswith("-acceptance/final")]
+    assert pruned and (pruned[0] / "config.json").is_file(), "the pruning line left no final/"

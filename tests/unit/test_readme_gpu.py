@@ -70,6 +70,15 @@ def hydra_call(line: str) -> tuple[str, list[str]] | None:
     return job, overrides
 
 
+def written_by(job: str, overrides: list[str]) -> str | None:
+    """Where a line writes by default on a GPU node, relative, as the section's later lines name it:
+    generation its responses, training and pruning their drafter's final/."""
+    cfg = compose(job, [o for o in overrides if not o.startswith("hydra/")] + ["paths.root_dir=."])
+    folder = {"generate": lambda: cfg.generate.out_dir, "train": lambda: f"{cfg.train.out_dir}/final",
+              "prune": lambda: f"{cfg.prune.out_dir}/final"}.get(job)
+    return folder().removeprefix("./") if folder else None
+
+
 def test_the_section_has_the_order_a_researcher_follows():
     lines = commands()
     jobs = [c[0] for c in map(hydra_call, lines) if c]
@@ -132,3 +141,24 @@ def test_setup_without_a_torch_spec_keeps_the_machines_torch(tmp_path):
     assert "print('torch==' + torch.__version__)\" > " + f"{tmp_path}/venv/torch-constraint.txt" in keep
     default = make_dry_run(tmp_path)
     assert "--system-site-packages" not in default and 'pip install -q "torch==' in default
+
+
+def test_the_section_follows_one_drafter():
+    """The stages' first lines are one chain: training reads the responses generation wrote, pruning
+    the drafter training wrote, eval and export the drafter pruning wrote (seen failing on a section
+    whose pruning line took the 8B drafter and whose eval and export lines the unpruned 1.7B one)."""
+    first: dict[str, list[str]] = {}
+    for call in filter(None, map(hydra_call, commands())):
+        first.setdefault(*call)
+
+    def checkpoint(job: str) -> str:
+        found = [o.split("=", 1)[1] for o in first[job] if o.startswith("drafter.checkpoint=")]
+        assert found, f"README: the first {job} line names no drafter.checkpoint"
+        return found[0]
+
+    responses = compose("train", first["train"] + ["paths.root_dir=."]).train.responses_dir.removeprefix("./")
+    assert responses == written_by("generate", first["generate"]), "training reads other responses than generation wrote"
+    assert checkpoint("prune") == written_by("train", first["train"]), "pruning starts from another drafter than training's"
+    pruned = written_by("prune", first["prune"])
+    assert checkpoint("eval") == pruned and checkpoint("export") == pruned, (
+        f"eval and export read {checkpoint('eval')}, {checkpoint('export')}; pruning wrote {pruned}")
