@@ -42,7 +42,9 @@ from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.decoding.divergence import classify
 from d3d.models.drafter import drafter_folder
-from d3d.settings import EVERY_SECTION, bind, bind_decode, check_decode_cost, decode_keys, shipped_benchmark
+from d3d.settings import (
+    EVERY_SECTION, bind, bind_decode, check_checkpoint_settings, check_decode_cost, decode_keys, shipped_benchmark,
+)
 from d3d.specs import DrafterSpec, PathsSpec, TargetSpec
 from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, write_json
 from d3d.utils.hardware import cpu_label
@@ -94,6 +96,7 @@ def bind_bench(cfg: DictConfig) -> tuple[BenchConfig, dict]:
         raise ConfigError(f"{unknown[0]}: d3d.bench has no such top-level key. Fix: check its spelling, or put it "
                           f"in a section ({', '.join(sorted(own))}).")
     typed = bind(BenchConfig, {k: cfg[k] for k in own if k in cfg}, "")
+    check_checkpoint_settings(typed.drafter)  # a trained drafter runs as it was trained
     b = typed.bench
     for key, least in [("n_prompts", 1), ("max_new_tokens", 1), ("repeats", 1), ("prompt_lookup_tokens", 1)]:
         if getattr(b, key) < least:

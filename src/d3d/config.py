@@ -51,31 +51,40 @@ def slug(value: object, limit: int = 120) -> str:
     return f"{head}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
-def trained_block(checkpoint: str | None, block_size: int) -> int:
-    """The block a drafter was trained with: its checkpoint's settings (config.json's d3d.block_size,
-    written by d3d.train), else `block_size`, the drafter.block_size a drafter still to be built or
-    trained gets. The decode files' default block (`${d3d.trained_block:...}`), so the block a run
-    verifies has one home, the drafter; a number in its place is a stated choice (d3d.eval records
-    and says it). A folder that is not a drafter's falls back too: it is refused where it loads."""
+def checkpoint_settings(checkpoint: str | None) -> dict:
+    """The settings a trained drafter was saved with: its config.json's `d3d` section (block_size,
+    block_attention, draft_vocab, mask_token_id, ...; written by d3d.train and d3d.prune), or {} with no
+    checkpoint or a folder that holds none (refused, with its fix, where it loads). Every read of a
+    checkpoint's settings at config time goes through here, torch-free and before any model loads:
+    they are the defaults of every job that loads the drafter (`${d3d.from_checkpoint:...}` in
+    conf/drafter/), and d3d.settings.check_checkpoint_settings refuses a value set against them."""
     import json
 
-    if checkpoint:
-        try:
-            return int(json.loads((resolve_path(checkpoint) / "config.json").read_text(encoding="utf-8"))["d3d"]["block_size"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return block_size
+    if not checkpoint:
+        return {}
+    try:
+        saved = json.loads((resolve_path(checkpoint) / "config.json").read_text(encoding="utf-8"))["d3d"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return dict(saved) if isinstance(saved, dict) else {}
+
+
+def from_checkpoint(checkpoint: str | None, key: str, default: object) -> object:
+    """`key` of the checkpoint's saved settings (checkpoint_settings), else `default`, the value a
+    drafter still to be built or trained gets. conf/drafter/'s default of each key a drafter saves, so
+    a trained drafter decodes, prunes and exports as it was trained unless a value is set."""
+    return checkpoint_settings(checkpoint).get(key, default)
 
 
 def _register_resolvers() -> None:
     # Resolved lazily inside configs: ${d3d.slug:...} turns a value into a folder-safe name;
     # ${d3d.benchmarks:} is the list of every shipped benchmark (benchmark_names);
-    # ${d3d.trained_block:<checkpoint>,<block_size>} the drafter's trained block (trained_block);
+    # ${d3d.from_checkpoint:<checkpoint>,<key>,<default>} a trained drafter's saved setting (from_checkpoint);
     # ${d3d.or:<value>,<word>} the value, or the word where it is null (a run's name: c${d3d.or:${.C},auto}).
     if not OmegaConf.has_resolver("d3d.or"):
         OmegaConf.register_new_resolver("d3d.or", lambda value, word: word if value is None else value)
-    if not OmegaConf.has_resolver("d3d.trained_block"):
-        OmegaConf.register_new_resolver("d3d.trained_block", trained_block)
+    if not OmegaConf.has_resolver("d3d.from_checkpoint"):
+        OmegaConf.register_new_resolver("d3d.from_checkpoint", from_checkpoint)
     if not OmegaConf.has_resolver("d3d.slug"):
         OmegaConf.register_new_resolver("d3d.slug", slug)
     if not OmegaConf.has_resolver("d3d.benchmarks"):

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from d3d.config import ConfigError, config_dir, literal
+from d3d.config import ConfigError, checkpoint_settings, config_dir, literal
 from d3d.specs import (
-    BenchmarkSpec, EvalConfig, EvalSettings, ExportConfig, GenerateConfig, PruneConfig, StepSettings, TrainConfig,
-    TrainSettings,
+    BenchmarkSpec, DrafterSpec, EvalConfig, EvalSettings, ExportConfig, GenerateConfig, PruneConfig, StepSettings,
+    TrainConfig, TrainSettings,
 )
 
 if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the models
@@ -132,7 +132,36 @@ def bind_config(cfg: DictConfig, name: str):
         if f.name == "train" and name in ("prune", "export"):  # the step's keys only (StepSettings)
             value = {k: v for k, v in value.items() if k not in TRAIN_ONLY_KEYS}
         node[f.name] = value
-    return bind(schema, node, "")
+    typed = bind(schema, node, "")
+    if getattr(typed, "drafter", None) is not None:
+        check_checkpoint_settings(typed.drafter)
+    return typed
+
+
+# The drafter keys a trained drafter saves (config.json's d3d section), with what else a user who set
+# one may want. With drafter.checkpoint set, conf/drafter/ takes each from the checkpoint
+# (${d3d.from_checkpoint:...}), so a bound value other than the saved one was set by someone: the
+# command line, an experiment overlay or a drafter file.
+SAVED_DRAFTER_KEYS = {
+    "block_size": "set decode.block_size={value} instead to decode it in blocks of {value} (a stated choice)",
+    "block_attention": "train a drafter with drafter.block_attention={value}",
+    "draft_vocab": "train a drafter with drafter.draft_vocab={value}",
+}
+
+
+def check_checkpoint_settings(drafter: DrafterSpec) -> None:
+    """A trained drafter runs as it was trained: each of its saved settings is the default of every job
+    that loads it, and a value set against one is refused in one line naming both, before any model
+    loads (the loader's block-rule check, d3d.models.drafter.check_block_attention, stays behind it).
+    A value equal to the saved one passes."""
+    saved = checkpoint_settings(drafter.checkpoint)
+    for key, other in SAVED_DRAFTER_KEYS.items():
+        value = getattr(drafter, key)
+        if key in saved and value != saved[key]:
+            word = "null" if value is None else value
+            raise ConfigError(f"drafter.{key}={word} was set, but the checkpoint {drafter.checkpoint} was trained with "
+                              f"drafter.{key}={'null' if saved[key] is None else saved[key]}. Fix: drop the override "
+                              f"to run it as trained, or {other.format(value=word)}.")
 
 
 def shipped_benchmark(name: str) -> BenchmarkSpec:

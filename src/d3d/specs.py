@@ -111,7 +111,9 @@ MAX_BLOCK = 256  # far above any trained drafter (16); 1000 used to run for minu
 
 @dataclass
 class DrafterSpec:
-    """conf/drafter/*.yaml: how the drafter starts (d3d.models.drafter.INITS) or which checkpoint."""
+    """conf/drafter/*.yaml: how the drafter starts (d3d.models.drafter.INITS) or which checkpoint. With a
+    checkpoint, block_size, block_attention and draft_vocab are the ones it was saved with unless set, and
+    a value set against them is refused (d3d.settings.check_checkpoint_settings)."""
 
     name: str
     init: str  # target | target_layers | pretrained | random
@@ -122,7 +124,7 @@ class DrafterSpec:
     checkpoint: Optional[str]  # a trained drafter folder: overrides init
     seed: int  # init=random: the weights' seed
     device: str  # where d3d.eval decodes with it: same (the target's input device) | cpu | cuda[:i]
-    block_attention: str  # BLOCK_ATTENTION: saved with the drafter; a checkpoint trained otherwise is refused
+    block_attention: str  # BLOCK_ATTENTION: saved with the drafter, which every pass on it follows
     # the LM head over the N most frequent response tokens (docs/design.md, Draft vocabulary); None = full head
     draft_vocab: Optional[int]
 

@@ -73,20 +73,27 @@ def test_the_estimator_equals_the_loop_with_a_causal_drafter(causal_models, meth
         assert greedy_rounds(m, len(prompt), len(ids), 6) == res.taus(), text
 
 
-def test_a_checkpoint_is_refused_under_the_other_block_rule(tmp_path):
-    """The rule is saved with the drafter; asking for the other one at load is one line with the fix."""
+def test_a_checkpoint_loads_with_its_block_rule_and_the_other_is_refused(tmp_path):
+    """The rule is saved with the drafter and is the default of a run that loads it; asking for the
+    other one is one line naming both at bind, and the loader's check stays behind it."""
+    from dataclasses import replace
+
     cfg = bind_config(compose("train", ["+experiment=smoke", "drafter.block_attention=causal"], tmp_path), "train")
     model, tok = build_drafter(cfg.drafter, cfg.target, cfg.paths.cache_dir, dtype="float32")
     assert DrafterSettings.of(model).block_attention == "causal"
     save_drafter(model, tok, tmp_path / "d")
-    again = bind_config(compose("train", ["+experiment=smoke", f"drafter.checkpoint={tmp_path / 'd'}",
-                                          "drafter.block_attention=causal"], tmp_path), "train")
+    again = bind_config(compose("train", ["+experiment=smoke", f"drafter.checkpoint={tmp_path / 'd'}"], tmp_path),
+                        "train")
+    assert again.drafter.block_attention == "causal"  # no drafter.block_attention: the checkpoint's
     loaded, _ = build_drafter(again.drafter, again.target, again.paths.cache_dir, dtype="float32")
     assert DrafterSettings.of(loaded).block_attention == "causal"
-    other = bind_config(compose("train", ["+experiment=smoke", f"drafter.checkpoint={tmp_path / 'd'}"], tmp_path),
-                        "train")
+    with pytest.raises(ConfigError, match=r"^drafter.block_attention=bidirectional was set, but the checkpoint .* was "
+                                          r"trained with drafter.block_attention=causal. Fix: drop the override"):
+        bind_config(compose("train", ["+experiment=smoke", f"drafter.checkpoint={tmp_path / 'd'}",
+                                      "drafter.block_attention=bidirectional"], tmp_path), "train")
+    other = replace(again.drafter, block_attention="bidirectional")  # a spec built by hand meets the loader's check
     with pytest.raises(ConfigError, match="with drafter.block_attention=causal.*Fix: set drafter.block_attention=causal"):
-        build_drafter(other.drafter, other.target, other.paths.cache_dir, dtype="float32")
+        build_drafter(other, again.target, again.paths.cache_dir, dtype="float32")
 
 
 def test_a_block_rule_that_does_not_exist_is_refused_at_bind():
