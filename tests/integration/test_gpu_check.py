@@ -4,9 +4,9 @@ the graphs its compiled stages make are the estimate's (its budget bookkeeping, 
 is in tests/unit/test_gpu_check.py; the checks it runs are tests/integration/test_gpu.py, with their
 CPU variants in the default suite)."""
 
-import pytest
-
 from __future__ import annotations
+
+import pytest
 
 
 def test_killed_mid_stage_the_json_holds_every_finished_sub_step(tmp_path):
