@@ -3,10 +3,11 @@ one H200 by its estimate (printed at start, inputs in `Estimate` below; a budget
 keeps it inside its timeout), so the first part can be read and run again within one lent machine's
 device time. Part 1 holds what matters first (the contracts, and async's overlap on the compiled
 backend at the Qwen3-8B / 1.7B shapes); part 2 the rest. Both write one gpu_check.json in --out-dir
-(part 2 merges into part 1's record when that is there).
+(part 2 merges into part 1's record when that is there: a folder new for each command keeps them
+apart; copy the first's gpu_check.json into the second's folder before it runs).
 
-    PYTHONPATH=src timeout 400 python3 scripts/gpu_check.py --part 1 --out-dir $OUT   # on the GPU machine
-    PYTHONPATH=src timeout 400 python3 scripts/gpu_check.py --part 2 --out-dir $OUT
+    PYTHONPATH=src timeout 400 python3 scripts/gpu_check.py --part 1 --out-dir outputs/gpu_check   # on the GPU machine
+    PYTHONPATH=src timeout 400 python3 scripts/gpu_check.py --part 2 --out-dir outputs/gpu_check
     python scripts/gpu_check.py --device cpu --toy --out-dir /tmp/gc          # every stage: what the tests run
 
 A runner: the contract checks are the `gpu`-marked tests of tests/integration/test_gpu.py, which it
