@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from d3d.eval import run_eval
 from tests.conftest import compose
 
 
+@pytest.mark.heavy  # a whole eval (40 s on the loaded 2-core CPU): the default suite keeps the unit tests
 def test_an_eval_with_auto_says_and_records_its_choice(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = compose("eval", ["+experiment=smoke", "benchmark=gsm8k", "eval.n=1", "eval.max_new_tokens=4",
