@@ -47,7 +47,7 @@ from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading.sandbox import isolation, isolation_warning
 from d3d.grading.verdict import grade
 from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: eval's API too)
-    AUTO, bind_config, check_eval_settings, decode_keys, method_configs,
+    AUTO, bind_config, check_eval_settings, decode_keys, method_configs, resolve_auto_backend,
     shipped_benchmark,
 )
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
@@ -518,6 +518,9 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
     """Evaluate into output_dir(cfg), one run at a time per folder (two would double every row).
     `check_only`: bind the settings, the decode files included, and return None (d3d.pipeline checks
     every stage before the first runs)."""
+    auto = resolve_auto_backend(cfg)  # decode.backend=auto chosen before anything loads, said in one line
+    if auto:
+        print(f"[d3d.eval] decode.backend=auto: {auto['backend']}, {auto['why']}", flush=True)
     typed = bind_config(cfg, "eval")  # the typed boundary: unknown keys fail here
     if check_only:
         cache = resolve_path(typed.paths.cache_dir)
@@ -529,12 +532,13 @@ def run_eval(cfg: DictConfig, check_only: bool = False) -> Path | None:
         return None
     with job_folder(output_dir(typed, typed.eval), "eval", "eval.out_dir",
                     process_state(typed.dist.timeout_s).process_index):
-        return _evaluate(cfg, typed)
+        return _evaluate(cfg, typed, auto)
 
 
-def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
+def _evaluate(raw: DictConfig, cfg: EvalConfig, auto: dict | None = None) -> Path:
     """`raw` keeps the composed config for the decode sections (method_configs) and the record of
-    the run (config.yaml, summary.json); everything else reads the typed `cfg`."""
+    the run (config.yaml, summary.json); everything else reads the typed `cfg`. `auto`: what
+    decode.backend=auto chose and why (a note of run.json, so of summary.md)."""
     ev = cfg.eval
     state = process_state(cfg.dist.timeout_s)  # one process unless started by `accelerate launch` or torchrun
     if state.num_processes > 1 and state.is_main_process:
@@ -562,6 +566,7 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig) -> Path:
     auto_budget = resolve_auto_budget(methods, fitting, out_dir, cfg, ev, target, tok, drafter, cache, state)
     budgets = budget_records(bound, methods)
     notes = run_notes(methods, budgets, DrafterSettings.of(drafter).block_size if drafter is not None else None)
+    notes = [f"decode.backend=auto chose {auto['backend']}: {auto['why']}"] * bool(auto) + notes
     for note in notes:
         print(f"[d3d.eval] {note}", flush=True)
     eos = eos_ids(tok, target)

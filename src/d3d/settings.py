@@ -256,6 +256,7 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
     from d3d.report import BASELINE
 
     check_eval_settings(ev)
+    resolve_auto_backend(cfg)  # decode.backend=auto, if d3d.eval has not resolved it already
     composed = bind_decode(cfg.decode, "decode")
     out = {}
     for name in ev.methods:
@@ -292,6 +293,32 @@ def method_configs(cfg: DictConfig, ev: EvalSettings) -> dict[str, DecodeConfig]
 
 
 AUTO = "auto"
+
+
+def resolve_auto_backend(cfg: DictConfig) -> dict | None:
+    """decode.backend=auto (and a method section's) replaced in `cfg` by the backend this machine
+    gets (d3d.decoding.config.resolve_backend: the GPU check's record at paths.gpu_check, this GPU's
+    model, torch's version, the target's device): {"backend", "why"}, or None where nothing says
+    auto. Asks CUDA nothing (a forked engine must find it uninitialised: d3d.utils.runinfo.gpu_name)."""
+    from d3d.decoding.config import AUTO_BACKEND, resolve_backend
+
+    nodes = [cfg.decode, *(cfg.methods[n] for n in cfg.get("methods") or {})]
+    autos = [node for node in nodes if node.get("backend") == AUTO_BACKEND]
+    if not autos:
+        return None
+    import torch
+
+    from d3d.models.target import map_devices, pick_device
+    from d3d.utils.runinfo import gpu_name
+
+    device_map = cfg.target.get("device_map")
+    spread = len(map_devices(OmegaConf.to_container(device_map) if OmegaConf.is_config(device_map) else device_map)) \
+        if device_map is not None else 1
+    backend, why = resolve_backend(pick_device(cfg.target.device).type, cfg.paths.gpu_check, gpu_name(),
+                                   torch.__version__, spread)
+    for node in autos:
+        node.backend = backend
+    return {"backend": backend, "why": why}
 
 
 def check_eval_settings(ev: EvalSettings) -> None:

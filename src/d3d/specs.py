@@ -249,6 +249,7 @@ class PathsSpec:
     responses_dir: str
     checkpoints_dir: str
     output_dir: str
+    gpu_check: str  # the GPU check's gpu_check.json: decode.backend=auto reads it (d3d.settings.resolve_auto_backend)
 
 
 @dataclass

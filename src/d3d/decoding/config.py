@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from d3d.decoding.kv import BACKENDS
 from d3d.decoding.verify import Sampling
@@ -55,6 +57,9 @@ class DecodeConfig:
                    "backend": BACKENDS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
+                if key == "backend" and self.backend == AUTO_BACKEND:  # resolved before binding (resolve_backend)
+                    bad(key, "auto is chosen where a run starts (d3d.eval, resolve_backend), not here",
+                        f"set decode.backend to one of {', '.join(BACKENDS)}")
                 bad(key, f"use {', '.join(allowed[:-1])} or {allowed[-1]}", f"set decode.{key} to one of them")
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         for key, least in (("C", 1), ("F", 0), ("tree_nodes", 1), ("tree_trays", 1), ("top_k", 0), ("max_new_tokens", 1)):
@@ -75,3 +80,47 @@ class DecodeConfig:
     @property
     def sampling(self) -> Sampling:
         return Sampling(float(self.temperature), float(self.top_p), int(self.top_k))
+
+
+# ---------------------------------------------------------------------------- decode.backend=auto
+# `auto` (the GPU overlays' backend) is chosen where a run starts, before any model loads
+# (d3d.settings.resolve_auto_backend): `compiled` on a GPU where the GPU check (scripts/gpu_check.py)
+# passed its compiled stages on the same GPU model and torch, else eager, as on a CPU, where eager is
+# the default (conf/decode/*.yaml). An eager row whose passes are host-bound is flagged in the
+# eval's summary (d3d.report's HOST-BOUND note).
+AUTO_BACKEND = "auto"
+CPU_BACKEND = "eager"  # conf/decode's default: a CPU run with auto decodes and times as one without it
+# The GPU check's stages that prove the compiled backend: async's overlap at the paper's shapes (part 1),
+# the compiled loops' tokens and compiled AR's timing (part 2). The check names its stages so.
+COMPILED_STAGES = ("overlap", "compiled_equal", "compiled_timing")
+
+
+def resolve_backend(device_type: str, record: str | Path, gpu: str | None, torch_version: str,
+                    spread: int = 1) -> tuple[str, str]:
+    """decode.backend=auto on this machine: (backend, why). `record` is the GPU check's
+    gpu_check.json (paths.gpu_check); `gpu` this machine's GPU model (d3d.utils.runinfo.gpu_name),
+    `spread` how many devices the target's weights are on (a spread target runs eager only)."""
+    if device_type != "cuda":
+        return CPU_BACKEND, f"on a CPU auto is {CPU_BACKEND}, the CPU default"
+    if spread > 1:
+        return "eager", f"the target is spread over {spread} devices (target.device_map), which only eager runs"
+    fallback = "eager: its host-bound rows are flagged HOST-BOUND in the summary"
+    try:
+        rec = json.loads(Path(record).read_text())
+    except FileNotFoundError:
+        return "eager", f"no GPU check record at {record} ({fallback}; run scripts/gpu_check.py --part 1 and --part 2)"
+    except (OSError, ValueError) as err:
+        return "eager", f"the GPU check record {record} does not read ({type(err).__name__}; {fallback})"
+    env, stages = rec.get("env", {}), rec.get("stages", {})
+    if env.get("toy") or not str(env.get("device", "")).startswith("cuda"):
+        return "eager", f"the GPU check record {record} is not a full-size GPU run ({fallback})"
+    if env.get("device_name") != gpu:
+        return "eager", f"the GPU check passed on {env.get('device_name')}, not on this {gpu} ({fallback})"
+    if env.get("torch") != torch_version:
+        return "eager", f"the GPU check ran under torch {env.get('torch')}, this is {torch_version} ({fallback})"
+    bad = {name: stages.get(name, {}).get("status", "not run") for name in COMPILED_STAGES}
+    bad = {name: status for name, status in bad.items() if status != "ok"}
+    if bad:
+        said = ", ".join(f"{name} {status}" for name, status in bad.items())
+        return "eager", f"the GPU check on this {gpu} did not pass its compiled stages ({said}; {fallback})"
+    return "compiled", f"the GPU check passed its compiled stages ({', '.join(COMPILED_STAGES)}) on this {gpu} under torch {torch_version} ({record})"
