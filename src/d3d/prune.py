@@ -37,7 +37,7 @@ from d3d.layer_scores import LayerScores, score_layers
 from d3d.models.drafter import (
     SavedDrafter, as_deployed, build_drafter, decoder_layers, drafter_folder, keep_layers, save_drafter,
 )
-from d3d.models.drafter_settings import DrafterSettings, saved_config
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
@@ -46,7 +46,7 @@ from d3d.training import (
     mixed_precision, my_share, recover, split_examples, sum_over_processes, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import (
-    MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
+    MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_config, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import CorruptFile, JsonlWriter, job_folder, read_jsonl, unique, write_json

@@ -270,21 +270,20 @@ def test_typed_components_import_no_omegaconf():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-# The one room where a drafter's saved facts are read (docs/design.md, Drafter checkpoints): its settings
-# (DrafterSettings.of, .of_folder), its config.json (saved_config), its draft map (draft_map) and the one
-# loader of a trained drafter (SavedDrafter). Outside it a raw read worked until a key was misspelt: a
-# probe `getattr(head, "d2t", None)` then silently meant "a full head", `config.d3d[...]` a KeyError.
-DRAFTER_ROOM = {"src/d3d/models/drafter.py", "src/d3d/models/drafter_settings.py"}
+# The one room where a drafter's saved facts are read (docs/design.md, Models): its settings
+# (DrafterSettings.of, .of_folder), its draft map (draft_map) and the one loader of a trained drafter
+# (SavedDrafter); the parse of its config.json (saved_config, saved_settings) a floor below, in
+# utils/checkpoints.py, where config-time code may import it. Outside it a raw read worked until a key was
+# misspelt: a probe `getattr(head, "d2t", None)` then silently meant "a full head", `config.d3d[...]` a KeyError.
+DRAFTER_ROOM = {"src/d3d/models/drafter.py", "src/d3d/models/drafter_settings.py", "src/d3d/utils/checkpoints.py"}
 # lines outside the room that read some config.json and are not a drafter's, each with its reason
 OTHER_CONFIGS = {
     ("src/d3d/models/target.py", ""): "the target's folder (its fingerprint, its download, its conversion)",
     ("src/d3d/prune.py", 'Path(spec.path).expanduser() / "config.json"'): "a model spec's folder (the target's)",
     ("scripts/memory_plan.py", 'Path(spec.path).expanduser() / "config.json"'): "a model spec's folder",
-    # a floor below the models (it may not import them): asks only whether a saved folder is whole
-    ("src/d3d/utils/checkpoints.py", 'json.loads((folder / "config.json")'): "a folder checked whole",
-    ("src/d3d/utils/checkpoints.py", '"d3d" in data'): "a folder checked whole",
-    # the decode files' default block, read as Hydra composes: to be read by DrafterSettings.of_folder
-    ("src/d3d/config.py", '/ "config.json").read_text(encoding="utf-8"))["d3d"]["block_size"]'): "trained_block",
+    # the checkpoint's settings read as Hydra composes: to go through d3d.utils.checkpoints.saved_settings
+    ("src/d3d/config.py", 'json.loads((resolve_path(checkpoint) / "config.json").read_text(encoding="utf-8"))["d3d"]'):
+        "the settings of drafter.checkpoint at config time",
 }
 READS = (".read_text(", ".read_bytes(", "json.load(", "open(")
 

@@ -33,10 +33,10 @@ import torch
 from torch import nn
 
 from d3d.errors import ConfigError
-from d3d.models.drafter_settings import DRAFT_MAP, DrafterSettings, saved_config
+from d3d.models.drafter_settings import DRAFT_MAP, DrafterSettings
 from d3d.models.target import drafter_device, load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
-from d3d.utils.checkpoints import torn_json
+from d3d.utils.checkpoints import saved_config, torn_json
 
 log = logging.getLogger("d3d.models.drafter")
 

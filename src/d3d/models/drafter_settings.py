@@ -4,17 +4,18 @@ target, its tokenizer's fingerprint). A leaf, so anything that gives a model the
 reads them (decoding, training, pruning) imports this and not the drafter builder.
 
 With d3d.models.drafter it is the one room where a drafter's saved facts are read: the settings of a
-model (`DrafterSettings.of`) or of a saved folder (`DrafterSettings.of_folder`, no torch), its
-config.json (`saved_config`), and its draft vocabulary's map (`draft_map`). Nothing else reads
+model (`DrafterSettings.of`) or of a saved folder (`DrafterSettings.of_folder`: its config.json alone,
+parsed by d3d.utils.checkpoints.saved_settings, a floor below, where config-time code reads it too),
+and its draft vocabulary's map (`draft_map`). Nothing else reads
 `config.d3d`, a drafter's config.json or the head's map by name (tests/unit/test_architecture.py):
 a misspelt key there silently meant "no settings" or "a full head"."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+
+from d3d.utils.checkpoints import saved_settings
 
 # the name of a DraftHead's map buffer (saved beside the head's weight as `lm_head.d2t`)
 DRAFT_MAP = "d2t"
@@ -49,24 +50,14 @@ class DrafterSettings:
 
     @classmethod
     def of_folder(cls, folder: str | os.PathLike) -> "DrafterSettings | None":
-        """The settings a saved drafter folder's config.json holds, read without torch or transformers;
-        None for a folder with no readable config.json or no d3d settings in it (a plain model, or a
+        """The settings a saved drafter folder's config.json holds, read without loading the model; None
+        for a folder with no readable config.json or no d3d settings in it (a plain model, or a
         PARD-format drafter: d3d.models.drafter.pard_settings gives that one's)."""
-        config = saved_config(folder)
-        raw = config.get("d3d") if config is not None else None
-        return cls(**raw) if isinstance(raw, dict) else None
+        raw = saved_settings(folder)
+        return cls(**raw) if raw is not None else None
 
     def attach(self, model) -> None:
         model.config.d3d = asdict(self)
-
-
-def saved_config(folder: str | os.PathLike) -> dict | None:
-    """A saved model folder's config.json as a dict; None when it is missing, empty or torn."""
-    try:
-        config = json.loads((Path(os.path.expanduser(str(folder))) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return config if isinstance(config, dict) else None
 
 
 def draft_map(model_or_head):
