@@ -73,22 +73,23 @@ def pass_ms(model, prefix: torch.Tensor, blocks: int, repeats: int) -> float:
     the cache is cropped back to the prefix after each, as the loop crops a pass's blocks."""
     from transformers import DynamicCache
 
+    from d3d.models.drafter_settings import DrafterSettings, draft_map
     from d3d.models.forward import hidden_states, in_target_vocab, logits_at
     from d3d.models.masks import block_layout, clean_layout
     from d3d.utils.timing import timed
 
     n, dev = prefix.shape[1], prefix.device
-    s = model.config.d3d
-    x = torch.full((1, blocks * BLOCK), s["mask_token_id"], dtype=torch.long, device=dev)
+    s = DrafterSettings.of(model)
+    x = torch.full((1, blocks * BLOCK), s.mask_token_id, dtype=torch.long, device=dev)
     layout = block_layout(torch.full((1, blocks), n, device=dev), BLOCK)
-    d2t = getattr(model.get_output_embeddings(), "d2t", None)
+    d2t = draft_map(model)
     cache = DynamicCache(config=model.config)
     hidden_states(model, prefix, clean_layout(n, device=dev), cache=cache, plain=True)
 
     def one():
         h = hidden_states(model, x, layout, cache=cache, cache_len=n, plain=False)
-        logits = logits_at(model, h, s["vocab_size"], draft_ids=True).float()
-        in_target_vocab(logits[:, :BLOCK], d2t, s["vocab_size"])
+        logits = logits_at(model, h, s.vocab_size, draft_ids=True).float()
+        in_target_vocab(logits[:, :BLOCK], d2t, s.vocab_size)
         cache.crop(-x.shape[1])  # back to the prefix
 
     return timed(one, dev, repeats)

@@ -27,7 +27,7 @@ from d3d.decoding import DecodeConfig
 from d3d.decoding.budget import calibrate, greedy_pairs
 from d3d.decoding.methods import METHODS, ROLES, method_row
 from d3d.models import load_target
-from d3d.models.drafter import load_drafter
+from d3d.models.drafter import SavedDrafter
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = bind_config(compose("generate", args.overrides), "generate")
     _, tok, target = load_target(cfg.target, resolve_path(cfg.paths.cache_dir))
-    drafter, _ = load_drafter(args.drafter, device=str(target.device), dtype=cfg.target.dtype)
+    drafter, _ = SavedDrafter.named(args.drafter, "--drafter").load(device=str(target.device), dtype=cfg.target.dtype)
     s = DrafterSettings.of(drafter)
     pairs = calibration(args, cfg, target, tok)
     overlap = target.device.type == "cuda" if args.overlap == "auto" else args.overlap == "stream"

@@ -16,7 +16,7 @@ from d3d.config import compose, resolve_path
 from d3d.settings import bind_config
 from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import load_drafter
+from d3d.models.drafter import SavedDrafter
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.training import cut_responses, load_examples, split_examples
 
@@ -34,7 +34,7 @@ def main() -> None:
     examples = load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len)
     _, val = split_examples(examples, cfg.train.val_size, cfg.seed)
     val = cut_responses(val, args.max_new_tokens)
-    model, _ = load_drafter(args.drafter, dtype="float32")
+    model, _ = SavedDrafter.named(args.drafter, "--drafter").load(dtype="float32")
     s = DrafterSettings.of(model)
     stats = estimate_acceptance(model, val, s.block_size, s.mask_token_id, s.vocab_size,
                                 drafts=scored_drafts(s.block_size, args.tree_nodes)).as_dict(s.block_size)

@@ -92,6 +92,7 @@ sys.path.insert(0, str(ROOT / "src"))  # d3d from this checkout, installed or no
 
 from d3d.decoding import DecodeConfig  # noqa: E402
 from d3d.decoding.methods import METHODS, ROLES  # noqa: E402
+from d3d.models.drafter_settings import DrafterSettings  # noqa: E402
 from d3d.models.random_models import as_drafter, random_model  # noqa: E402
 
 
@@ -539,7 +540,7 @@ def count_graphs(run) -> dict:
             compiled = torch.compile(kv.static_pass, backend=backend, dynamic=False)
 
             def counted(model, *args):
-                role.append("drafter" if hasattr(model.config, "d3d") else "target")
+                role.append("drafter" if DrafterSettings.of(model, required=False) else "target")
                 try:
                     return compiled(model, *args)
                 finally:

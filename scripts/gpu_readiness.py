@@ -88,8 +88,9 @@ def draft_vocab_passes(drafter, n: int, prefix: int, device, repeats: int, tray_
     d3d.train builds it: d3d.models.drafter.attach_draft_head), alternated `rounds` times so that a
     drifting clock hits both alike; device-time medians and full/draft ratios."""
     from d3d.models.drafter import attach_draft_head
+    from d3d.models.drafter_settings import DrafterSettings
 
-    vocab, mask = drafter.config.vocab_size, int(drafter.config.d3d["mask_token_id"])
+    vocab, mask = drafter.config.vocab_size, DrafterSettings.of(drafter).mask_token_id
     n = min(n, vocab // 2)  # the toy shapes' vocabularies are a few hundred ids
     small = copy.deepcopy(drafter)
     attach_draft_head(small, torch.cat([torch.arange(n - 1), torch.tensor([mask])]).sort().values.to(device))

@@ -21,7 +21,7 @@ import torch
 from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import score_layers, spearman
-from d3d.models.drafter import decoder_layers, load_drafter, skipping_layers
+from d3d.models.drafter import SavedDrafter, decoder_layers, skipping_layers
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import torch_dtype
 from d3d.training import cut_responses, load_examples, split_examples
@@ -44,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
 
     dtype = torch_dtype("auto", torch.device("cpu"))
-    model, _ = load_drafter(args.drafter, dtype=str(dtype).split(".")[-1])
+    model, _ = SavedDrafter.named(args.drafter, "--drafter").load(dtype=str(dtype).split(".")[-1])
     model.eval()
     s = DrafterSettings.of(model)
     examples = load_examples(Path(args.responses), args.max_len)

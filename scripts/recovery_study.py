@@ -18,7 +18,7 @@ from pathlib import Path
 
 from d3d.config import compose, resolve_path
 from d3d.estimator import estimate_acceptance
-from d3d.models.drafter import as_deployed, keep_layers, load_drafter
+from d3d.models.drafter import SavedDrafter, as_deployed, keep_layers
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
 from d3d.training import (
@@ -50,7 +50,7 @@ def main() -> None:
     calib = cut_responses(val[: pc.calib_size], tc.val_max_new_tokens)  # as d3d.prune splits them
     holdout = cut_responses(val[pc.calib_size : pc.calib_size + pc.holdout_size], tc.val_max_new_tokens)
     accelerator = make_accelerator(tc, timeout_s=cfg.dist.timeout_s, precision="auto")
-    start, tok = load_drafter(args.drafter, dtype="float32")
+    start, tok = SavedDrafter.named(args.drafter, "--drafter").load(dtype="float32")
     teacher = as_deployed(start).eval()
     results = {"cpu": cpu_info(), "drafter": args.drafter, "removed": args.remove, "steps": args.steps,
                "lr": pc.recovery_lr, "whole": measure(start, calib, holdout, DrafterSettings.of(start)), "runs": {}}

@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from d3d.serving import engine_tau
-    from d3d.models.drafter import load_drafter
+    from d3d.models.drafter import SavedDrafter
     from d3d.training import load_examples, split_examples
 
     python = Path(os.environ.get("D3D_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -83,7 +83,7 @@ def main() -> None:
             drafted = vllm_run({**job, "max_tokens": args.new_tokens, "speculative_config": spec}, python, work,
                                "drafted")
             metrics = drafted["metrics"]
-            model, _ = load_drafter(folder, dtype="float32")
+            model, _ = SavedDrafter.named(folder, "--served").load(dtype="float32")
             record["drafters"].append({
                 "served": str(folder), "source": exported["source"],
                 "trained_block_attention": exported["trained_block_attention"], "k": k,

@@ -41,7 +41,8 @@ from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, t
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.decoding.divergence import classify
-from d3d.models.drafter import drafter_folder
+from d3d.models.drafter import SavedDrafter
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import (
     EVERY_SECTION, bind, bind_decode, check_checkpoint_settings, check_decode_cost, decode_keys, shipped_benchmark,
 )
@@ -256,7 +257,7 @@ def pass_costs(target, drafter, also: dict, prompt: list[int], widths: list[int]
                 **{f"drafter@{k}": d for k, d in also.items()}}
     models = {"target": target, **drafters}
     out = {name: {w: clean_pass_ms(m, ids, w, 5, logits=False) for w in widths} for name, m in models.items()}
-    out["drafter_block"] = {name: {"ms": block_pass_ms(d, ids, 1, 5), "block": int(d.config.d3d["block_size"]),
+    out["drafter_block"] = {name: {"ms": block_pass_ms(d, ids, 1, 5), "block": DrafterSettings.of(d).block_size,
                                    "head_rows": int(d.get_output_embeddings().weight.shape[0])}
                             for name, d in drafters.items()}
     return out
@@ -268,27 +269,30 @@ def resume_key(cfg: BenchConfig, rows: dict[str, Timed]) -> dict:
     from d3d.utils.hardware import cpu_info
 
     b = cfg.bench
-    return {"target": cfg.target.name, "dtype": cfg.target.dtype, "drafter": cfg.drafter.checkpoint or
-            f"untrained {cfg.drafter.name}", "benchmark": b.benchmark, "max_new_tokens": b.max_new_tokens,
-            "exact_tokens": b.exact_tokens, "cpu": cpu_info()["model"],
+    # which drafters by path and weights, as d3d.eval names them (a drafter retrained in place is another)
+    drafter = (SavedDrafter.named(cfg.drafter.checkpoint).resume_record() if cfg.drafter.checkpoint
+               else {"drafter": f"untrained {cfg.drafter.name}"})
+    return {"target": cfg.target.name, "dtype": cfg.target.dtype, **drafter, "benchmark": b.benchmark,
+            "max_new_tokens": b.max_new_tokens, "exact_tokens": b.exact_tokens, "cpu": cpu_info()["model"],
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "rows": {name: t.settings for name, t in rows.items()}}
+            "rows": {name: t.settings for name, t in rows.items()},
+            **({"also_drafters": {label: SavedDrafter.named(p, f"bench.also_drafters.{label}").resume_record()
+                                  for label, p in b.also_drafters.items()}} if b.also_drafters else {})}
 
 
 def load_models(cfg: BenchConfig, methods: dict, cache: Path):
     from d3d.models import load_target
-    from d3d.models.drafter import build_drafter, check_fits_target, load_drafter
+    from d3d.models.drafter import build_drafter
+    from d3d.models.target import drafter_device
     from d3d.decoding.methods import method_row
 
     path, tok, target = load_target(cfg.target, cache)
-    dtype, device = cfg.target.dtype, str(target.device)
+    dtype, device = cfg.target.dtype, drafter_device(cfg.drafter.device, target)
 
-    def trained(folder: str, where: str):
-        model, dtok = load_drafter(resolve_path(folder), device=device, dtype=dtype,
-                                   block_size=cfg.drafter.block_size)  # a PARD-format folder's block
-        for warning in check_fits_target(model, dtok, target, tok, cfg.target.name):
-            print(f"[d3d.bench] warning: {where}: {warning}", flush=True)
-        return model
+    def trained(folder: str, where: str):  # as d3d.eval loads it: drafter.device, the configured attention
+        return SavedDrafter.named(folder, where).load(
+            cfg.drafter, cfg.target, target=target, target_tok=tok, decoding=True,
+            warn=lambda warning: print(f"[d3d.bench] warning: {warning}", flush=True))[0]
 
     drafter = None
     if any(method_row(dc.method).needs_drafter for dc in methods.values()):
@@ -309,10 +313,11 @@ def run_bench(raw: DictConfig) -> Path:
     cache = resolve_path(cfg.paths.cache_dir)
     spec = shipped_benchmark(b.benchmark)
     records = load_benchmark(spec, cache, n=b.n_prompts + 1)  # a benchmark that cannot load: said before the models
-    for key, folder in [("drafter.checkpoint", cfg.drafter.checkpoint),
-                        *((f"bench.also_drafters.{k}", v) for k, v in b.also_drafters.items())]:
-        if folder:
-            drafter_folder(folder, key)  # a missing path or a run folder: said before anything loads
+    # a missing path or a run folder, and a block rule the drafter was not trained with: said before anything loads
+    if cfg.drafter.checkpoint:
+        SavedDrafter.named(cfg.drafter.checkpoint, block_attention=cfg.drafter.block_attention)
+    for k, v in b.also_drafters.items():
+        SavedDrafter.named(v, f"bench.also_drafters.{k}")
     check_decode_cost(methods, cfg.target, cfg.drafter, cache)
     out = output_dir(cfg)
     with job_folder(out, "bench", "bench.out_dir"):

@@ -58,15 +58,9 @@ def checkpoint_settings(checkpoint: str | None) -> dict:
     checkpoint's settings at config time goes through here, torch-free and before any model loads:
     they are the defaults of every job that loads the drafter (`${d3d.from_checkpoint:...}` in
     conf/drafter/), and d3d.settings.check_checkpoint_settings refuses a value set against them."""
-    import json
+    from d3d.utils.checkpoints import saved_settings
 
-    if not checkpoint:
-        return {}
-    try:
-        saved = json.loads((resolve_path(checkpoint) / "config.json").read_text(encoding="utf-8"))["d3d"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return dict(saved) if isinstance(saved, dict) else {}
+    return dict(saved_settings(resolve_path(checkpoint)) or {}) if checkpoint else {}
 
 
 def from_checkpoint(checkpoint: str | None, key: str, default: object) -> object:

@@ -39,10 +39,7 @@ from d3d.models import load_target
 from d3d.models.target import (
     drafter_device, load_tokenizer, model_fingerprint, process_device, process_state, resolve_model_path,
 )
-from d3d.models.drafter import (
-    build_drafter, check_block_attention, check_fits_target, drafter_attention, drafter_folder, load_drafter,
-    weights_fingerprint,
-)
+from d3d.models.drafter import SavedDrafter, build_drafter
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading.sandbox import isolation, isolation_warning
 from d3d.grading.verdict import grade
@@ -203,14 +200,12 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
     Sampled rows also depend on the seed, through their own random stream (`item_seed`). `sources`:
     where each benchmark read here came from (read_benchmarks)."""
     drafter = cfg.drafter.checkpoint
-    folder = drafter_folder(drafter) if drafter else None  # a missing path or a run folder: said now, with the fix
-    if folder:
-        check_block_attention(folder, cfg.drafter.block_attention)  # the rule it was trained with, before it loads
+    # a missing path or a run folder said now, with the fix, and the rule it was trained with, before it loads
+    saved = SavedDrafter.named(drafter, block_attention=cfg.drafter.block_attention) if drafter else None
     return {"target": cfg.target.name, "dtype": cfg.target.dtype,
             # which weights, not only which name: another target saved under the same name is refused
             "target_weights": model_fingerprint(resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))),
-            "drafter": str(folder) if folder else f"untrained {cfg.drafter.name}",
-            **({"drafter_weights": weights_fingerprint(folder)} if folder else {}),
+            **(saved.resume_record() if saved else {"drafter": f"untrained {cfg.drafter.name}"}),
             "max_new_tokens": ev.max_new_tokens, "enable_thinking": ev.enable_thinking,
             "seed": cfg.seed, "exec_timeout_s": ev.exec_timeout_s,
             # each benchmark's template, sources, subset (n, seed) and loader: they change the prompt,
@@ -225,8 +220,8 @@ def resume_key(cfg: EvalConfig, ev: EvalSettings, methods: dict[str, DecodeConfi
             # keys only one side has are not compared); max_new_tokens is above
             "methods": {name: read_settings(dc) for name, dc in methods.items()},
             # more drafters' rows (<method>@<label>): their weights too (absent when none, so older folders resume)
-            **({"also_drafters": {label: {"drafter": str(folder), "drafter_weights": weights_fingerprint(folder)}
-                                  for label, folder in ((k, drafter_folder(p)) for k, p in ev.also_drafters.items())}}
+            **({"also_drafters": {label: SavedDrafter.named(p, f"eval.also_drafters.{label}").resume_record()
+                                  for label, p in ev.also_drafters.items()}}
                if ev.also_drafters else {})}
 
 
@@ -244,13 +239,8 @@ def check_resumable(out_dir: Path, key: dict, previous: list[dict]) -> None:
 def load_trained_drafter(cfg: EvalConfig, path: str, target, tok, where: str):
     """A saved drafter on drafter.device (`same`: the target's) in the target's dtype, with its fit to the
     target said (`where` names its key)."""
-    drafter, drafter_tok = load_drafter(resolve_path(path), device=drafter_device(cfg.drafter.device, target),
-                                        dtype=cfg.target.dtype,
-                                        attn_implementation=drafter_attention(cfg.drafter, cfg.target),
-                                        block_size=cfg.drafter.block_size)  # a PARD-format folder's block
-    for warning in check_fits_target(drafter, drafter_tok, target, tok, cfg.target.name):
-        log.warning("%s: %s", where, warning)
-    return drafter
+    return SavedDrafter.named(path, where).load(cfg.drafter, cfg.target, target=target, target_tok=tok,
+                                                decoding=True, warn=log.warning)[0]
 
 
 def load_models(cfg: EvalConfig, methods: dict[str, DecodeConfig], cache: Path, state):

@@ -53,10 +53,8 @@ from omegaconf import DictConfig
 
 from d3d.acceptance import speculation_profile
 from d3d.config import ConfigError, hydra_job, resolve_path
-from d3d.models.drafter import (
-    check_block_attention, check_same_tokenizer, drafter_folder, load_drafter, mask_convention, weights_fingerprint,
-)
-from d3d.models.drafter_settings import DrafterSettings
+from d3d.models.drafter import SavedDrafter, check_same_tokenizer, mask_convention
+from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.models.target import load_tokenizer, resolve_model_path
 from d3d.serving import served_taus, speculative_config
 from d3d.settings import bind_config
@@ -107,7 +105,7 @@ def as_served(model, s: DrafterSettings, mask_id: int) -> None:
     the head also reads."""
     emb = model.get_input_embeddings().weight.detach()
     head = model.get_output_embeddings().weight.detach()
-    d2t = getattr(model.get_output_embeddings(), "d2t", None)
+    d2t = draft_map(model)
     if d2t is not None:  # a draft vocabulary: its rows at their token ids, every other row zero (a logit of 0)
         head = torch.zeros(s.vocab_size, head.shape[1], dtype=head.dtype, device=head.device).index_copy_(
             0, d2t.to(head.device), head)
@@ -245,11 +243,11 @@ def export(cfg: ExportConfig) -> Path:
     if not cfg.drafter.checkpoint:
         raise ConfigError("drafter.checkpoint: unset; export serves a trained drafter. Fix: pass "
                           "drafter.checkpoint=<the final/ folder of a d3d.train or d3d.prune run>.")
-    source = drafter_folder(cfg.drafter.checkpoint)
-    check_block_attention(source, cfg.drafter.block_attention)
+    saved = SavedDrafter.named(cfg.drafter.checkpoint, block_attention=cfg.drafter.block_attention)
+    source = saved.folder
     out = resolve_path(ec.out_dir)
     check_out_dir(out, source)
-    model, tok = load_drafter(source, device="cpu", dtype="float32")
+    model, tok = saved.load(cfg.drafter, cfg.target, device="cpu", dtype="float32")
     model.eval()
     s = DrafterSettings.of(model)
     k = ec.num_speculative_tokens or s.block_size - 1
@@ -284,7 +282,7 @@ def export(cfg: ExportConfig) -> Path:
                  "against %.3f with the draft vocabulary's -inf outside it, on %d held-out responses", s.draft_vocab,
                  s.vocab_size, full_head[f"tau_served_causal_K{k}"], taus[f"tau_served_causal_K{k}"], taus["responses"])
     spec = speculative_config(out, k)
-    record = {"source": str(source), "source_weights": weights_fingerprint(source), "target": cfg.target.name,
+    record = {"source": str(source), "source_weights": saved.fingerprint(), "target": cfg.target.name,
               "target_path": str(target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
               "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
               # which public Qwen3 mask-id convention the served id is (None: neither, or not a Qwen3 vocabulary)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from d3d.models.drafter_settings import draft_map
 from d3d.models.masks import Layout, block_layout, clean_layout, concat, pad_layout
 from d3d.specs import ObjectiveKnobs
 
@@ -139,8 +140,8 @@ def pack(examples: list[Example], cfg: ObjectiveConfig, mask_id: int, pad_id: in
 
 def draft_targets(head, targets: torch.Tensor) -> torch.Tensor:
     """Target token ids as the head's row ids: themselves for a full head; for a draft vocabulary
-    (`head.d2t`, sorted) the row of each, -1 for a token outside it."""
-    d2t = getattr(head, "d2t", None)
+    (draft_map(head), sorted) the row of each, -1 for a token outside it."""
+    d2t = draft_map(head)
     if d2t is None:
         return targets
     row = torch.searchsorted(d2t, targets).clamp(max=len(d2t) - 1)
@@ -191,7 +192,7 @@ def loss_from_hidden(hidden: torch.Tensor, head, batch: PackedBatch, ar_weight: 
     loss_dn = dn_sum / w.sum().clamp(min=1e-9)
     loss = loss_dn
     metrics = {"loss_denoise": loss_dn.detach()}
-    if getattr(head, "d2t", None) is not None:
+    if draft_map(head) is not None:
         metrics["dn_outside"] = (~inside).float().mean() if len(inside) else torch.zeros((), device=dev)
     if len(batch.dn_slots):
         # Per-slot accuracy: hits summed per slot on the device; the counts are known on the host.
@@ -205,7 +206,7 @@ def loss_from_hidden(hidden: torch.Tensor, head, batch: PackedBatch, ar_weight: 
         ar_in = (ar_t >= 0).float()
         ar_sum, _ = chunked_weighted_ce(head, h[batch.ar_rows.to(dev)], ar_t, ar_in, vocab_size, chunk_rows)
         loss_ar = ar_sum / ar_in.sum().clamp(min=1)
-        if getattr(head, "d2t", None) is not None:
+        if draft_map(head) is not None:
             metrics["ar_outside"] = 1 - ar_in.mean()
         loss = loss + ar_weight * loss_ar
         metrics["loss_ar"] = loss_ar.detach()

@@ -35,8 +35,7 @@ from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.layer_scores import LayerScores, score_layers
 from d3d.models.drafter import (
-    as_deployed, build_drafter, check_block_attention, decoder_layers, drafter_attention, drafter_folder, keep_layers,
-    load_drafter, save_drafter, weights_fingerprint,
+    SavedDrafter, as_deployed, build_drafter, decoder_layers, drafter_folder, keep_layers, save_drafter,
 )
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import pick_device
@@ -47,7 +46,7 @@ from d3d.training import (
     mixed_precision, my_share, recover, split_examples, sum_over_processes, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import (
-    MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_step, trim_rows,
+    MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_config, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
 from d3d.utils.io import CorruptFile, JsonlWriter, job_folder, read_jsonl, unique, write_json
@@ -209,11 +208,9 @@ def prune_resume_key(cfg: PruneConfig, responses: str | None = None) -> dict:
     composed them still matches: keys only one side has are not compared); `responses`, the
     fingerprint of the examples it reads (d3d.training.train_resume_key)."""
     checkpoint = cfg.drafter.checkpoint
-    if checkpoint:
-        drafter_folder(checkpoint)  # a missing path or a run folder: said before any work, with the fix
-        check_block_attention(checkpoint, cfg.drafter.block_attention)
-    start = ({"checkpoint": str(resolve_path(checkpoint)), "weights": weights_fingerprint(resolve_path(checkpoint))}
-             if checkpoint else asdict(cfg.drafter))
+    # a missing path or a run folder, and a block rule it was not trained with: said before any work, with the fix
+    saved = SavedDrafter.named(checkpoint, block_attention=cfg.drafter.block_attention) if checkpoint else None
+    start = {"checkpoint": str(saved.folder), "weights": saved.fingerprint()} if saved else asdict(cfg.drafter)
     return {"drafter": start, "seed": cfg.seed, "precision": mixed_precision("auto"),
             # the recovery's global batch, not its split over processes (d3d.training.train_resume_key)
             "train": {**{k: v for k, v in asdict(cfg.train).items() if k not in RESUMABLE_TRAIN_KEYS | BATCH_SPLIT_KEYS},
@@ -303,8 +300,7 @@ def starting_layers(cfg: PruneConfig) -> int | None:
 
     d = cfg.drafter
     if d.checkpoint:
-        config = json.loads((drafter_folder(d.checkpoint) / "config.json").read_text(encoding="utf-8"))
-        return config.get("num_hidden_layers")
+        return saved_config(drafter_folder(d.checkpoint)).get("num_hidden_layers")  # drafter_folder: it parses
     if d.init == "target_layers" and d.layers:
         return len(d.layers)
     spec = d.model if d.init == "pretrained" and d.model is not None else cfg.target
@@ -338,8 +334,7 @@ def fp32_drafter(cfg: PruneConfig, device: str, folder: Path | None = None):
     drafter.init builds (deterministic, so distillation's teacher built again is the same drafter)."""
     folder = folder or cfg.drafter.checkpoint
     if folder:
-        return load_drafter(folder, device=device, dtype="float32",
-                            attn_implementation=drafter_attention(cfg.drafter, cfg.target))
+        return SavedDrafter(resolve_path(folder)).load(cfg.drafter, cfg.target, device=device, dtype="float32")
     return build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device, dtype="float32")
 
 

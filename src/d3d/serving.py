@@ -5,12 +5,12 @@ its τ there, offline: as the estimator counts it (`served_taus`) and as vLLM co
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 
 from d3d.estimator import estimate_acceptance, match_lengths
+from d3d.models.drafter import block_attention_as
 from d3d.models.drafter_settings import DrafterSettings
 
 
@@ -19,28 +19,13 @@ def speculative_config(folder: Path, k: int) -> dict:
     return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": k, "parallel_drafting": True}
 
 
-@contextlib.contextmanager
-def served_causally(model):
-    """The model with causal blocks for the duration (d3d.models.forward reads the rule from its
-    settings): how vLLM's parallel-draft pass sees a drafter, whatever it was trained with."""
-    settings = DrafterSettings.of(model)
-    trained = settings.block_attention
-    settings.block_attention = "causal"
-    settings.attach(model)
-    try:
-        yield model
-    finally:
-        settings.block_attention = trained
-        settings.attach(model)
-
-
 def served_taus(model, examples, k: int) -> dict:
     """Greedy τ on `examples` (target greedy responses) as d3d decodes the drafter (its own rule, its
     block of B) and as vLLM serves it (causal, K drafts: the estimator's block of K+1), with the
     served steps counted by τ."""
     s = DrafterSettings.of(model)
     own = estimate_acceptance(model, examples, s.block_size, s.mask_token_id, s.vocab_size).tau
-    with served_causally(model):
+    with block_attention_as(model, "causal"):  # how vLLM's parallel-draft pass drafts
         served = estimate_acceptance(model, examples, k + 1, s.mask_token_id, s.vocab_size)
     # the served steps by τ (1..K+1): d3d.export's speculation profile, its per-position rates
     return {f"tau_d3d_{s.block_attention}_B{s.block_size}": own, f"tau_served_causal_K{k}": served.tau,
@@ -69,7 +54,7 @@ def engine_tau(model, prompts: list[list[int]], continuations: list[list[int]], 
     (at least new_tokens + k + 1 of them, so every step's drafts have a truth to match)."""
     s = DrafterSettings.of(model)
     taus = []
-    with served_causally(model):
+    with block_attention_as(model, "causal"):  # how vLLM's parallel-draft pass drafts
         for p, c in zip(prompts, continuations):
             if len(c) < new_tokens + k + 1:
                 raise ValueError(f"a continuation of {len(c)} tokens: at least {new_tokens + k + 1} needed")

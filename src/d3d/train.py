@@ -24,7 +24,7 @@ from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.examples import StepBatches, StepLoader
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import build_drafter, check_draft_vocab_spec, coverage, save_drafter
-from d3d.models.drafter_settings import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.objective import ObjectiveConfig
 from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
     D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, compute_dtype, cut_responses, drafter_state_dict,
@@ -72,7 +72,7 @@ def responses(examples):
 def draft_vocab_record(drafter, train_set, val) -> dict | None:
     """A draft vocabulary's size and the share of response tokens it covers, on the training split it was
     chosen from and on the held-out one (logged, and kept in summary.json); None for a full head."""
-    d2t = getattr(drafter.get_output_embeddings(), "d2t", None)
+    d2t = draft_map(drafter)
     if d2t is None:
         return None
     record = {"size": len(d2t), "coverage_train": round(coverage(responses(train_set), d2t), 5),

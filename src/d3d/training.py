@@ -24,6 +24,7 @@ from torch import nn
 
 from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaConf)
 from d3d.examples import batch_at, load_examples, split_examples  # noqa: F401  (this module's API too)
+from d3d.models.drafter_settings import draft_map
 from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.masks import Layout
 from d3d.objective import Example, ObjectiveConfig, PackedBatch, loss_from_hidden, metrics_to_floats, pack
@@ -530,7 +531,7 @@ class DistillStep(D3DTrainingStep):
         w = batch.dn_weights.to(hidden.device)
         kl = hidden.new_zeros((), dtype=torch.float32)
         # a draft vocabulary: the student's law over its N tokens against the teacher's restricted to them
-        d2t = getattr(self.drafter.get_output_embeddings(), "d2t", None)
+        d2t = draft_map(self.drafter)
         for c in range(0, len(rows), self.loss_chunk_rows):
             student = logits_at(self.drafter, h[c : c + self.loss_chunk_rows], self.vocab_size, draft_ids=True).float()
             target = logits_at(teacher, th[c : c + self.loss_chunk_rows], self.vocab_size).float()

@@ -122,6 +122,35 @@ def test_a_missing_drafter_folder_is_said_before_the_models_load(tmp_path, monke
         run_bench(compose("bench", [*TINY, f"+bench.also_drafters.unpruned={tmp_path}/nowhere"], tmp_path))
 
 
+def test_a_checkpoint_of_another_block_rule_is_refused_before_the_models_load(tmp_path, drafter, monkeypatch):
+    """d3d.bench holds a trained drafter by the handle d3d.eval holds it by (SavedDrafter): a run that asks
+    for a block rule the drafter was not trained with is refused before anything loads."""
+    import d3d.bench as bench
+
+    monkeypatch.setattr(bench, "load_models", lambda *a, **k: pytest.fail("the models loaded before the check"))
+    with pytest.raises(ConfigError, match=r"block_attention"):
+        run_bench(compose("bench", [*TINY, "bench.methods=[ar,sync]", f"drafter.checkpoint={drafter}",
+                                    "drafter.block_attention=causal"], tmp_path))
+
+
+def test_a_trained_drafter_loads_as_eval_loads_it_and_is_named_by_its_weights(tmp_path, drafter, monkeypatch):
+    """The configured attention backend (the target's, which the drafter copies), and the resume key names
+    the drafter by its weights' fingerprint, as d3d.eval's does: a drafter retrained into the same folder is
+    another drafter."""
+    import d3d.bench as bench
+    from d3d.models.drafter import weights_fingerprint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg, methods = bench.bind_bench(compose("bench", [*TINY, "bench.methods=[ar,sync]", f"drafter.checkpoint={drafter}",
+                                                      f"+bench.also_drafters.again={drafter}",
+                                                      "target.attn_implementation=eager"], tmp_path))
+    _, _, target, model, also = bench.load_models(cfg, methods, bench.resolve_path(cfg.paths.cache_dir))
+    assert model.config._attn_implementation == "eager" == also["again"].config._attn_implementation
+    key = bench.resume_key(cfg, {})
+    named = {"drafter": str(drafter.resolve()), "drafter_weights": weights_fingerprint(drafter)}
+    assert {k: key[k] for k in named} == named and key["also_drafters"] == {"again": named}
+
+
 def test_a_draft_vocabulary_drafter_beside_the_full_head_reports_each_pass_and_best_row(tmp_path, drafter, monkeypatch):
     import torch
 

@@ -110,7 +110,7 @@ def test_an_out_dir_holding_a_users_files_is_refused_before_the_drafter_loads(ro
     out.mkdir()
     (out / "export.json").write_text("{}")
     (out / "README.md").write_text("mine")
-    monkeypatch.setattr(d3d.export, "load_drafter", lambda *a, **k: pytest.fail("the drafter loaded"))
+    monkeypatch.setattr(d3d.export.SavedDrafter, "load", lambda *a, **k: pytest.fail("the drafter loaded"))
     with pytest.raises(ConfigError, match="holds an export and also README.md, which d3d.export did not write"):
         export(root, folder, "causal", f"export.out_dir={out}")
     assert (out / "README.md").read_text() == "mine"

@@ -83,8 +83,8 @@ def test_an_unknown_method_is_refused_before_the_drafter_loads(root, monkeypatch
     """prune.method=nope used to fail at step 1, after the drafter was built and step 0 measured."""
     import d3d.prune
 
-    for loader in ("build_drafter", "load_drafter"):
-        monkeypatch.setattr(d3d.prune, loader, lambda *a, **k: pytest.fail("the drafter loaded before the check"))
+    for owner, loader in ((d3d.prune, "build_drafter"), (d3d.prune.SavedDrafter, "load")):
+        monkeypatch.setattr(owner, loader, lambda *a, **k: pytest.fail("the drafter loaded before the check"))
     with pytest.raises(ConfigError, match=r"^prune.method='nope': no such pruning criterion. Fix: use one of acceptance"):
         prune(root, "unknown_method", "prune.method=nope")
 

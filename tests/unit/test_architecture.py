@@ -268,3 +268,86 @@ def test_typed_components_import_no_omegaconf():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# The one room where a drafter's saved facts are read (docs/design.md, Models): its settings
+# (DrafterSettings.of, .of_folder), its draft map (draft_map) and the one loader of a trained drafter
+# (SavedDrafter); the parse of its config.json (saved_config, saved_settings) a floor below, in
+# utils/checkpoints.py, where config-time code may import it. Outside it a raw read worked until a key was
+# misspelt: a probe `getattr(head, "d2t", None)` then silently meant "a full head", `config.d3d[...]` a KeyError.
+DRAFTER_ROOM = {"src/d3d/models/drafter.py", "src/d3d/models/drafter_settings.py", "src/d3d/utils/checkpoints.py"}
+# lines outside the room that read some config.json and are not a drafter's, each with its reason
+OTHER_CONFIGS = {
+    ("src/d3d/models/target.py", ""): "the target's folder (its fingerprint, its download, its conversion)",
+    ("src/d3d/prune.py", 'Path(spec.path).expanduser() / "config.json"'): "a model spec's folder (the target's)",
+    ("scripts/memory_plan.py", 'Path(spec.path).expanduser() / "config.json"'): "a model spec's folder",
+}
+READS = (".read_text(", ".read_bytes(", "json.load(", "open(")
+
+
+def _named(node) -> str:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def drafter_reads(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Every raw read of a drafter's saved facts outside DRAFTER_ROOM, as `file:line what`: `.d3d` on a
+    config, getattr/hasattr of "d3d", a config dict's "d3d" section, the string "d2t", a config.json read,
+    and the loader's inner function `load_drafter`."""
+    found = []
+    for path in files:
+        rel = str(path.relative_to(root))
+        if rel in DRAFTER_ROOM:
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+
+        def allowed(line: int) -> bool:
+            return any(f == rel and s in lines[line - 1] for f, s in OTHER_CONFIGS)
+
+        for n in ast.walk(ast.parse(text, rel)):
+            what = None
+            if isinstance(n, ast.Attribute) and n.attr == "d3d":
+                what = "config.d3d"
+            elif isinstance(n, ast.Call) and _named(n.func) in ("getattr", "hasattr", "setattr", "get") and any(
+                    isinstance(a, ast.Constant) and a.value == "d3d" for a in n.args):
+                what = f'{_named(n.func)}(.., "d3d")'
+            elif (isinstance(n, ast.Compare) and isinstance(n.left, ast.Constant) and n.left.value == "d3d"
+                  and isinstance(n.ops[0], (ast.In, ast.NotIn))):
+                what = '"d3d" in a config'
+            elif (isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value == "d3d"
+                  and (isinstance(n.value, ast.Call) or any(w in _named(n.value) for w in ("config", "data", "raw")))):
+                what = 'a config\'s ["d3d"]'
+            elif isinstance(n, ast.Constant) and n.value == "d2t":
+                what = '"d2t"'
+            elif (isinstance(n, ast.Constant) and n.value == "config.json"
+                  and any(r in lines[n.lineno - 1] for r in READS)):
+                what = "a config.json read"
+            elif (isinstance(n, ast.Name) and n.id == "load_drafter") or (
+                    isinstance(n, ast.alias) and n.name == "load_drafter"):
+                what = "load_drafter (SavedDrafter.load is the loader)"
+            if what and not allowed(n.lineno):
+                found.append(f"{rel}:{n.lineno} {what}")
+    return sorted(set(found))
+
+
+def test_a_drafters_saved_facts_are_read_in_one_room():
+    found = drafter_reads(code_files())
+    assert found == [], "raw reads of a drafter's facts outside d3d.models.drafter(_settings):\n" + "\n".join(found)
+
+
+def test_the_room_rule_sees_each_raw_read(tmp_path):
+    fake = tmp_path / "src" / "d3d"
+    fake.mkdir(parents=True)
+    (fake / "eval.py").write_text(
+        "import json\nfrom d3d.models.drafter import load_drafter\n"
+        "def f(model, folder, head):\n"
+        "    a = model.config.d3d['block_size']\n"
+        "    b = getattr(model.config, 'd3d', None)\n"
+        "    c = json.loads((folder / 'config.json').read_text())['d3d']\n"
+        "    d = getattr(head, 'd2t', None)\n"
+        "    heads = {'d3d': head}\n"
+        "    return heads['d3d'], 'd3d' in c\n")
+    found = drafter_reads([fake / "eval.py"], tmp_path)
+    assert [f.split(" ", 1)[0] for f in found] == ["src/d3d/eval.py:2", "src/d3d/eval.py:4", "src/d3d/eval.py:5",
+                                                   "src/d3d/eval.py:6", "src/d3d/eval.py:6", "src/d3d/eval.py:7",
+                                                   "src/d3d/eval.py:9"], found

@@ -85,7 +85,7 @@ def test_a_prune_run_resumed_on_other_responses_is_refused_before_the_drafter_lo
     key = prune_resume_key(cfg, load_examples(data, cfg.train.max_len).fingerprint())
     out.mkdir()
     (out / "steps.jsonl").write_text(json.dumps({"step": 0, "resume_key": key}) + "\n")
-    for name in ("build_drafter", "load_drafter"):
+    for name in ("build_drafter", "SavedDrafter.load"):
         monkeypatch.setattr(f"d3d.prune.{name}", lambda *a, **k: pytest.fail("the drafter loaded"))
     write_responses(data, rows + [{**rows[0], "id": "p99"}])
     with pytest.raises(ConfigError, match=r"was pruned with other settings \(responses differ\)"):

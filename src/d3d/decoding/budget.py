@@ -33,6 +33,7 @@ import torch
 
 from d3d.decoding.drafts import Draft, Drafts
 from d3d.decoding.passes import Round, RoundStats
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.forward import hidden_states, logits_at
 from d3d.models.masks import block_layout, clean_layout
 from d3d.utils.timing import timed
@@ -143,8 +144,8 @@ def block_pass_ms(drafter, prefix: torch.Tensor, blocks: int, repeats: int = 5, 
     synchronous draft; a tray pass is its budget in whole blocks (a chain's (C-1)*F + 2: the glue
     counted as a block). `block`: the block the loop drafts (decode.block_size); None = the
     drafter's trained block."""
-    B = int(block or drafter.config.d3d["block_size"])
-    mask_id = int(drafter.config.d3d["mask_token_id"])
+    s = DrafterSettings.of(drafter)
+    B, mask_id = int(block or s.block_size), s.mask_token_id
     n, dev = prefix.shape[1], prefix.device
     x = torch.full((1, blocks * B), mask_id, dtype=torch.long, device=dev)
     layout = block_layout(torch.full((1, blocks), n, device=dev), B)
@@ -234,7 +235,8 @@ def calibrate(target, drafter, pairs: list[tuple[list[int], int]], drafts: Draft
     Minutes for a 1.5B target on a CPU (the Qwen pair on a Zen 4 EPYC: 3 to 4), so a bar per response."""
     from tqdm.auto import tqdm
 
-    mask_id, vocab = int(drafter.config.d3d["mask_token_id"]), int(drafter.config.d3d["vocab_size"])
+    s = DrafterSettings.of(drafter)
+    mask_id, vocab = s.mask_token_id, s.vocab_size
     grid = list(grid or drafts.tray_grid)
     outcomes = [o for ids, n in tqdm(pairs, desc="budget: rounds per response", unit="response", disable=not progress)
                 for o in round_outcomes(drafter, drafts, ids, n, mask_id, vocab)]

@@ -24,7 +24,6 @@ pass that cannot fit, not a guess that might.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from d3d.decoding.config import DecodeConfig
 from d3d.decoding.methods import method_row
 from d3d.errors import ConfigError
 from d3d.models.drafter import check_is_drafter, drafter_attention
+from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import check_device, map_devices, pick_device, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec, TargetSpec
 
@@ -63,7 +63,8 @@ class ModelShape:
         """From a transformers PretrainedConfig (AutoConfig.from_pretrained reads config.json only)."""
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        draft = (getattr(config, "d3d", None) or {}).get("draft_vocab")
+        saved = DrafterSettings.of(config, required=False)  # a drafter's: its draft vocabulary's rows
+        draft = saved.draft_vocab if saved is not None else None
         return cls(layers=int(config.num_hidden_layers), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), head_dim=int(head_dim),
                    hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
@@ -308,11 +309,10 @@ def placement(target: TargetSpec, drafter: DrafterSpec | None, layers: int):
 def _check_logits_width(drafter: DrafterSpec, target: ModelSpec, vocab: int) -> None:
     """A drafter checkpoint built for another vocabulary, said from the two config.json files before
     any weight loads (d3d.models.drafter.check_fits_target says it again, with the tokenizers, after)."""
-    folder = resolve_path(drafter.checkpoint) if drafter.checkpoint else None
-    try:
-        built_for = json.loads((folder / "config.json").read_text(encoding="utf-8"))["d3d"]["vocab_size"]
-    except (TypeError, OSError, ValueError, KeyError):
+    saved = DrafterSettings.of_folder(resolve_path(drafter.checkpoint)) if drafter.checkpoint else None
+    if saved is None:
         return  # no checkpoint, or not a drafter's config: said where it loads (check_is_drafter)
+    built_for = saved.vocab_size
     if built_for != vocab:
         raise ConfigError(f"drafter.checkpoint={drafter.checkpoint}: the drafter was built for a target with {built_for} "
                           f"logits; target {target.name} has {vocab}. Fix: use a drafter built (d3d.train) for this "

@@ -19,7 +19,7 @@ import torch
 from d3d.decoding.drafts import Draft, moved
 from d3d.decoding.kv import KVState, SideStreamGraphs, StaticKVState, allocate, batch_bucket
 from d3d.errors import ConfigError
-from d3d.models.drafter_settings import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.models.forward import in_target_vocab, logits_at
 from d3d.models.masks import CLEAN, PAD, Layout, block_layout, concat
 from d3d.models.target import input_device
@@ -150,7 +150,7 @@ class Passes:
         self.drafter_device = input_device(drafter) if drafter is not None else self.device
         self.settings = DrafterSettings.of(drafter) if drafter is not None else None
         # a draft vocabulary's map to target ids, where drafts are made (None: the full head)
-        d2t = getattr(drafter.get_output_embeddings(), "d2t", None) if drafter is not None else None
+        d2t = draft_map(drafter) if drafter is not None else None
         self.d2t = None if d2t is None else moved(d2t, self.device)
         self.backend, self.static = backend, backend != "eager"
         spread = {p.device for p in target.parameters()}

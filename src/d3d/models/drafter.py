@@ -11,6 +11,10 @@ So a drafter saves and loads with plain `save_pretrained` / `from_pretrained`; i
 fingerprint) ride along in `config.d3d`. A drafter with a draft vocabulary (drafter.draft_vocab)
 has a smaller LM head, `DraftHead`, whose rows are the N most frequent response tokens; its folder
 loads through `load_drafter` (docs/design.md, Draft vocabulary, says how a plain HF loader reads it).
+
+A job that names a trained drafter holds it by one handle, `SavedDrafter`: the folder checked before
+anything loads, the block rule it was trained with, its weights' fingerprint for resume keys, and one
+`load` that places it (device, dtype, attention) and says its fit to the target, the same for every job.
 """
 
 from __future__ import annotations
@@ -21,17 +25,18 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from d3d.errors import ConfigError
-from d3d.models.drafter_settings import DrafterSettings
-from d3d.models.target import load_model, load_tokenizer, resolve_model_path, torch_dtype
+from d3d.models.drafter_settings import DRAFT_MAP, DrafterSettings
+from d3d.models.target import drafter_device, load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
-from d3d.utils.checkpoints import torn_json
+from d3d.utils.checkpoints import saved_config, torn_json
 
 log = logging.getLogger("d3d.models.drafter")
 
@@ -98,8 +103,8 @@ def keep_layers(model, keep: list[int]) -> None:
     if types is not None:
         model.config.layer_types = [types[i] for i in keep]
     _set_layers(model, [layers[i] for i in keep])
-    if getattr(model.config, "d3d", None):
-        settings = DrafterSettings.of(model)
+    settings = DrafterSettings.of(model, required=False)
+    if settings:
         settings.kept_layers = [settings.kept_layers[i] for i in keep]
         settings.attach(model)
 
@@ -140,7 +145,7 @@ class DraftHead(nn.Linear):
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.weight.copy_(weight)
-        self.register_buffer("d2t", d2t.to(device=weight.device, dtype=torch.long))
+        self.register_buffer(DRAFT_MAP, d2t.to(device=weight.device, dtype=torch.long))
 
 
 def special_ids(tokenizer, vocab_size: int, mask_id: int | None = None) -> list[int]:
@@ -321,8 +326,8 @@ def build_drafter(spec: DrafterSpec, target: ModelSpec, cache_dir: str | Path, d
     cache_dir = Path(cache_dir)
     attn = drafter_attention(spec, target)
     if spec.checkpoint:
-        check_block_attention(spec.checkpoint, spec.block_attention)
-        return load_drafter(spec.checkpoint, device=device, dtype=dtype, attn_implementation=attn)
+        return SavedDrafter.named(spec.checkpoint, block_attention=spec.block_attention).load(
+            spec, target, device=device, dtype=dtype or "auto")
     check_draft_vocab_spec(spec, target, cache_dir, responses is not None)
     target_path = resolve_model_path(target, cache_dir)
     target_tok = load_tokenizer(target_path)
@@ -437,14 +442,6 @@ def pard_settings(config: dict, block_size: int) -> DrafterSettings:
                            block_attention="causal")
 
 
-def saved_config(path: Path) -> dict | None:
-    try:
-        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
 def check_is_drafter(path: Path, key: str = "drafter.checkpoint") -> None:
     """A folder whose config.json has no `d3d` settings and no parallel-drafting mask id (MASK_ID_KEYS)
     is a plain model (the target's own folder, say), not a drafter: said in one line with the fix,
@@ -471,9 +468,9 @@ def check_block_attention(folder, wanted: str, key: str = "drafter.checkpoint") 
     """A drafter decodes with the block rule it was trained with (it rides in its config.d3d, and
     d3d.models.forward reads it there), so a run that asks for the other rule is refused before the
     weights load rather than silently running the saved one."""
-    config = saved_config(Path(os.path.expanduser(str(folder))))
-    if config is not None and isinstance(config.get("d3d"), dict):
-        saved = DrafterSettings(**config["d3d"]).block_attention
+    config, settings = saved_config(folder), DrafterSettings.of_folder(folder)
+    if settings is not None:
+        saved = settings.block_attention
     elif config is not None and named_mask_id(config):
         saved = "causal"  # a PARD-format drafter drafts with causal blocks (pard_settings)
     else:
@@ -540,10 +537,77 @@ def load_drafter(path: str | Path, device: str = "cpu", dtype: str | None = "aut
 
 
 def _saved_draft_vocab(path: Path) -> int | None:
+    settings = DrafterSettings.of_folder(path)
+    return settings.draft_vocab if settings is not None else None
+
+
+# ---------------------------------------------------------------------------- the handle on a trained drafter
+
+
+@dataclass(frozen=True)
+class SavedDrafter:
+    """A trained drafter a job names (drafter.checkpoint, eval.also_drafters.<label>, a script's
+    --drafter): its folder and the key that named it, which every error says. Read without loading
+    (`fingerprint`, `resume_record`; its settings: DrafterSettings.of_folder) and loaded one way for
+    every job (`load`)."""
+
+    folder: Path
+    key: str = "drafter.checkpoint"
+
+    @classmethod
+    def named(cls, value, key: str = "drafter.checkpoint", block_attention: str | None = None) -> "SavedDrafter":
+        """The folder `value` names, checked before anything loads (a missing path, a run folder, a plain
+        model, a torn config: drafter_folder); with `block_attention` (the run's drafter.block_attention)
+        also the block rule it was trained with (check_block_attention)."""
+        folder = drafter_folder(value, key)
+        if block_attention is not None:
+            check_block_attention(folder, block_attention, key)
+        return cls(folder, key)
+
+    def fingerprint(self) -> str:
+        return weights_fingerprint(self.folder)
+
+    def resume_record(self) -> dict:
+        """How a result folder names the drafter its rows came from: its path *and* its weights, so a
+        drafter retrained into the same folder is not mistaken for the one that made them."""
+        return {"drafter": str(self.folder), "drafter_weights": self.fingerprint()}
+
+    def load(self, spec: DrafterSpec | None = None, target_spec: ModelSpec | None = None, *, target=None,
+             target_tok=None, device: str | None = None, dtype: str | None = None, decoding: bool = False,
+             warn: Callable[[str], None] | None = None):
+        """(model, tokenizer). `device`: None = drafter.device beside `target` (`same`: the target's input
+        device), cpu without one. `dtype`: None = the target's (target_spec.dtype). The attention backend
+        the specs give (drafter_attention; sdpa without them). `decoding` (d3d.eval, d3d.bench): a PARD-format
+        folder loads too, drafting blocks of drafter.block_size. With `target` and `target_tok` its fit to
+        the target is checked (check_fits_target): a mismatch refused, anything else worth saying passed to
+        `warn` (the log by default) after the key that named it."""
+        if device is None:
+            device = drafter_device(spec.device if spec is not None else "same", target) if target is not None else "cpu"
+        if dtype is None:
+            dtype = target_spec.dtype if target_spec is not None else "auto"
+        attn = drafter_attention(spec, target_spec) if spec is not None and target_spec is not None else "sdpa"
+        model, tok = load_drafter(self.folder, device=device, dtype=dtype, attn_implementation=attn,
+                                  block_size=spec.block_size if decoding and spec is not None else None)
+        if target is not None and target_tok is not None:
+            for warning in check_fits_target(model, tok, target, target_tok, target_spec.name if target_spec else None):
+                (warn or log.warning)(f"{self.key}: {warning}")
+        return model, tok
+
+
+@contextlib.contextmanager
+def block_attention_as(model, rule: str) -> Iterator[None]:
+    """The drafter drafting with `rule` blocks for the duration (d3d.models.forward reads the rule from
+    its settings for every pass), its own rule back afterwards: how an engine that drafts otherwise
+    (vLLM's causal parallel-draft pass, d3d.serving) sees it."""
+    settings = DrafterSettings.of(model)
+    trained = settings.block_attention
+    settings.block_attention = rule
+    settings.attach(model)
     try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))["d3d"].get("draft_vocab")
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
+        yield
+    finally:
+        settings.block_attention = trained
+        settings.attach(model)
 
 
 def as_deployed(model):

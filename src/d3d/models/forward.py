@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from d3d.models.drafter_settings import DrafterSettings
+from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.models.masks import Layout, block_mask, build_mask, float_mask
 
 
 def causal_blocks(model) -> bool:
     """True for a drafter saved with block_attention=causal (docs/design.md, Causal blocks). A model
     without d3d settings (the target) never sees a block, so the rule does not matter for it."""
-    raw = getattr(model.config, "d3d", None)
-    return raw is not None and DrafterSettings(**raw).block_attention == "causal"
+    settings = DrafterSettings.of(model, required=False)
+    return settings is not None and settings.block_attention == "causal"
 
 
 def attention_mask_for(model, mask):
@@ -106,15 +106,15 @@ def logits_at(model, hidden: torch.Tensor, vocab_size: int | None = None, draft_
     once per block when the weight does not require grad (a frozen or untied head): 35 of 39 s of
     an estimate on the Qwen drafter went to that copy.
 
-    A drafter with a draft vocabulary (a head with a `d2t` map, d3d.models.drafter.DraftHead) gives
+    A drafter with a draft vocabulary (a head with a map, draft_map; d3d.models.drafter.DraftHead) gives
     its N logits scattered into the target's vocabulary, -inf elsewhere (so q is 0 there), unless
     `draft_ids`: then its N logits as they are (the decoding passes keep them so; Passes.target_vocab)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     head = model.get_output_embeddings()
     logits = head(flat).reshape(*hidden.shape[:-1], -1)
-    d2t = getattr(head, "d2t", None)
+    d2t = draft_map(head)
     if d2t is not None:
-        return logits if draft_ids else in_target_vocab(logits, d2t, vocab_size or model.config.d3d["vocab_size"])
+        return logits if draft_ids else in_target_vocab(logits, d2t, vocab_size or DrafterSettings.of(model).vocab_size)
     return logits[..., :vocab_size] if vocab_size else logits
 
 

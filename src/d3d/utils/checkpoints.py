@@ -123,6 +123,24 @@ def torn_json(folder: Path) -> Path | None:
     return None
 
 
+def saved_config(folder: str | os.PathLike) -> dict | None:
+    """A saved model folder's config.json as a dict; None when it is missing, empty or torn."""
+    try:
+        config = json.loads((Path(os.path.expanduser(str(folder))) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def saved_settings(folder: str | os.PathLike) -> dict | None:
+    """A saved drafter's d3d settings as its config.json holds them (block_size, block_attention,
+    draft_vocab, mask_token_id, ...), None where it holds none. The one parse of them: typed by
+    d3d.models.drafter_settings.DrafterSettings.of_folder, read here, on the base floor, so that
+    config-time code (d3d.config, no torch) reads them the same way."""
+    raw = (saved_config(folder) or {}).get("d3d")
+    return raw if isinstance(raw, dict) else None
+
+
 def drafter_problem(folder: Path) -> str | None:
     """Why a saved drafter folder would not load (None: it looks whole), read from its files without
     loading the model: folders written in place before they were published could be cut by a kill
@@ -133,8 +151,7 @@ def drafter_problem(folder: Path) -> str | None:
     torn = torn_json(folder)
     if torn:
         return f"{torn} is empty or torn"
-    data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if not (isinstance(data, dict) and "d3d" in data):
+    if saved_settings(folder) is None:
         return f"{folder / 'config.json'} holds no d3d settings"
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
