@@ -12,7 +12,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 FILTER := sed "/^WARNING: Location/d"
 
-.PHONY: bench setup sandbox-tool vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
+.PHONY: bench bench-engines setup sandbox-tool vllm-env gpu-image-env test-gpu-check test-gpu-image demo demo-fast test test-unit test-heavy test-slow test-all clean-outputs
 
 setup: $(VENV)/.d3d-installed sandbox-tool
 
@@ -112,6 +112,13 @@ demo-fast: setup
 BENCH_DRAFTER ?= checkpoints/pipeline_qwen/train/final
 bench: setup
 	$(PY) -m d3d.bench bench=qwen_trees drafter.checkpoint=$(BENCH_DRAFTER)
+
+# The engine a user deploys beside d3d's loop (conf/bench/engines.yaml), in vLLM's environment: vLLM
+# without speculation, with n-gram and serving ENGINE_EXPORT (a d3d.export folder of BENCH_DRAFTER),
+# beside generate, sync and tree; the engine rows are timed as the engine is used (all prompts at once).
+ENGINE_EXPORT ?=
+bench-engines: vllm-env
+	$(VLLM_VENV)/bin/python -m d3d.bench bench=engines drafter.checkpoint=$(BENCH_DRAFTER) bench.engine.export=$(ENGINE_EXPORT)
 
 # What CI runs. Unit tests first (seconds: tests that build or load no model), then the integration
 # tests that are not marked heavy, slow or gpu (each recipe end to end on tiny models, the CLIs).

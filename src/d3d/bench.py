@@ -22,6 +22,10 @@ the settings or the CPU/GPU differ); summary.json and summary.md are recomputed 
 per method, ratios to each baseline that ran, and the τ each of our methods would need to match the
 first baseline here. The presets (conf/bench/*.yaml) are the project's benchmarks; `make bench` runs
 the one the README's figures come from.
+
+Engine rows (`bench.engines`, d3d.bench_engines): a serving engine (vLLM) on the same prompts after
+d3d's rows, each row in a process of its own and timed as the engine is used (all prompts at once),
+summarised apart with its equality to the engine's own baseline and its acceptance per position.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ import statistics
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from d3d.bench_engines import EngineSettings, bench_engines, check_engines, engines_markdown
 from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
@@ -72,6 +77,8 @@ class BenchSettings:
     assistant: Optional[str]  # `assisted`'s assistant: a conf/target/<name>; null = an AR copy of the target
     prompt_lookup_tokens: int  # `prompt_lookup`'s n-gram continuation length
     pass_cost: bool  # also time one cached pass of 1, 2, 4, 8, 16 tokens per model (the break-even τ's inputs)
+    engines: dict[str, Any]  # engine rows (d3d.bench_engines): label -> null | export | a vLLM speculative_config
+    engine: EngineSettings  # how the engine rows run
     also_drafters: dict[str, str] = field(default_factory=dict)  # label -> checkpoint: rows <method>@<label>
     out_dir: Optional[str] = None  # null = outputs/bench/<preset>-<target> (a rerun resumes there)
     progress: bool = True
@@ -319,6 +326,7 @@ def run_bench(raw: DictConfig) -> Path:
     for k, v in b.also_drafters.items():
         SavedDrafter.named(v, f"bench.also_drafters.{k}")
     check_decode_cost(methods, cfg.target, cfg.drafter, cache)
+    check_engines(b.engines, b.engine, b.methods)
     out = output_dir(cfg)
     with job_folder(out, "bench", "bench.out_dir"):
         path, tok, target, drafter, also = load_models(cfg, methods, cache)
@@ -363,6 +371,10 @@ def run_bench(raw: DictConfig) -> Path:
                 writer.write(batch)  # whole prompts only: a resumed run redoes a prompt it had not finished
         all_rows = list(read_jsonl(rows_file, ("method", "prompt", "repeat")))
         summary = summarise(all_rows, list(rows), warmup_s)
+        from d3d.data.chat import eos_ids
+
+        summary["engines"] = bench_engines(b, path, str(target.dtype).removeprefix("torch."), prompts, warm,
+                                           eos_ids(tok, target), all_rows, base, out)
         summary |= {"target": cfg.target.name, "dtype": str(target.dtype), "preset": b.name,
                     "run": run_info(target.device), "pass_cost": cost}
         summary["best_with_drafts"] = {label: e["method"] for label, e in best_rows(summary).items()}
@@ -466,6 +478,8 @@ def summary_markdown(summary: dict) -> str:
         if blocks:
             lines += ["", "One drafter pass of one block with its head (ms, median of 5): " + "; ".join(
                 f"{m}: {c['ms']:.1f} (B = {c['block']}, {c['head_rows']} head rows)" for m, c in blocks.items()) + "."]
+    if summary.get("engines"):
+        lines += engines_markdown(summary["engines"])
     return "\n".join(lines)
 
 

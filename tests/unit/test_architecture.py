@@ -100,7 +100,7 @@ FLOORS = (
     RECIPES,
     {"d3d.settings"},  # the boundary: OmegaConf -> d3d.specs, once
     {"d3d.report", "d3d.acceptance", "d3d.figures", "d3d.grading", "d3d.layer_scores", "d3d.estimator", "d3d.training", "d3d.examples", "d3d.objective",
-     "d3d.decoding", "d3d.serving"},
+     "d3d.decoding", "d3d.serving", "d3d.bench_engines"},
     {"d3d.models"},
     {"d3d.data"},
     {"d3d", "d3d.fetch", "d3d.utils", "d3d.config", "d3d.configdir", "d3d.specs", "d3d.errors"},
