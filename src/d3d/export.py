@@ -52,7 +52,9 @@ import torch
 from omegaconf import DictConfig
 
 from d3d.acceptance import speculation_profile
-from d3d.config import ConfigError, hydra_job, resolve_path
+from d3d.config import hydra_job
+from d3d.errors import ConfigError
+from d3d.utils.io import resolve_path, write_json
 from d3d.models.drafter import (
     check_block_attention, check_same_tokenizer, drafter_folder, load_drafter, mask_convention, weights_fingerprint,
 )
@@ -61,8 +63,8 @@ from d3d.models.target import load_tokenizer, resolve_model_path
 from d3d.serving import served_taus, speculative_config
 from d3d.settings import bind_config
 from d3d.specs import ExportConfig
-from d3d.training import cut_responses, load_examples, split_examples
-from d3d.utils.io import write_json
+from d3d.examples import held_out
+from d3d.training import cut_responses
 
 log = logging.getLogger("d3d.export")
 
@@ -228,16 +230,15 @@ def served_profile(measured: dict | None, k: int) -> dict | None:
                                f"training split), the drafter served causally with K={k}: d3d.serving.served_taus")
 
 
-def held_out(cfg: ExportConfig):
+def held_out_responses(cfg: ExportConfig):
     """The held-out responses of the drafter's training (d3d.train's split with this seed), cut as
     its validation cuts them; None when there are none here."""
-    tc = cfg.train
     try:
-        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+        val = held_out(cfg.train, cfg.seed).val
     except ConfigError as err:
         log.info("no responses to measure τ on: %s", err)
         return None
-    return cut_responses(list(split_examples(examples, tc.val_size, cfg.seed)[1]), tc.val_max_new_tokens)
+    return cut_responses(list(val), cfg.train.val_max_new_tokens)
 
 
 def export(cfg: ExportConfig) -> Path:
@@ -260,7 +261,7 @@ def export(cfg: ExportConfig) -> Path:
     target_path = resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))
     target_tok = load_tokenizer(target_path)
     check_same_tokenizer(tok, target_tok, s)
-    examples = held_out(cfg)
+    examples = held_out_responses(cfg)
     taus = served_taus(model, examples, k) if examples else None
     if s.block_attention != "causal":
         if taus is None:
