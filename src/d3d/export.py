@@ -31,7 +31,7 @@ The stages, each printed as it starts: load (the drafter, checked against the ta
 measure (τ on the held-out responses, as trained and as served) -> convert -> write (into
 `<out>.partial`) -> check: the folder written is reloaded as d3d loads it and must be the converted
 drafter (causal blocks, the served mask id in config.json and in d3d's settings, the target's vocabulary,
-bitwise the same logits on a probe, the same served τ); one that is not is refused, the old export kept.
+bitwise the same logits on a probe, the served τ export.json states); one that is not is refused, the old export kept.
 
 The folder is published whole: written into `<out>.partial`, then swapped with the previous export in
 one rename (renameat2's RENAME_EXCHANGE), so a server or a reader sees the old export or the new one,
@@ -283,7 +283,7 @@ class Served:
     profile: dict | None
     probe: torch.Tensor  # token ids the converted drafter's logits were taken on
     probe_logits: torch.Tensor
-    tau: float | None  # served causally with K drafts, on the held-out responses (None: there were none)
+    tau: float | None  # export.json's τ served causally with K drafts, on the held-out responses (None: none here)
 
 
 def load(cfg: ExportConfig, source: Path) -> Loaded:
@@ -330,14 +330,14 @@ def probe_ids(s: DrafterSettings) -> torch.Tensor:
 
 @torch.no_grad()
 def served_tau(model, examples, k: int) -> float | None:
-    """τ of the converted (or reloaded) drafter as vLLM serves it: its settings already say causal."""
+    """τ of an exported drafter as vLLM serves it (its settings say causal): served_taus' served value."""
     s = DrafterSettings.of(model)
     return estimate_acceptance(model, examples, k + 1, s.mask_token_id, s.vocab_size).tau if examples else None
 
 
 def convert(cfg: ExportConfig, d: Loaded, out: Path, examples, taus: dict | None) -> Served:
     """The drafter cut to the target's vocabulary, the mask in a row vLLM can write, a draft vocabulary
-    widened to a full head; the folder's records, and the converted drafter's probe logits and τ."""
+    widened to a full head; the folder's records, and the converted drafter's logits on a probe."""
     ec, source, model, s, k, target_tok = cfg.export, d.source, d.model, d.s, d.k, d.target_tok
     mask_id = served_mask_id(s, target_tok, ec.mask_token_id)
     if mask_id != s.mask_token_id:
@@ -363,7 +363,8 @@ def convert(cfg: ExportConfig, d: Loaded, out: Path, examples, taus: dict | None
     probe = probe_ids(s)
     with torch.no_grad():
         logits = model(probe).logits
-    tau = full_head[f"tau_served_causal_K{k}"] if full_head else served_tau(model, examples, k)
+    served = full_head or taus  # what export.json says vLLM's τ is: the reloaded folder must give it
+    tau = served[f"tau_served_causal_K{k}"] if served else None
     return Served(model, target_tok, k, mask_id, spec, record, profile, probe, logits, tau)
 
 
@@ -382,7 +383,7 @@ def check(folder: Path, served: Served, examples) -> None:
     """Reload the written folder as d3d loads it and refuse it, before it replaces any export, unless it
     is the converted drafter under the served rule: causal blocks, the served mask id where vLLM and d3d
     read it, the target's vocabulary, no draft vocabulary, the speculative_config; bitwise the same
-    logits on a probe; the same τ served causally on the held-out responses."""
+    logits on a probe; the τ served causally on the held-out responses that export.json states."""
     model, _ = load_drafter(folder, device="cpu", dtype="float32")
     model.eval()
     s = DrafterSettings.of(model)
@@ -399,7 +400,7 @@ def check(folder: Path, served: Served, examples) -> None:
         wrong.append("other logits than the converted drafter's on a probe (other weights)")
     tau = served_tau(model, examples, served.k) if not wrong else served.tau
     if tau != served.tau:
-        wrong.append(f"τ {tau} served causally, not {served.tau}")
+        wrong.append(f"τ {tau} served causally, not export.json's {served.tau}")
     if wrong:
         raise UserError(f"{folder}: the export written does not reload as the drafter converted: {'; '.join(wrong)}. "
                         f"Fix: export again (the previous export, if any, is untouched); if it repeats, check the "
