@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from d3d.config import compose, resolve_path
+from d3d.config import compose
+from d3d.utils.io import resolve_path, write_json
 from d3d.settings import bind_config, shipped_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.models.generation import generate_batch
 from d3d.models import load_model, load_tokenizer, resolve_model_path
-from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 
 

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from d3d.config import compose, resolve_path
+from d3d.config import compose
+from d3d.utils.io import resolve_path, write_json
 from d3d.settings import bind_config
 from d3d.models.drafter import build_drafter, choose_draft_vocab, draft_head_of, special_ids
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.objective import ObjectiveConfig, pack
-from d3d.examples import load_examples, split_examples
+from d3d.examples import held_out, load_examples
 from d3d.training import D3DTrainingStep
-from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 from d3d.utils.timing import timed
 
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = bind_config(compose("train", args.overrides), "train")
+    train_set = held_out(cfg.train, cfg.seed).train  # d3d.train chooses a draft vocabulary from this split
     torch.manual_seed(0)
     model, tok = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), dtype="float32")
     s = DrafterSettings.of(model)
@@ -64,7 +65,6 @@ def main() -> None:
     heads = {"d3d": model.get_output_embeddings()}
     always = special_ids(tok, s.vocab_size, s.mask_token_id)
     coverage = {}
-    train_set, _ = split_examples(loaded, cfg.train.val_size, cfg.seed)  # d3d.train chooses from this split
     for n in args.draft_vocab:
         d2t, coverage[n] = choose_draft_vocab([e.ids[e.prompt_len:] for e in train_set], n, s.vocab_size, always)
         heads[f"d3d_dv{n}"] = draft_head_of(model, d2t)  # swapped in on the same backbone, settings unchanged

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from d3d.config import compose, resolve_path
+from d3d.config import compose
+from d3d.utils.io import resolve_path, write_json
 from d3d.settings import bind_config, shipped_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
 from d3d.data.prompts import load_prompt_set
@@ -29,14 +30,13 @@ from d3d.decoding.methods import METHODS, ROLES, method_row
 from d3d.models import load_target
 from d3d.models.drafter import SavedDrafter
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.utils.io import write_json
 from d3d.utils.runinfo import run_info
 
 
 def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) pairs of target greedy responses."""
     if args.responses:
-        from d3d.training import load_examples
+        from d3d.examples import load_examples
 
         examples = load_examples(resolve_path(args.responses), int(args.max_len))[-args.n:]
         return [(ex.ids, ex.prompt_len) for ex in examples]

@@ -2,7 +2,7 @@
 
     python scripts/estimate_tau.py --drafter checkpoints/cpu_default_lam1/final [--max-new-tokens 96] [--tree-nodes 15] [overrides]
 
-Uses the same held-out split as d3d.train (train.val_size, seed) and prints τ, per-slot accuracy
+Uses d3d.train's held-out split (d3d.examples.held_out: train.responses_dir, max_len, drop_looping, val_size, seed) and prints τ, per-slot accuracy
 and the τ histogram; writes <drafter>/tau.json (tau_tree<N>.json for a tree of N drafts, decode.method=tree).
 """
 
@@ -12,13 +12,14 @@ import argparse
 import json
 from pathlib import Path
 
-from d3d.config import compose, resolve_path
+from d3d.config import compose
 from d3d.settings import bind_config
 from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import SavedDrafter
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.training import cut_responses, load_examples, split_examples
+from d3d.examples import held_out
+from d3d.training import cut_responses
 
 
 def main() -> None:
@@ -31,9 +32,7 @@ def main() -> None:
     if args.tree_nodes is not None and args.tree_nodes < 1:
         ap.error(f"--tree-nodes {args.tree_nodes}: at least 1 draft node")
     cfg = bind_config(compose("train", args.overrides), "train")
-    examples = load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len)
-    _, val = split_examples(examples, cfg.train.val_size, cfg.seed)
-    val = cut_responses(val, args.max_new_tokens)
+    val = cut_responses(held_out(cfg.train, cfg.seed).val, args.max_new_tokens)
     model, _ = SavedDrafter.named(args.drafter, "--drafter").load(dtype="float32")
     s = DrafterSettings.of(model)
     stats = estimate_acceptance(model, val, s.block_size, s.mask_token_id, s.vocab_size,

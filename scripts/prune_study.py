@@ -1,9 +1,10 @@
 """How fast, and how faithfully, pruning's layer scores rank a drafter's layers (issue: pruning that pays).
 
     python scripts/prune_study.py --drafter checkpoints/pipeline_qwen/train/final \
-        --responses data/responses/qwen25_coder_15b/cpu_math --fractions 1 0.5 0.25 --old-layers 2
+        --fractions 1 0.5 0.25 --old-layers 2 train.responses_dir=data/responses/qwen25_coder_15b/cpu_math
 
-On the held-out calibration responses (the split d3d.train and d3d.prune use): the one-sweep exact
+On the held-out calibration responses (d3d.examples.held_out: the split d3d.train and d3d.prune use,
+decided by the train.* overrides and seed): the one-sweep exact
 scores (d3d.layer_scores, anchor_fraction 1), the sampled estimator at each fraction with its
 Spearman rank agreement against the exact scores over all layers, and the old way (the estimator
 once per skipped layer) timed on `--old-layers` layers and extrapolated. Writes --out (json + md).
@@ -18,38 +19,37 @@ from pathlib import Path
 
 import torch
 
+from d3d.config import compose
 from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
+from d3d.examples import held_out
 from d3d.layer_scores import score_layers, spearman
 from d3d.models.drafter import SavedDrafter, decoder_layers, skipping_layers
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import torch_dtype
-from d3d.training import cut_responses, load_examples, split_examples
+from d3d.settings import bind_config
+from d3d.training import cut_responses
 from d3d.utils.hardware import cpu_info
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True)
-    p.add_argument("--responses", required=True)
-    p.add_argument("--val-size", type=int, default=12)
     p.add_argument("--calib", type=int, default=6, help="calibration responses (the first of the held-out split)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=384)
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     p.add_argument("--tree-nodes", type=int, default=None)
     p.add_argument("--old-layers", type=int, default=2, help="layers the per-layer estimator is timed on")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results/prune_scoring")
+    p.add_argument("overrides", nargs="*", help="train.responses_dir=..., seed=...: what decides the held-out split")
     args = p.parse_args()
+    cfg = bind_config(compose("train", args.overrides), "train")
+    calib = cut_responses(held_out(cfg.train, cfg.seed).val[: args.calib], args.max_new_tokens)
 
     dtype = torch_dtype("auto", torch.device("cpu"))
     model, _ = SavedDrafter.named(args.drafter, "--drafter").load(dtype=str(dtype).split(".")[-1])
     model.eval()
     s = DrafterSettings.of(model)
-    examples = load_examples(Path(args.responses), args.max_len)
-    _, val = split_examples(examples, args.val_size, args.seed)
-    calib = cut_responses(val[: args.calib], args.max_new_tokens)
     n = len(decoder_layers(model))
     print(f"{n} layers, {len(calib)} calibration responses x {args.max_new_tokens} tokens, {dtype}, "
           f"{torch.get_num_threads()} threads, {cpu_info()['model']}", flush=True)
@@ -57,7 +57,7 @@ def main() -> None:
     for frac in args.fractions:
         start = time.perf_counter()
         sc = score_layers(model, calib, s.block_size, s.mask_token_id, s.vocab_size, drafts=scored_drafts(s.block_size, args.tree_nodes),
-                          anchor_fraction=frac, seed=args.seed)
+                          anchor_fraction=frac, seed=cfg.seed)
         rows[frac] = {"fraction": frac, "seconds": time.perf_counter() - start, "taus": sc.taus}
         print(f"fraction {frac}: {rows[frac]['seconds']:.1f} s, whole drafter {sc.taus[-1]:.3f}, best drop "
               f"{max(range(n), key=lambda i: sc.taus[i])} ({max(sc.taus[:n]):.3f})", flush=True)

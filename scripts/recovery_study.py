@@ -16,14 +16,13 @@ import json
 import time
 from pathlib import Path
 
-from d3d.config import compose, resolve_path
+from d3d.config import compose
 from d3d.estimator import estimate_acceptance
+from d3d.examples import held_out
 from d3d.models.drafter import SavedDrafter, as_deployed, keep_layers
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.settings import bind_config
-from d3d.training import (
-    cut_responses, freeze_embeddings_except_mask, load_examples, make_accelerator, recover, split_examples,
-)
+from d3d.training import cut_responses, freeze_embeddings_except_mask, make_accelerator, recover
 from d3d.utils.hardware import cpu_info
 
 
@@ -46,7 +45,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = bind_config(compose("prune", args.overrides), "prune")
     tc, pc = cfg.train, cfg.prune
-    train, val = split_examples(load_examples(resolve_path(tc.responses_dir), tc.max_len), tc.val_size, cfg.seed)
+    _, train, val = held_out(tc, cfg.seed)
     calib = cut_responses(val[: pc.calib_size], tc.val_max_new_tokens)  # as d3d.prune splits them
     holdout = cut_responses(val[pc.calib_size : pc.calib_size + pc.holdout_size], tc.val_max_new_tokens)
     accelerator = make_accelerator(tc, timeout_s=cfg.dist.timeout_s, precision="auto")

@@ -1,10 +1,10 @@
 """τ of exported drafters under vLLM's parallel drafting, against d3d's offline estimator (docs/serving.md).
 
     python scripts/served_tau.py --served <export folder> [<export folder> ...] --out docs/results/<name>.json \
-        [--responses data/responses/smollm2_135m/cpu_math] [--val-size 12] [--seed 0] [--new-tokens 96] [--prompts 12]
+        [--new-tokens 96] [--prompts 12] [the export's overrides, e.g. +experiment=pipeline_qwen train.val_size=12]
 
-For each folder written by d3d.export: the held-out prompts of its training (the seeded split d3d.train
-makes: --val-size, --seed), run greedy by vLLM (its own environment: .venv-vllm, or D3D_VLLM_PYTHON)
+For each folder written by d3d.export: the held-out prompts of its training (d3d.examples.held_out, the
+split d3d.train and d3d.export make from the train.* overrides and seed), run greedy by vLLM (its own environment: .venv-vllm, or D3D_VLLM_PYTHON)
 without the draft and with the folder's speculative_config. Records per folder: whether the outputs are
 equal, vLLM's mean acceptance length (1 + accepted / drafts) and per-position acceptance counts, d3d's
 prediction of it from the folder (d3d.serving.engine_tau) and export.json's offline τ (d3d's loop and the
@@ -51,25 +51,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--served", nargs="+", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--responses", default="data/responses/smollm2_135m/cpu_math")
-    ap.add_argument("--val-size", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("overrides", nargs="*", help="the export's overrides: what decides the held-out split")
     args = ap.parse_args()
 
-    from d3d.serving import engine_tau
+    from d3d.config import compose
+    from d3d.examples import held_out
     from d3d.models.drafter import SavedDrafter
-    from d3d.training import load_examples, split_examples
+    from d3d.serving import engine_tau
+    from d3d.settings import bind_config
 
     python = Path(os.environ.get("D3D_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
     if not python.exists():
         sys.exit(f"error: no vLLM environment at {python}: run `make vllm-env` (or set D3D_VLLM_PYTHON)")
-    held = split_examples(load_examples(Path(args.responses), args.max_len), args.val_size, args.seed)[1]
+    cfg = bind_config(compose("export", args.overrides), "export")
+    held = held_out(cfg.train, cfg.seed).val
     prompts = [list(ex.ids[: ex.prompt_len]) for ex in list(held)[: args.prompts]]
-    record = {"cpu": cpu(), "responses": args.responses, "prompts": len(prompts), "new_tokens": args.new_tokens,
+    record = {"cpu": cpu(), "responses": cfg.train.responses_dir, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "dtype": args.dtype, "drafters": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -38,7 +38,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from d3d.config import ConfigError, config_dir, quoted, stage_overrides
+from d3d.config import quoted, stage_overrides
+from d3d.configdir import config_dir
+from d3d.errors import ConfigError
 from d3d.decoding.methods import METHODS, ROLES
 from d3d.report import read_rows, summarise
 from d3d.utils.plotting import pyplot, save_figure

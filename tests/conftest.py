@@ -109,7 +109,7 @@ def conf_with_benchmark(tmp_path: Path, monkeypatch, name: str = "gsm_hard") -> 
 
     from omegaconf import OmegaConf
 
-    from d3d.config import config_dir
+    from d3d.configdir import config_dir
 
     conf = tmp_path / "conf"
     shutil.copytree(config_dir(), conf)

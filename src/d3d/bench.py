@@ -42,17 +42,17 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from d3d.bench_engines import EngineSettings, bench_engines, check_engines, engines_markdown
-from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import hydra_job, refuse_mixed_run, to_plain
+from d3d.errors import ConfigError
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, resolve_path, write_json
 from d3d.data.benchmarks import first_turn_messages, load_benchmark
 from d3d.data.chat import chat_prompt_ids
 from d3d.decoding.divergence import classify
 from d3d.models.drafter import SavedDrafter
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.settings import (
-    EVERY_SECTION, bind, bind_decode, check_checkpoint_settings, check_decode_cost, decode_keys, shipped_benchmark,
-)
+from d3d.settings import EVERY_SECTION, bind, bind_decode, check_checkpoint_settings, decode_keys, shipped_benchmark
+from d3d.decoding.cost import check_decode_cost
 from d3d.specs import DrafterSpec, PathsSpec, TargetSpec
-from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, write_json
 from d3d.utils.hardware import cpu_label
 from d3d.utils.runinfo import run_info
 
@@ -137,7 +137,7 @@ def bind_bench(cfg: DictConfig) -> tuple[BenchConfig, dict]:
             raise ConfigError(f"methods.{name}.temperature={ours[name].temperature}: d3d.bench times greedy decoding, "
                               f"as generate runs beside it. Fix: set methods.{name}.temperature=0.")
     if "assisted" in b.methods and b.assistant is not None:
-        from d3d.config import config_dir
+        from d3d.configdir import config_dir
 
         if not (config_dir() / "target" / f"{b.assistant}.yaml").is_file():
             raise ConfigError(f"bench.assistant={b.assistant}: no conf/target/{b.assistant}.yaml. Fix: name a target "
@@ -200,7 +200,7 @@ def our_loop(gen) -> Callable:
 def load_assistant(name: str | None, cfg: BenchConfig, target, target_path: str, cache: Path):
     """`assisted`'s assistant: conf/target/<name>.yaml's model, or an AR copy of the target (a full-copy
     drafter's cost), on the target's device in its dtype."""
-    from d3d.config import config_dir
+    from d3d.configdir import config_dir
     from d3d.models import load_model, resolve_model_path
 
     if name is None:

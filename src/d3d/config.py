@@ -1,5 +1,5 @@
 """The small helpers every job uses to compose and read the Hydra config tree (where the tree lives:
-d3d.configdir, re-exported here), and the resume check they share.
+d3d.configdir), and the resume check they share.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from d3d.configdir import PACKAGE_DIR, config_dir  # noqa: E402,F401  (re-exported, as below)
-from d3d.errors import ConfigError, UserError  # noqa: E402  (re-exported: d3d.config is where jobs look)
-from d3d.utils.io import resolve_path  # noqa: E402,F401  (re-exported: jobs resolve config paths through d3d.config)
+from d3d.configdir import config_dir
+from d3d.errors import ConfigError, UserError
+from d3d.utils.io import resolve_path
 
 
 # Shown by the Hydra jobs as one `error: ...` line with exit status 2 (HYDRA_FULL_ERROR=1 or

@@ -26,7 +26,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import UserError, hydra_job, refuse_mixed_run, resolve_path, to_plain
+from d3d.config import hydra_job, refuse_mixed_run, to_plain
+from d3d.errors import UserError
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, resolve_path, unique, write_json
 from d3d.data.benchmarks import BenchmarkUnavailable, Source, evaluation_subset, format_turn, iter_specs, load_records
 from d3d.data.chat import chat_prompt_ids, eos_ids, require_thinking_switch
 from d3d.decoding import DecodeConfig, SpecGenerator
@@ -43,13 +45,9 @@ from d3d.models.drafter import SavedDrafter, build_drafter
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.grading.sandbox import isolation, isolation_warning
 from d3d.grading.verdict import grade
-from d3d.settings import (  # noqa: F401  (method_configs, check_eval_settings: eval's API too)
-    AUTO, bind_config, check_eval_settings, decode_keys, method_configs, resolve_auto_backend,
-    shipped_benchmark,
-)
+from d3d.settings import AUTO, bind_config, decode_keys, method_configs, resolve_auto_backend, shipped_benchmark
 from d3d.specs import BenchmarkSpec, EvalConfig, EvalSettings
 from d3d.report import BASELINE, REFERENCE, ROW_FIELDS, read_rows, row_key, summary_markdown, write_report
-from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.process_group import describe_group
 from d3d.utils.runinfo import run_info
 
@@ -487,7 +485,7 @@ def read_benchmarks(cfg: EvalConfig, ev: EvalSettings, cache: Path) -> list[tupl
     if not out:
         raise UserError(f"no benchmark of this run can be read here ({', '.join(skipped)}: each is said above), so "
                         f"nothing would run. Fix: set benchmark.specs.<name>.local_file, or choose a benchmark this "
-                        f"machine has (python -m d3d.data lists them).")
+                        f"machine has (python -m d3d.benchmarks lists them).")
     return out
 
 

@@ -20,12 +20,15 @@ import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from d3d.errors import ConfigError
 from d3d.objective import Example, ObjectiveConfig, PackedBatch, pack
+from d3d.specs import StepSettings
+from d3d.utils.io import resolve_path
 
 CACHE_FILE = "examples.arrow"
 CACHE_FORMAT = 3  # bump when the columns or the key change: an older cache is then rebuilt
@@ -271,6 +274,23 @@ def split_examples(examples: ExampleSet, val_size: int, seed: int) -> tuple[Exam
                           f"training. Fix: set train.val_size below {len(examples)} (a few percent of the responses), "
                           f"or generate more responses (generate.limit, data.limit).")
     return examples.subset(train), examples.subset(val)
+
+
+class Split(NamedTuple):
+    examples: ExampleSet  # every response row kept (the training data's fingerprint is taken of these)
+    train: ExampleSet
+    val: ExampleSet  # the held-out responses: τ in training, pruning's calibration, export's and the scripts' τ
+
+
+def held_out(tc: StepSettings, seed: int) -> Split:
+    """d3d.train's split, the one every job and script reads its held-out responses from. Everything
+    that decides which responses are held out is read here, from the train.* settings: the rows of
+    train.responses_dir cut to train.max_len (one generation backend unless train.allow_mixed_backends,
+    loops left out with train.drop_looping), then train.val_size of them held out by a shuffle seeded
+    with `seed`. A script that built the split itself measured its held-out τ on other responses as
+    soon as one of these settings was not the default."""
+    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+    return Split(examples, *split_examples(examples, tc.val_size, seed))
 
 
 # ---------------------------------------------------------------------------- the order

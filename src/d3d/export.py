@@ -27,6 +27,12 @@ What the folder holds, and why:
   conditional, each convention said: d3d.acceptance) over the steps of that served τ measurement,
   when there were held-out responses to measure on.
 
+The stages, each printed as it starts: load (the drafter, checked against the target's tokenizer) ->
+measure (τ on the held-out responses, as trained and as served) -> convert -> write (into
+`<out>.partial`) -> check: the folder written is reloaded as d3d loads it and must be the converted
+drafter (causal blocks, the served mask id in config.json and in d3d's settings, the target's vocabulary,
+bitwise the same logits on a probe, the served τ export.json states); one that is not is refused, the old export kept.
+
 The folder is published whole: written into `<out>.partial`, then swapped with the previous export in
 one rename (renameat2's RENAME_EXCHANGE), so a server or a reader sees the old export or the new one,
 never a mix or nothing, and a kill at any step leaves a complete export at `<out>` (or, on a
@@ -44,23 +50,26 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
 
 from d3d.acceptance import speculation_profile
-from d3d.config import ConfigError, hydra_job, resolve_path
+from d3d.config import hydra_job
+from d3d.errors import ConfigError, UserError
+from d3d.estimator import estimate_acceptance
+from d3d.utils.io import resolve_path, write_json
 from d3d.models.drafter import SavedDrafter, check_same_tokenizer, mask_convention
 from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.models.target import load_tokenizer, resolve_model_path
 from d3d.serving import served_taus, speculative_config
 from d3d.settings import bind_config
 from d3d.specs import ExportConfig
-from d3d.training import cut_responses, load_examples, split_examples
-from d3d.utils.io import write_json
+from d3d.examples import held_out
+from d3d.training import cut_responses
 
 log = logging.getLogger("d3d.export")
 
@@ -226,27 +235,59 @@ def served_profile(measured: dict | None, k: int) -> dict | None:
                                f"training split), the drafter served causally with K={k}: d3d.serving.served_taus")
 
 
-def held_out(cfg: ExportConfig):
+def held_out_responses(cfg: ExportConfig):
     """The held-out responses of the drafter's training (d3d.train's split with this seed), cut as
     its validation cuts them; None when there are none here."""
-    tc = cfg.train
     try:
-        examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+        val = held_out(cfg.train, cfg.seed).val
     except ConfigError as err:
         log.info("no responses to measure τ on: %s", err)
         return None
-    return cut_responses(list(split_examples(examples, tc.val_size, cfg.seed)[1]), tc.val_max_new_tokens)
+    return cut_responses(list(val), cfg.train.val_max_new_tokens)
 
 
-def export(cfg: ExportConfig) -> Path:
+# ---------------------------------------------------------------------------- the stages
+# load -> measure -> convert -> write -> check, each printed as it starts. Write and check run on
+# <out>.partial inside `publish`: an export that does not reload as it was converted is never swapped in.
+
+
+def stage(name: str, what: str) -> None:
+    print(f"[d3d.export] {name}: {what}", flush=True)
+
+
+@dataclass
+class Loaded:
+    """The trained drafter as it was saved, and what the stages after `load` read of it and of the target."""
+
+    source: Path
+    model: Any
+    s: DrafterSettings
+    k: int  # the drafts vLLM asks for per step
+    target_path: Path
+    target_tok: Any
+    fingerprint: str  # the saved weights' (SavedDrafter.fingerprint), export.json's source_weights
+
+
+@dataclass
+class Served:
+    """The drafter converted for vLLM and everything the folder will hold, and what `check` compares
+    the reloaded folder with: the served rule, a probe's logits, and τ served causally."""
+
+    model: Any
+    target_tok: Any
+    k: int
+    mask_id: int
+    spec: dict
+    record: dict
+    profile: dict | None
+    probe: torch.Tensor  # token ids the converted drafter's logits were taken on
+    probe_logits: torch.Tensor
+    tau: float | None  # export.json's τ served causally with K drafts, on the held-out responses (None: none here)
+
+
+def load(cfg: ExportConfig, saved: SavedDrafter) -> Loaded:
+    """The drafter from its folder, fp32 on the CPU, checked against the target's tokenizer and K."""
     ec = cfg.export
-    if not cfg.drafter.checkpoint:
-        raise ConfigError("drafter.checkpoint: unset; export serves a trained drafter. Fix: pass "
-                          "drafter.checkpoint=<the final/ folder of a d3d.train or d3d.prune run>.")
-    saved = SavedDrafter.named(cfg.drafter.checkpoint, block_attention=cfg.drafter.block_attention)
-    source = saved.folder
-    out = resolve_path(ec.out_dir)
-    check_out_dir(out, source)
     model, tok = saved.load(cfg.drafter, cfg.target, device="cpu", dtype="float32")
     model.eval()
     s = DrafterSettings.of(model)
@@ -258,7 +299,13 @@ def export(cfg: ExportConfig) -> Path:
     target_path = resolve_model_path(cfg.target, resolve_path(cfg.paths.cache_dir))
     target_tok = load_tokenizer(target_path)
     check_same_tokenizer(tok, target_tok, s)
-    examples = held_out(cfg)
+    return Loaded(saved.folder, model, s, k, target_path, target_tok, saved.fingerprint())
+
+
+def measure(examples, d: Loaded) -> dict | None:
+    """τ as trained (d3d's loop) and served (causal, K drafts) on the held-out responses; a bidirectional
+    drafter is exported only with what vLLM's causal pass costs it said, so it needs responses."""
+    source, model, s, k = d.source, d.model, d.s, d.k
     taus = served_taus(model, examples, k) if examples else None
     if s.block_attention != "causal":
         if taus is None:
@@ -271,6 +318,26 @@ def export(cfg: ExportConfig) -> Path:
                     "drafter.block_attention=causal to serve it as trained.", source,
                     taus[f"tau_served_causal_K{k}"], k, taus[f"tau_d3d_bidirectional_B{s.block_size}"], s.block_size,
                     taus["responses"])
+    return taus
+
+
+def probe_ids(s: DrafterSettings) -> torch.Tensor:
+    """A fixed sequence of token ids inside the served vocabulary: the converted and the reloaded
+    drafter must give it bitwise the same logits."""
+    return (torch.arange(3, 3 + 16 * 37, 37) % s.vocab_size)[None]
+
+
+@torch.no_grad()
+def served_tau(model, examples, k: int) -> float | None:
+    """τ of an exported drafter as vLLM serves it (its settings say causal): served_taus' served value."""
+    s = DrafterSettings.of(model)
+    return estimate_acceptance(model, examples, k + 1, s.mask_token_id, s.vocab_size).tau if examples else None
+
+
+def convert(cfg: ExportConfig, d: Loaded, out: Path, examples, taus: dict | None) -> Served:
+    """The drafter cut to the target's vocabulary, the mask in a row vLLM can write, a draft vocabulary
+    widened to a full head; the folder's records, and the converted drafter's logits on a probe."""
+    ec, source, model, s, k, target_tok = cfg.export, d.source, d.model, d.s, d.k, d.target_tok
     mask_id = served_mask_id(s, target_tok, ec.mask_token_id)
     if mask_id != s.mask_token_id:
         log.info("mask id %d is outside the target's vocabulary of %d: served as %d (%s)", s.mask_token_id,
@@ -282,8 +349,8 @@ def export(cfg: ExportConfig) -> Path:
                  "against %.3f with the draft vocabulary's -inf outside it, on %d held-out responses", s.draft_vocab,
                  s.vocab_size, full_head[f"tau_served_causal_K{k}"], taus[f"tau_served_causal_K{k}"], taus["responses"])
     spec = speculative_config(out, k)
-    record = {"source": str(source), "source_weights": saved.fingerprint(), "target": cfg.target.name,
-              "target_path": str(target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
+    record = {"source": str(source), "source_weights": d.fingerprint, "target": cfg.target.name,
+              "target_path": str(d.target_path), "trained_block_attention": s.block_attention, "block_size": s.block_size,
               "trained_mask_token_id": s.mask_token_id, "mask_token_id": mask_id, "vocab_size": s.vocab_size,
               # which public Qwen3 mask-id convention the served id is (None: neither, or not a Qwen3 vocabulary)
               "mask_convention": mask_convention(mask_id, s.vocab_size),
@@ -292,17 +359,79 @@ def export(cfg: ExportConfig) -> Path:
     profile = served_profile(full_head or taus, k)
     if profile is None:
         log.info("no held-out responses here: no speculation_profile.json (set train.responses_dir to measure one)")
+    probe = probe_ids(s)
+    with torch.no_grad():
+        logits = model(probe).logits
+    served = full_head or taus  # what export.json says vLLM's τ is: the reloaded folder must give it
+    tau = served[f"tau_served_causal_K{k}"] if served else None
+    return Served(model, target_tok, k, mask_id, spec, record, profile, probe, logits, tau)
 
-    def write(folder: Path) -> None:
-        model.save_pretrained(folder)
-        target_tok.save_pretrained(folder)
-        write_json(folder / "speculative_config.json", spec)
-        write_json(folder / "export.json", record)
-        if profile:
-            write_json(folder / "speculation_profile.json", profile)
 
-    publish(out, write)
-    print(json.dumps(spec), flush=True)
+def write(folder: Path, served: Served) -> None:
+    """The folder vLLM loads: weights and config, the target's tokenizer, d3d's records."""
+    served.model.save_pretrained(folder)
+    served.target_tok.save_pretrained(folder)
+    write_json(folder / "speculative_config.json", served.spec)
+    write_json(folder / "export.json", served.record)
+    if served.profile:
+        write_json(folder / "speculation_profile.json", served.profile)
+
+
+@torch.no_grad()
+def check(folder: Path, served: Served, examples) -> None:
+    """Reload the written folder as d3d loads it and refuse it, before it replaces any export, unless it
+    is the converted drafter under the served rule: causal blocks, the served mask id where vLLM and d3d
+    read it, the target's vocabulary, no draft vocabulary, the speculative_config; bitwise the same
+    logits on a probe; the τ served causally on the held-out responses that export.json states."""
+    model, _ = SavedDrafter.named(folder, "export.out_dir").load(device="cpu", dtype="float32")
+    model.eval()
+    s = DrafterSettings.of(model)
+    config = json.loads((folder / "config.json").read_text())
+    wrong = [f"{what} {got!r}, not {want!r}" for what, got, want in (
+        ("block attention", s.block_attention, "causal"),
+        ("mask id", s.mask_token_id, served.mask_id),
+        ("config.json's mask_token_id", config.get("mask_token_id"), served.mask_id),
+        ("vocabulary", s.vocab_size, served.record["vocab_size"]),
+        ("draft vocabulary", s.draft_vocab, None),
+        ("speculative_config.json", json.loads((folder / "speculative_config.json").read_text()), served.spec),
+    ) if got != want]
+    if not wrong and not torch.equal(model(served.probe).logits, served.probe_logits):
+        wrong.append("other logits than the converted drafter's on a probe (other weights)")
+    tau = served_tau(model, examples, served.k) if not wrong else served.tau
+    if tau != served.tau:
+        wrong.append(f"τ {tau} served causally, not export.json's {served.tau}")
+    if wrong:
+        raise UserError(f"{folder}: the export written does not reload as the drafter converted: {'; '.join(wrong)}. "
+                        f"Fix: export again (the previous export, if any, is untouched); if it repeats, check the "
+                        f"disk it writes to.")
+
+
+def export(cfg: ExportConfig) -> Path:
+    if not cfg.drafter.checkpoint:
+        raise ConfigError("drafter.checkpoint: unset; export serves a trained drafter. Fix: pass "
+                          "drafter.checkpoint=<the final/ folder of a d3d.train or d3d.prune run>.")
+    saved = SavedDrafter.named(cfg.drafter.checkpoint, block_attention=cfg.drafter.block_attention)
+    source = saved.folder
+    out = resolve_path(cfg.export.out_dir)
+    check_out_dir(out, source)
+    stage("load", str(source))
+    loaded = load(cfg, saved)
+    examples = held_out_responses(cfg)
+    stage("measure", f"τ on {len(examples)} held-out responses" if examples else "no held-out responses")
+    taus = measure(examples, loaded)
+    stage("convert", f"the target's vocabulary, K={loaded.k} drafts")
+    served = convert(cfg, loaded, out, examples, taus)
+    del loaded
+
+    def write_and_check(folder: Path) -> None:
+        stage("write", str(out))
+        write(folder, served)
+        served.model = None  # check compares with what convert took of it: one drafter in memory at a time
+        stage("check", "the folder reloaded as d3d loads it")
+        check(folder, served, examples)
+
+    publish(out, write_and_check)
+    print(json.dumps(served.spec), flush=True)
     return out
 
 

@@ -23,7 +23,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, differing_keys, hydra_job, resolve_path
+from d3d.config import differing_keys, hydra_job
+from d3d.errors import ConfigError
+from d3d.utils.io import FileLock, JsonlWriter, job_folder, resolve_path, write_json
 from d3d.data.chat import chat_prompt_ids, require_thinking_switch, stop_ids
 from d3d.data.prompts import load_prompt_set
 from d3d.data.responses import MAX_PERIOD, MIN_REPEATS, MIN_SPAN, is_looping, rank_file, read_responses
@@ -32,7 +34,6 @@ from d3d.settings import bind_config, shipped_benchmark
 from d3d.specs import GenerateConfig
 from d3d.models.target import (load_model, load_tokenizer, model_fingerprint, pick_device, resolve_model_path,
                                torch_dtype)
-from d3d.utils.io import FileLock, JsonlWriter, job_folder, write_json
 from d3d.utils.runinfo import run_info
 
 log = logging.getLogger("d3d.generate")

@@ -39,9 +39,10 @@ import sys
 import time
 from pathlib import Path
 
-from d3d.config import USER_ERRORS, ConfigError, UserError, compose, quoted, resolve_path, stage_overrides, verbose
+from d3d.config import USER_ERRORS, compose, quoted, stage_overrides, verbose
+from d3d.errors import ConfigError, UserError
+from d3d.utils.io import output_folder, resolve_path, write_json
 from d3d.settings import bind_config
-from d3d.utils.io import output_folder, write_json
 
 STAGES = ("generate", "train", "prune", "eval")
 # Each stage's entry point as "module:function", imported in the stage's own process (never here, so this

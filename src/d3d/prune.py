@@ -30,9 +30,12 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from d3d.config import ConfigError, hydra_job, refuse_mixed_run, resolve_path
+from d3d.config import hydra_job, refuse_mixed_run
+from d3d.errors import ConfigError
+from d3d.utils.io import CorruptFile, JsonlWriter, job_folder, read_jsonl, resolve_path, unique, write_json
 from d3d.decoding.methods import scored_drafts
 from d3d.estimator import estimate_acceptance
+from d3d.examples import held_out
 from d3d.layer_scores import LayerScores, score_layers
 from d3d.models.drafter import (
     SavedDrafter, as_deployed, build_drafter, decoder_layers, drafter_folder, keep_layers, save_drafter,
@@ -42,14 +45,13 @@ from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
 from d3d.training import (
-    BATCH_SPLIT_KEYS, RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, load_examples, make_accelerator,
-    mixed_precision, my_share, recover, split_examples, sum_over_processes, with_global_batch, world_size,
+    BATCH_SPLIT_KEYS, RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, make_accelerator,
+    mixed_precision, my_share, recover, sum_over_processes, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import (
     MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_config, saved_step, trim_rows,
 )
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import CorruptFile, JsonlWriter, job_folder, read_jsonl, unique, write_json
 from d3d.utils.plotting import pyplot, save_figure
 
 log = logging.getLogger("d3d.prune")
@@ -389,8 +391,7 @@ def _prune(cfg: PruneConfig) -> Path:
         print(f"[d3d.prune] {acc.num_processes} processes ({acc.distributed_type.value}): scoring split over them, "
               f"recovery on a global batch of {tc.batch_size * tc.grad_accum * acc.num_processes}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
-    train, val = split_examples(examples, tc.val_size, cfg.seed)
+    examples, train, val = held_out(tc, cfg.seed)
     calib, holdout = calibration_and_holdout(val, pc, tc.val_max_new_tokens)
 
     history = unique(read_jsonl(out_dir / "steps.jsonl", ("step",)), lambda r: r["step"])

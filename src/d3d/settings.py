@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from d3d.config import ConfigError, checkpoint_settings, config_dir, literal
+from d3d.config import checkpoint_settings, literal
+from d3d.configdir import config_dir
+from d3d.errors import ConfigError
 from d3d.specs import (
     BenchmarkSpec, DrafterSpec, EvalConfig, EvalSettings, ExportConfig, GenerateConfig, PruneConfig, StepSettings,
     TrainConfig, TrainSettings,
@@ -28,15 +30,6 @@ if TYPE_CHECKING:  # imported where used: d3d.decoding loads torch and the model
 T = TypeVar("T")
 
 
-def __getattr__(name: str):
-    """The memory and context check lives beside the bound it computes (d3d.decoding.cost); its two
-    entry points stay importable from here, loaded on first use (d3d.decoding loads torch)."""
-    if name in ("check_decode_cost", "placement"):
-        from d3d.decoding import cost
-
-        return getattr(cost, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 # d3d.train's own train.* keys. An experiment overlays every job alike, so the ones it sets (max_steps,
 # eval_every, ...) land in prune's `train` section too: they are d3d.train's, and prune skips them by
 # name (bind_config); any other key prune does not know still fails.
@@ -45,7 +38,7 @@ TRAIN_ONLY_KEYS = frozenset(f.name for f in fields(TrainSettings)) - frozenset(f
 # Each root config by the name of its YAML (conf/<name>.yaml).
 ROOT_CONFIGS: dict[str, type] = {"generate": GenerateConfig, "train": TrainConfig, "prune": PruneConfig,
                                  "eval": EvalConfig, "export": ExportConfig}
-# Top-level sections bound elsewhere: eval's decode settings, per method (d3d.eval.method_configs).
+# Top-level sections bound elsewhere: eval's decode settings, per method (method_configs).
 BOUND_ELSEWHERE = frozenset({"decode", "methods"})
 EVERY_SECTION = frozenset(f.name for schema in ROOT_CONFIGS.values() for f in fields(schema)) | BOUND_ELSEWHERE
 
@@ -168,7 +161,7 @@ def shipped_benchmark(name: str) -> BenchmarkSpec:
     """The shipped spec of one benchmark, read from conf/benchmark/<name>.yaml."""
     path = config_dir() / "benchmark" / f"{name}.yaml"
     if not path.is_file():
-        raise KeyError(f"no benchmark named {name!r} (no {path}); see `python -m d3d.data` for the list")
+        raise KeyError(f"no benchmark named {name!r} (no {path}); see `python -m d3d.benchmarks` for the list")
     specs = OmegaConf.load(path).specs
     return bind(BenchmarkSpec, specs[name], f"benchmark.specs.{name}")
 

@@ -20,21 +20,21 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from d3d.config import hydra_job, refuse_mixed_run, resolve_path, to_plain
-from d3d.examples import StepBatches, StepLoader
+from d3d.config import hydra_job, refuse_mixed_run, to_plain
+from d3d.examples import StepBatches, StepLoader, held_out
 from d3d.estimator import estimate_acceptance
 from d3d.models.drafter import build_drafter, check_draft_vocab_spec, coverage, save_drafter
 from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.objective import ObjectiveConfig
-from d3d.training import (  # noqa: F401  (load_examples, split_examples, batch_at: this module's API too)
-    D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, batch_at, compute_dtype, cut_responses, drafter_state_dict,
-    enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, load_examples,
-    make_accelerator, make_optimizer, make_scheduler, my_share, optimizer_step, plain_drafter, split_examples,
+from d3d.training import (
+    D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, compute_dtype, cut_responses, drafter_state_dict,
+    enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers,
+    make_accelerator, make_optimizer, make_scheduler, my_share, optimizer_step, plain_drafter,
     sum_over_processes, train_resume_key, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import check_record_reaches, mark_complete, promote, publish, trim_rows
 from d3d.utils.checkpoints import recover as recover_checkpoint
-from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, unique, write_json
+from d3d.utils.io import JsonlWriter, job_folder, read_jsonl, resolve_path, unique, write_json
 from d3d.settings import bind_config
 from d3d.specs import TrainConfig
 from d3d.utils.runinfo import run_info
@@ -135,11 +135,10 @@ class TrainRecipe:
 
         check_draft_vocab_spec(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), responses=True)
         with accelerator.main_process_first():  # one process builds the Arrow cache; the others map it
-            examples = load_examples(resolve_path(tc.responses_dir), tc.max_len, tc.allow_mixed_backends, tc.drop_looping)
+            examples, self.train_set, val = held_out(tc, cfg.seed)
         self.key = train_resume_key(cfg, examples.fingerprint())
         if resuming:  # and on the same responses, before the drafter loads
             check_same_run(resume_dir, self.state, self.key)
-        self.train_set, val = split_examples(examples, tc.val_size, cfg.seed)
         self.val = cut_responses(val, tc.val_max_new_tokens)
         drafter, self.tokenizer = build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir),
                                                 device="cpu", dtype="float32", responses=responses(self.train_set))

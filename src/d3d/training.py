@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from d3d.errors import ConfigError  # dependency-free (d3d.config needs OmegaConf)
-from d3d.examples import batch_at, load_examples, split_examples  # noqa: F401  (this module's API too)
+from d3d.examples import batch_at
 from d3d.models.drafter_settings import draft_map
 from d3d.models.forward import logits_at, packed_attention_mask
 from d3d.models.masks import Layout
@@ -31,8 +31,8 @@ from d3d.objective import Example, ObjectiveConfig, PackedBatch, loss_from_hidde
 from d3d.specs import StepSettings, TrainConfig, TrainSettings
 
 # ---------------------------------------------------------------------------- data
-# The training set, its order and its packed batches live in d3d.examples (the Arrow cache, the
-# length-grouped epoch order, the DataLoader's StepBatches); imported here as this module's API.
+# The training set, its held-out split, its order and its packed batches live in d3d.examples (the
+# Arrow cache, `held_out`, the length-grouped epoch order, the DataLoader's StepBatches).
 
 
 def cut_responses(examples: list[Example], max_new_tokens: int | None) -> list[Example]:

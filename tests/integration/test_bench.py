@@ -8,7 +8,7 @@ import json
 import pytest
 
 from d3d.bench import run_bench
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.models.drafter import attach_draft_head, build_drafter, load_drafter, save_drafter, special_ids
 from d3d.settings import bind_config
 from tests.conftest import compose

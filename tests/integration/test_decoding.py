@@ -101,7 +101,7 @@ def test_overlap_mode_resolution():
     a method that does not overlap (sync) runs serially whatever decode.overlap says. A value
     outside auto | stream | thread | none never reaches this: DecodeConfig refuses it
     (test_bad_decode_settings_are_refused_at_construction)."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     cpu, cfg = torch.device("cpu"), lambda **kw: DecodeConfig(method="async", **kw)
     assert Async.overlap_mode(cfg(overlap="auto"), cpu) == "none"  # serial on CPU (measured faster)
@@ -302,7 +302,7 @@ def test_bad_decode_settings_are_refused_before_any_model_loads(key, value, mess
     """Before: these failed deep in torch after the models loaded, ran silently greedy, or did nothing.
     A DecodeConfig refuses its values' ranges; the method's row refuses what depends on the method
     (d3d.decoding.methods.checked, which bind_decode and SpecGenerator call)."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.decoding.methods import checked
 
     with pytest.raises(ConfigError, match=message) as err:
@@ -623,11 +623,11 @@ def test_a_tree_sampled_at_top_k_1_is_the_greedy_output(models, method):
 
 
 def test_the_python_api_refuses_a_pass_the_device_cannot_hold(models):
-    """The memory bound was the CLI's only (d3d.settings.check_decode_cost): SpecGenerator built the
+    """The memory bound was the CLI's only (d3d.decoding.cost.check_decode_cost): SpecGenerator built the
     131072-token tray pass of `block_size=256 C=256` (a 17 GB mask at toy size) and trees beyond
     the block's distinct nodes; d3d.bench and any caller reach it. Now the engine
     applies the same bound at construction (batch 1) and per call (the call's batch)."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     target, drafter, tok = models
     with pytest.raises(ConfigError, match=r"^decode.block_size=256 decode.C=256 decode.F=2 \(method async, batch 1\)"):

@@ -234,16 +234,14 @@ def test_training_with_a_draft_vocabulary_reports_its_coverage(varied_root):
     head = model.get_output_embeddings()
     assert isinstance(head, DraftHead) and head.weight.shape[0] == 15 == DrafterSettings.of(model).draft_vocab
     # chosen from the training split (not the held-out one): its 15 most frequent tokens with the specials
-    from d3d.config import resolve_path
+    from d3d.examples import held_out
     from d3d.models.drafter import choose_draft_vocab
     from d3d.settings import bind_config
     from d3d.train import responses
-    from d3d.training import load_examples, split_examples
     from tests.conftest import compose
 
     cfg = bind_config(compose("train", ["+experiment=smoke", "data.limit=10"], varied_root), "train")
-    train, _ = split_examples(load_examples(resolve_path(cfg.train.responses_dir), cfg.train.max_len),
-                              cfg.train.val_size, cfg.seed)
+    train = held_out(cfg.train, cfg.seed).train
     V = DrafterSettings.of(model).vocab_size
     d2t, share = choose_draft_vocab(responses(train), 15, V, special_ids(tok, V, DrafterSettings.of(model).mask_token_id))
     assert torch.equal(head.d2t, d2t) and summary["coverage_train"] == round(share, 5)
@@ -267,7 +265,7 @@ def test_a_bad_draft_vocab_is_refused_before_any_model_or_response_loads(tmp_pat
         raise AssertionError("a model or the responses loaded before the refusal")
 
     monkeypatch.setattr("d3d.models.drafter.load_model", no_loading)
-    monkeypatch.setattr("d3d.train.load_examples", no_loading)
+    monkeypatch.setattr("d3d.train.held_out", no_loading)
     for n in (2, 10**6):
         cfg = compose("train", ["+experiment=smoke", f"train.out_dir={tmp_path}/ckpt", f"drafter.draft_vocab={n}"], tmp_path)
         with pytest.raises(ConfigError, match=f"^drafter.draft_vocab={n}: .* Fix: set drafter.draft_vocab between"):

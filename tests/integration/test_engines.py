@@ -93,7 +93,7 @@ def test_vllm_rows_match_hf_greedy_and_train_reads_them(tmp_path):
     print(f"vllm == hf greedy on {len(same)}/{N} responses")
     assert len(same) >= N - 2, f"only {len(same)}/{N} greedy responses equal the hf backend's"
 
-    from d3d.training import load_examples
+    from d3d.examples import load_examples
 
     assert len(load_examples(tmp_path / "vllm" / folder, 384)) == N  # the format d3d.train reads
 

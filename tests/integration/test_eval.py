@@ -18,7 +18,7 @@ SMOKE = ["+experiment=smoke", "eval.n=2", "eval.max_new_tokens=12", "decode.C=3"
 
 def methods_of(cfg):
     """Each method's decode config, as d3d.eval builds them from a composed config."""
-    from d3d.eval import method_configs
+    from d3d.settings import method_configs
 
     return method_configs(cfg, bind_config(cfg, "eval").eval)
 
@@ -63,7 +63,7 @@ def test_resume_skips_finished_rows(tmp_path, monkeypatch):
     assert rows[: len(first)] == first and len(rows) == 2 * len(first)
     assert len({(r["id"], r["method"]) for r in rows}) == len(rows)
     # other settings in the same folder would mix incomparable rows: refused, naming what differs
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"max_new_tokens, methods\.async\.block_size, methods\.sync\.block_size differ.*new eval.out_dir"):
         evaluate(tmp_path, "eval.n=2", "eval.max_new_tokens=10", "decode.block_size=3")
@@ -74,7 +74,7 @@ def test_resume_refuses_a_drafter_retrained_in_place(tmp_path, monkeypatch):
     """Same checkpoint path, other weights (a rerun of d3d.train into the same folder): refused."""
     import torch
 
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.models.drafter import build_drafter, load_drafter, save_drafter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -129,7 +129,7 @@ def test_also_drafters_run_every_speculative_method_again_beside_the_first(tmp_p
     drafter's weights refuses a resume; a missing folder is one line before any model loads."""
     import torch
 
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.models.drafter import build_drafter, load_drafter, save_drafter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -187,7 +187,7 @@ def test_compare_two_result_folders(tmp_path, monkeypatch, capsys):
 
 
 def test_unknown_method_and_bad_budget_are_named(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     with pytest.raises(ConfigError, match="conf/decode/fast.yaml"):
         methods_of(compose("eval", SMOKE + ["eval.methods=[ar,fast]"], tmp_path))
@@ -289,7 +289,7 @@ def test_sampled_eval_resumed_gives_the_rows_of_an_uninterrupted_run(tmp_path, m
                                     "benchmark.specs.gsm8k.seed=1"])
 def test_resume_refuses_a_changed_template_subset_or_timeout(tmp_path, monkeypatch, change):
     """Each changes a prompt, the items or a verdict: resuming would mix old and new rows in one summary."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]")
@@ -301,7 +301,7 @@ def test_resume_refuses_a_changed_template_subset_or_timeout(tmp_path, monkeypat
 def test_eval_settings_are_checked_before_any_model_loads(tmp_path, monkeypatch):
     """Before: eval.max_new_tokens=0 wrote empty rows; decode.top_p=0 crashed mid-run."""
     import d3d.eval
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded before the check"))
     for bad, message in [("eval.max_new_tokens=0", "eval.max_new_tokens=0: an integer >= 1"),
@@ -322,7 +322,7 @@ def test_a_pass_the_device_cannot_hold_is_refused_before_any_model_loads(tmp_pat
     """The packed pass had no bound: `decode.block_size=256 decode.C=256` passed validation and built a
     17 GB mask at toy size; F above the vocabulary failed after the models loaded."""
     import d3d.eval
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setattr(d3d.eval, "load_target", lambda *a, **k: pytest.fail("the target loaded before the check"))
     with pytest.raises(ConfigError, match=message):
@@ -336,7 +336,7 @@ def test_a_pass_the_device_cannot_hold_is_refused_before_any_model_loads(tmp_pat
 ])
 def test_benchmark_files_are_checked_before_any_model_loads(tmp_path, monkeypatch, local, match):
     import d3d.eval
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "broken.jsonl").write_text('{"question": "a", "answer": "1"}\n{"question": \n')
@@ -349,7 +349,7 @@ def test_benchmark_files_are_checked_before_any_model_loads(tmp_path, monkeypatc
 def test_nothing_to_run_is_one_line_before_any_model_loads(tmp_path, monkeypatch):
     """Every benchmark unavailable here: the models used to load, then "holds no rows" as a traceback."""
     import d3d.eval
-    from d3d.config import UserError
+    from d3d.errors import UserError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a: pytest.fail("models loaded with nothing to run"))
@@ -359,7 +359,7 @@ def test_nothing_to_run_is_one_line_before_any_model_loads(tmp_path, monkeypatch
 
 def test_the_targets_own_folder_as_drafter_is_one_line_with_the_fix(tmp_path):
     """A plain HF model (no config.d3d) given as the drafter: a ValueError traceback before."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.models import resolve_model_path
     from d3d.settings import bind_config
 
@@ -375,7 +375,7 @@ def test_a_sandbox_that_cannot_run_here_is_refused_before_any_model_loads(tmp_pa
 
     import d3d.eval
     import d3d.grading.sandbox
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     real = shutil.which
@@ -404,7 +404,7 @@ def test_run_json_records_the_graders_sandbox_and_the_unsafe_mode_warns(tmp_path
 
 
 def test_a_run_folder_given_as_drafter_names_its_final(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     (tmp_path / "run" / "final").mkdir(parents=True)
     (tmp_path / "run" / "final" / "config.json").write_text("{}")
@@ -437,7 +437,7 @@ def test_a_new_method_is_placed_by_its_class_not_by_its_name(tmp_path, monkeypat
     lent the run's values of those it reads. A drafter-free method that verifies no block borrows
     sampling only; one that verifies blocks (prompt lookup, say) the block size too; an Async
     subclass both, and the budget grid."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.decoding.drafts import Chain, NoDrafts
     from d3d.decoding.methods import METHODS, Method
     from d3d.decoding.schedules import AR, Async, Schedule
@@ -579,7 +579,7 @@ def test_eval_loads_the_target_with_its_attention_backend(tmp_path, monkeypatch)
     """target.attn_implementation reaches the model eval decodes with (it used to be dropped, so a
     flash_attention_2 setting silently ran SDPA); eager differs from the sdpa default on a CPU too."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from d3d.config import resolve_path
+    from d3d.utils.io import resolve_path
     from d3d.eval import load_models
     from d3d.models.target import process_state
 
@@ -611,7 +611,7 @@ def test_reference_generate_rows_time_transformers_generate_beside_our_methods(t
 def test_another_target_under_the_same_name_is_refused(tmp_path, monkeypatch):
     """The resume key held the target's name and dtype only: a target with other weights saved under
     the same target.name was mixed into the folder's rows."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     evaluate(tmp_path, "eval.n=1", "eval.methods=[ar]")
@@ -622,7 +622,7 @@ def test_another_target_under_the_same_name_is_refused(tmp_path, monkeypatch):
 def test_thinking_on_a_template_without_the_switch_is_refused_before_loading(tmp_path, monkeypatch):
     """eval.enable_thinking=true with a target whose template has no switch changed nothing, silently."""
     import d3d.eval
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(d3d.eval, "load_models", lambda *a, **k: pytest.fail("the models loaded first"))
@@ -636,7 +636,8 @@ def test_a_run_that_would_skip_every_request_or_a_drafter_of_another_vocabulary_
     failed with "holds no rows"; a drafter checkpoint built for another vocabulary was a ValueError
     traceback (TokenizerMismatchError) after both loaded (issue 38). Now one line each, before any weight."""
     import d3d.eval
-    from d3d.config import ConfigError, resolve_path
+    from d3d.errors import ConfigError
+    from d3d.utils.io import resolve_path
     from d3d.models.target import resolve_model_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

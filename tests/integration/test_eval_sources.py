@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.data.benchmarks import read_located
 from tests.conftest import FIXTURES
 from tests.integration.test_eval import evaluate

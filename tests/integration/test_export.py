@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError, UserError
 import d3d.export
 from d3d.export import not_exported, run_export
 from d3d.generate import run_generate
@@ -73,7 +73,10 @@ def test_a_causal_drafter_exports_as_a_plain_causal_lm_with_its_drafts(root, cap
     s = DrafterSettings.of(original)
     assert spec == {"method": "draft_model", "model": str(out), "num_speculative_tokens": s.block_size - 1,
                     "parallel_drafting": True}
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == spec  # printed for the user too
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1]) == spec  # printed for the user too, after each stage's name as it starts
+    assert [line.split(":")[0] for line in printed[:-1] if line.startswith("[d3d.export]")] == [
+        f"[d3d.export] {stage}" for stage in ("load", "measure", "convert", "write", "check")]
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == s.vocab_size and 0 <= config["mask_token_id"] < s.vocab_size
     assert config["mask_token_id"] == (s.mask_token_id if mask is None else mask)
@@ -102,6 +105,48 @@ def test_a_causal_drafter_exports_as_a_plain_causal_lm_with_its_drafts(root, cap
     again = DrafterSettings.of(load_drafter(out, dtype="float32")[0])
     assert (again.block_attention, again.mask_token_id) == ("causal", config["mask_token_id"])
     assert not_exported(out) == []  # every file it wrote is one d3d.export knows it writes, so it replaces them
+
+
+def spoil_config(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["mask_token_id"] += 1  # vLLM would write another token into the block than the drafter was served with
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def spoil_weights(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] += 1.0  # one number of one layer, as a bad disk or a bug might
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def checked(root):
+    """A causal drafter and its export, which the spoiled exports below must leave as it is."""
+    folder = drafter(root, "causal")
+    return folder, export(root, folder, "causal", f"export.out_dir={root}/served_checked")
+
+
+@pytest.mark.parametrize("spoil, said", [(spoil_config, "config.json's mask_token_id"),
+                                         (spoil_weights, "other logits than the converted drafter's")])
+def test_an_export_that_does_not_reload_as_converted_is_refused_and_the_last_one_stays(root, checked, monkeypatch,
+                                                                                      spoil, said):
+    """The last stage reloads the folder written (<out>.partial) as d3d loads it, before it replaces
+    the export at <out>: its served rule, a probe's logits and its served τ must be the converted drafter's."""
+    folder, out = checked
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    write = d3d.export.write
+
+    def spoiled(target, served):
+        write(target, served)
+        spoil(target)
+
+    monkeypatch.setattr(d3d.export, "write", spoiled)
+    with pytest.raises(UserError, match=f"does not reload as the drafter converted: {said}"):
+        export(root, folder, "causal", f"export.out_dir={out}")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
 
 
 def test_an_out_dir_holding_a_users_files_is_refused_before_the_drafter_loads(root, monkeypatch):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.data.prompts import EmptyPromptSetError
 from d3d.data.responses import read_responses
 from d3d.generate import OutputMismatchError, run_generate
@@ -191,7 +191,7 @@ def test_two_shards_one_killed_and_resumed_equal_one_process(tmp_path, cache_dir
     """generate.shard=0/2 and 1/2 (two independent jobs, run here one after the other): each writes
     its own shard; shard 1, killed after its first row, resumes; the union is the one-process run's
     rows, and training reads both shards as one set."""
-    from d3d.training import load_examples
+    from d3d.examples import load_examples
     from d3d.utils.io import JsonlWriter
     from tests.stub_engine import StubEngine, plan, use_stub
 
@@ -244,7 +244,7 @@ def test_two_torchrun_ranks_one_killed_resume_to_the_one_process_rows(tmp_path, 
     """torchrun --nproc_per_node 2 (real processes, ranks from torchrun's environment): rank 1 is
     SIGKILLed after its first row, which ends the job; the rerun resumes both ranks; the union equals
     a one-process run, each rank ran its engine on its own GPUs, training reads both shards."""
-    from d3d.training import load_examples
+    from d3d.examples import load_examples
     from tests.stub_engine import use_stub
 
     use_stub(monkeypatch)

@@ -23,7 +23,7 @@ def test_wheel_carries_configs_and_jobs_find_them(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, text=True)
     # Run from a folder outside the checkout, with only the installed copy importable.
-    code = ("import d3d.config as c; print(c.config_dir()); "
+    code = ("import d3d.config as c, d3d.configdir; print(d3d.configdir.config_dir()); "
             "cfg = c.compose('generate', ['+experiment=smoke']); print(cfg.target.name)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.eval import run_eval
 from d3d.export import run_export
 from d3d.models.drafter import (

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.decoding import DecodeConfig, SpecGenerator
 from d3d.utils.io import read_jsonl
 from tests.conftest import compose
@@ -50,11 +50,12 @@ def test_a_device_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path
 
 
 def test_the_memory_check_counts_each_device_of_the_placement(tmp_path, monkeypatch):
-    """settings.placement: a map's share of the decoder layers per device (the longest module name
+    """cost.placement: a map's share of the decoder layers per device (the longest module name
     that holds a layer decides), `auto` evenly over the visible GPUs, the drafter on drafter.device
     (`same`: the target's first device), each device with its own memory."""
     from d3d.decoding import cost
-    from d3d.settings import bind_config, placement
+    from d3d.settings import bind_config
+    from d3d.decoding.cost import placement
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(cost, "memory_bytes", lambda d: {"cuda:0": 80, "cuda:1": 81, "cuda:2": 82, "cuda:3": 83}[d])

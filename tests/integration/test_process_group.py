@@ -79,7 +79,7 @@ def test_each_recipe_asks_for_dist_timeout_s(job, where, overrides, tmp_path, mo
 
 
 def test_a_timeout_that_is_not_positive_is_refused_in_one_line(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.settings import bind_config
 
     with pytest.raises(ConfigError, match=r"^dist\.timeout_s=0\.0: must be above 0\. Fix: set a positive dist\.timeout_s"):

@@ -10,10 +10,10 @@ from d3d.estimator import greedy_rounds, match_lengths
 from d3d.generate import run_generate
 from d3d.models import load_model, load_tokenizer, resolve_model_path
 from d3d.models.drafter_settings import DrafterSettings
-from d3d.config import ConfigError, resolve_path
-from d3d.prune import run_prune
-from d3d.train import load_examples, split_examples
+from d3d.errors import ConfigError
 from d3d.utils.io import read_jsonl
+from d3d.prune import run_prune
+from d3d.examples import held_out
 from d3d.settings import bind_config
 from tests.conftest import CACHE_DIR, ROOT, Killed, accelerate_env, compose, kill_on, torchrun
 
@@ -171,7 +171,7 @@ def test_holdout_measures_the_retention_on_responses_the_choice_did_not_see(root
 
     monkeypatch.setattr(d3d.prune, "tau_of", tau_of)
     rows, out, cfg = prune(root, "holdout", "train.val_size=5", "prune.holdout_size=2", "prune.num_layers=1")
-    _, val = split_examples(load_examples(resolve_path(cfg.train.responses_dir), int(cfg.train.max_len)), 5, int(cfg.seed))
+    val = held_out(bind_config(cfg, "prune").train, int(cfg.seed)).val  # train.val_size=5
     calib, holdout = (tuple(tuple(e.ids) for e in part) for part in (val[:3], val[3:5]))
     assert set(seen) == {calib, holdout} and not set(calib) & set(holdout)
     step0, step1 = rows
@@ -303,7 +303,7 @@ def test_a_last_checkpoint_ahead_of_steps_jsonl_is_refused(root):
 
 def test_removing_every_layer_is_refused_in_one_line(root):
     """prune.num_layers at the drafter's layer count used to save a 0-layer final/ and succeed."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^prune.num_layers=4 would remove every layer of a 4-layer drafter. Fix: set prune.num_layers=3"):
         prune(root, "all_layers", "prune.num_layers=4")

@@ -128,7 +128,7 @@ def run_line(line: str, root: Path, produced: dict[str, str], step: int) -> tupl
         cmd = [sys.executable, "scripts/sweep.py", *argv[2:], "--dry-run", "--gpus", str(PROCESSES), "--root", str(root)]
         return "dry run", subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     call = hydra_call(line)
-    if call is None:  # python -m d3d.data and the like: as written
+    if call is None:  # python -m d3d.benchmarks and the like: as written
         cmd = [sys.executable, *argv[1:]] if argv[0].startswith("python") else argv
         return "as written", subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     job, overrides = call

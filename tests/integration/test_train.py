@@ -47,7 +47,7 @@ def test_contract5_resume_matches_uninterrupted(root):
 
 def test_resume_refuses_other_settings_allows_a_longer_budget(root):
     """Rerunning a finished run with another λ used to report the old drafter as the new one."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     first, out = train(root, "guarded", "train.max_steps=3")
     with pytest.raises(ConfigError, match=r"\(train\.ar_weight differ\).*train.resume=false"):
@@ -61,7 +61,7 @@ def test_resume_refuses_other_settings_allows_a_longer_budget(root):
 def test_other_settings_are_refused_before_the_drafter_is_built(root, monkeypatch):
     """The refusal came after build_drafter: minutes of loading on the CPU default before the one line."""
     import d3d.train
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     train(root, "refused_early", "train.max_steps=3")
     monkeypatch.setattr(d3d.train, "build_drafter", lambda *a, **k: pytest.fail("the drafter was built before the check"))
@@ -72,7 +72,7 @@ def test_other_settings_are_refused_before_the_drafter_is_built(root, monkeypatc
 def test_a_new_benchmark_file_leaves_a_training_folder_resumable(root, tmp_path, monkeypatch):
     """Adding conf/benchmark/<new>.yaml adds its name to every prompt set's exclude_eval: a run
     resumed with more exclusions resumes; one that would now include an excluded benchmark is refused."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from tests.conftest import conf_with_benchmark
 
     first, out = train(root, "new_bench", "train.max_steps=3")
@@ -93,7 +93,7 @@ def test_ar_weight_zero_is_a_real_switch(root):
 
 
 def test_missing_responses_fail_with_the_fix(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     with pytest.raises(ConfigError, match="d3d.generate"):
         run_train(compose("train", ["+experiment=smoke"], tmp_path))

@@ -92,12 +92,73 @@ def test_the_rule_sees_a_recipe_import_a_recipe(tmp_path):
     assert any("private d3d.report._save" in f for f in found)
 
 
+def test_the_held_out_split_is_made_in_one_place():
+    """d3d.examples.held_out splits the responses from every train.* setting that decides the split; a
+    job or a script that called split_examples itself left one out (train.drop_looping) and measured
+    its held-out τ on responses d3d.train had trained on."""
+    def names(tree):
+        for n in ast.walk(tree):
+            yield n, (n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
+                      else n.name if isinstance(n, ast.alias) else None)
+
+    found = [f"{path.relative_to(ROOT)}:{n.lineno}" for path in code_files() if path != SRC / "examples.py"
+             for n, name in names(ast.parse(path.read_text())) if name == "split_examples"]
+    assert found == [], f"split_examples outside d3d.examples (call d3d.examples.held_out): {found}"
+
+
+def defined(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, in if/try blocks
+    too), not the ones it imports."""
+    out, body = set(), list(tree.body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []) + [
+                s for h in getattr(node, "handlers", []) for s in h.body]
+    return out
+
+
+def borrowed_names(files: list[Path], src: Path = SRC) -> list[str]:
+    """Every `from d3d.x import name` (lazy ones too) where d3d.x is a module that does not define
+    `name`, and every module `__getattr__`: a name with two homes. A package's __init__ is its API and
+    may gather its modules' names."""
+    modules = {module_name(p, src): p for p in sorted(src.rglob("*.py")) if p.name != "__init__.py"}
+    defs = {m: defined(ast.parse(p.read_text())) for m, p in modules.items()}
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        found += [f"{path.name}:{n.lineno} module __getattr__" for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+        for module, names, line in imports(path):
+            if module in defs:
+                found += [f"{path.name}:{line} {module}.{n}" for n in names
+                          if n not in defs[module] and f"{module}.{n}" not in modules]
+    return found
+
+
+def test_every_name_is_imported_from_its_home():
+    """ConfigError and resolve_path were importable from d3d.config, load_examples from d3d.training
+    and d3d.train, check_decode_cost from d3d.settings (by a module __getattr__): kept for tests and
+    old callers, each a second home to keep in step. Each name is taken from the module that defines it."""
+    files = code_files() + sorted((ROOT / "tests").rglob("*.py"))
+    assert borrowed_names(files) == []
+
+
+# Programs that are not recipes (no Hydra job), run as `python -m d3d.<name>`: entry points too.
+PROGRAMS = {"d3d.benchmarks"}
+
 # The floors of d3d, top down (docs/design.md#floors). A module imports from its own floor and those
 # below it, never from one above: such an import is an upward arrow. A unit (a subpackage, or a
-# top-level module) stands on one floor; the entry points (the recipes, and a package's `__main__`,
-# a program nothing imports) stand on the top one whatever their package.
+# top-level module) stands on one floor; the entry points (the recipes and the programs, which
+# nothing imports) stand on the top one. A package's `__main__` stands on its package's floor: a
+# program that needs a higher floor lives up there (d3d.data's listing is d3d.benchmarks).
 FLOORS = (
-    RECIPES,
+    RECIPES | PROGRAMS,
     {"d3d.settings"},  # the boundary: OmegaConf -> d3d.specs, once
     {"d3d.report", "d3d.acceptance", "d3d.figures", "d3d.grading", "d3d.layer_scores", "d3d.estimator", "d3d.training", "d3d.examples", "d3d.objective",
      "d3d.decoding", "d3d.serving", "d3d.bench_engines"},
@@ -109,7 +170,7 @@ FLOORS = (
 
 def floor(module: str) -> int:
     """0 for the top floor; a unit on no floor fails, naming itself."""
-    if module in RECIPES or module.endswith(".__main__"):
+    if module in RECIPES or module in PROGRAMS:
         return 0
     found = [i for i, units in enumerate(FLOORS) if unit(module) in units]
     assert found, f"{unit(module)} stands on no floor: put it on one in FLOORS (tests/unit/test_architecture.py)"
@@ -212,6 +273,17 @@ def test_the_graph_sees_a_lazy_circle_and_an_upward_arrow(tmp_path):
                                           "src/d3d/models/generation.py:1, src/d3d/utils/checkpoints.py:2)"]
     assert upward_arrows(graph) == ["src/d3d/utils/checkpoints.py:2 d3d.utils.checkpoints (floor 5) imports "
                                     "d3d.models.drafter (floor 3)"]
+
+
+def test_a_package_main_stands_on_its_package_floor(tmp_path):
+    # `python -m d3d.data` imported d3d.settings, which imports d3d.grading, which imports d3d.data:
+    # an arrow back up that the floors did not see while a `__main__` stood on the top one
+    fake = tmp_path / "src" / "d3d"
+    (fake / "data").mkdir(parents=True)
+    (fake / "data" / "__main__.py").write_text("from d3d.settings import bind_config\n")
+    (fake / "settings.py").write_text("")
+    assert upward_arrows(module_graph(fake)) == ["src/d3d/data/__main__.py:1 d3d.data.__main__ (floor 4) imports "
+                                                 "d3d.settings (floor 1)"]
 
 
 def test_the_decoding_seam_imports_in_either_order_and_the_driver_names_no_method():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from d3d.bench import best_rows, bind_bench, difference_shares, shares, summarise, summary_markdown
-from d3d.config import ConfigError, config_dir
+from d3d.configdir import config_dir
+from d3d.errors import ConfigError
 from d3d.decoding.methods import METHODS
 from tests.conftest import compose
 

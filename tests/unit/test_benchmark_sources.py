@@ -176,7 +176,7 @@ def test_the_pinned_release_is_release_v5():
 
 
 def test_a_hub_source_names_split_or_files(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     cfg = compose("eval", ["benchmark=livecodebench", "+benchmark.specs.livecodebench.hub.split=test"], tmp_path)
     with pytest.raises(ConfigError, match=r"^benchmark.specs.livecodebench.hub: set split .* or files"):

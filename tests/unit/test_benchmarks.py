@@ -66,7 +66,7 @@ def test_real_shipped_data_counts(name, total, subset, cache_dir, monkeypatch):
 
 
 def test_list_command(capsys, cache_dir, monkeypatch):
-    from d3d.data.__main__ import main
+    from d3d.benchmarks import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["--cache-dir", str(cache_dir)]) == 0
@@ -82,7 +82,7 @@ def local_spec(tmp_path, text: str, name="gsm8k", filename="bench.jsonl"):
 
 def test_a_mistyped_local_file_is_refused_not_replaced_by_the_shipped_data(cache_dir, monkeypatch, tmp_path):
     """It used to fall through to the offline copy: rc 0, results attributed to the missing file."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = replace(shipped_benchmark("gsm8k"), local_file=str(tmp_path / "gsm8k_typo.jsonl"))
@@ -151,7 +151,7 @@ def _hostile_path(tmp_path, kind: str):
 def test_a_benchmark_file_that_is_no_utf8_file_is_one_line(cache_dir, monkeypatch, tmp_path, kind, match):
     """latin-1 bytes were a UnicodeDecodeError traceback naming no file; a symlink loop a RuntimeError
     ("Symlink loop from ...") traceback (issue 38). A directory and a FIFO were already refused."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = replace(shipped_benchmark("gsm8k"), local_file=str(_hostile_path(tmp_path, kind)))

@@ -106,7 +106,7 @@ def test_a_drafter_folder_is_checked_before_its_shape_is_sized(tmp_path):
     memory problem ("needs … GiB, lower decode.block_size"); a drafter folder with a torn
     tokenizer.json was a tokenizers traceback once the target had loaded. Both are now one line
     saying what the folder is, from the eval job's first check."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.eval import run_eval
     from tests.conftest import compose
 

@@ -44,7 +44,8 @@ def test_a_job_named_to_shard_with_fsdp_gets_the_fsdp_launch_variables(clean_env
     job's task count; without it, a task is the DDP run's."""
     import os
 
-    from d3d.utils.cluster import DistributedTasks, accelerate_environment
+    from d3d.utils.cluster import DistributedTasks
+    from d3d.utils.process_group import accelerate_environment
 
     for name in {*accelerate_environment("fsdp", 2), *(k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_")))}:
         clean_env.setenv(name, "")  # recorded, so the callback's exports are undone after the test
@@ -72,7 +73,7 @@ def test_launcher_files_compose_with_the_project_hydra_config(launcher):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from d3d.config import config_dir
+    from d3d.configdir import config_dir
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from d3d.config import config_dir
+from d3d.configdir import config_dir
 from d3d.data.benchmarks import iter_specs
 from tests.conftest import compose
 
@@ -150,7 +150,7 @@ def test_every_group_option_binds_for_every_root_using_it(group, option, root, t
     ("train.anchors", "TrainSettings"),
 ])
 def test_a_misspelt_key_in_any_group_fails_with_its_dotted_name(key, where, tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.settings import bind_config
 
     overrides = ["target=tiny_random"] if ".tiny." in key else []
@@ -206,7 +206,7 @@ def test_every_decode_key_is_one_its_method_reads(experiment, tmp_path):
 
 
 def test_an_unread_key_and_a_wrong_type_fail_at_the_boundary(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.settings import bind_config
 
     with pytest.raises(ConfigError, match=r"eval\.max_new_token: Key 'max_new_token' not in 'EvalSettings'"):
@@ -219,9 +219,8 @@ def test_an_unknown_key_fails_in_prunes_train_and_in_a_decode_file(tmp_path):
     """prune skips d3d.train's own keys an overlay put in `train` by name, nothing else; a decode file's
     key that its method does not read fails instead of being dropped: a misspelling, or a field of
     DecodeConfig another method reads (sync has no tray budget)."""
-    from d3d.config import ConfigError
-    from d3d.eval import method_configs
-    from d3d.settings import bind_config
+    from d3d.errors import ConfigError
+    from d3d.settings import bind_config, method_configs
 
     assert bind_config(compose("prune", ["+train.max_steps=8"], tmp_path), "prune").train.lr == 3e-5
     with pytest.raises(ConfigError, match=r"train\.lrr: Key 'lrr' not in 'StepSettings'"):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.decoding import DecodeConfig
 from tests.conftest import compose
 

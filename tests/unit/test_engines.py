@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.models import engines
 
 
@@ -66,7 +66,7 @@ def _rows(tmp_path, backends):
 
 def test_training_refuses_a_folder_of_two_backends_unless_told(tmp_path):
     from d3d.data.responses import read_responses, row_backends
-    from d3d.training import load_examples
+    from d3d.examples import load_examples
 
     _rows(tmp_path, [None, "hf", "vllm"])  # a row without the key is an hf row
     assert row_backends(read_responses(tmp_path)) == {"hf": 2, "vllm": 1}
@@ -76,7 +76,7 @@ def test_training_refuses_a_folder_of_two_backends_unless_told(tmp_path):
 
 
 def test_one_backend_trains(tmp_path):
-    from d3d.training import load_examples
+    from d3d.examples import load_examples
 
     _rows(tmp_path, ["vllm", "vllm"])
     assert len(load_examples(tmp_path, 16)) == 2
@@ -203,7 +203,7 @@ def test_the_loop_detector_finds_a_short_period_repeated_over_the_tail():
 def test_training_may_leave_looping_rows_out(tmp_path):
     from d3d.data.responses import read_responses
     from d3d.settings import bind_config
-    from d3d.training import load_examples
+    from d3d.examples import load_examples
     from tests.conftest import compose
 
     rows = [{"id": "loop", "prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6] * 30},
@@ -242,7 +242,7 @@ def test_the_stand_in_refuses_a_fork_after_a_cuda_probe_as_vllm_does(monkeypatch
     forks an engine core that cannot start; asked through NVML, or spawned, the core starts."""
     import torch
 
-    from tests.stub_engine import LLM, SamplingParams, use_stub_vllm
+    from tests.stub_engine import LLM, SamplingParams, plan, use_stub_vllm
 
     probes = use_stub_vllm(monkeypatch)
     _unset(monkeypatch, "PYTORCH_NVML_BASED_CUDA_CHECK")
@@ -261,7 +261,6 @@ def test_the_stand_in_refuses_a_fork_after_a_cuda_probe_as_vllm_does(monkeypatch
     outputs = []
     while not outputs:
         outputs = llm.llm_engine.step()
-    from tests.stub_engine import plan
 
     assert outputs[0].request_id == "a" and list(outputs[0].outputs[0].token_ids) == plan([5, 6, 7], None, 80, 2)[1]
     assert LLM.started[-1]["method"] == "fork"

@@ -32,7 +32,7 @@ def test_speedup_formula_hand_case():
 
 
 def test_resume_check_allows_new_methods_refuses_changed_ones(tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.eval import check_resumable
 
     key = {"target": "t", "max_new_tokens": 8, "methods": {"ar": {"block_size": 1}, "sync": {"block_size": 4}}}

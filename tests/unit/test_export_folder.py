@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import d3d.export as export
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.export import check_out_dir, publish
 
 

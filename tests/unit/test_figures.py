@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.figures import FIELD, INDEX, load_index, lookup, render, rendered_pages
 from tests.conftest import ROOT
 

@@ -9,7 +9,7 @@ import pytest
 from d3d.data.benchmarks import Record, load_benchmark
 from d3d.settings import shipped_benchmark
 from d3d.grading.answers import extract_answer, extract_code, normalise_answer
-from d3d.grading.verdict import GRADERS, grade
+from d3d.grading.verdict import GRADERS, grade, run_tests, split_tests
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -88,7 +88,7 @@ def test_mbpp_canonical_solution_from_the_fixture_passes(cache_dir):
 def test_the_grader_is_chosen_by_the_specs_kind():
     """`kind` in conf/benchmark/<name>.yaml picks the grader (d3d.grading.verdict.GRADERS): the same record and
     reply are checked as math, left unchecked as chat, and an unknown kind is refused by name."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     rec = Record("gsm8k/0", ["q"], "18")
     assert grade(replace(shipped_benchmark("gsm8k"), kind="math"), rec, "\\boxed{18}")["correct"] is True
@@ -96,7 +96,7 @@ def test_the_grader_is_chosen_by_the_specs_kind():
     with pytest.raises(ConfigError, match=r"benchmark.specs.gsm8k.kind='poetry'"):
         grade(replace(shipped_benchmark("gsm8k"), kind="poetry"), rec, "\\boxed{18}")
     # a new benchmark of a known kind needs no code: every shipped spec's kind has a grader
-    from d3d.config import config_dir
+    from d3d.configdir import config_dir
 
     kinds = {shipped_benchmark(p.stem).kind for p in (config_dir() / "benchmark").glob("*.yaml")
              if p.stem not in ("all", "all_plus")}
@@ -124,7 +124,6 @@ import uuid
 from pathlib import Path
 
 from d3d.grading.sandbox import Limits, isolation
-from d3d.grading.verdict import run_tests, split_tests
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 USER_PYTHON = "/usr/bin/python3"
@@ -132,14 +131,14 @@ USER_PYTHON = "/usr/bin/python3"
 AS_USER = """import importlib, json, sys, types
 d3d = sys.modules["d3d"] = types.ModuleType("d3d")
 d3d.__path__ = [sys.argv[1] + "/d3d"]
-for name, attrs in {"d3d.config": {"ConfigError": type("ConfigError", (Exception,), {})},
+for name, attrs in {"d3d.errors": {"ConfigError": type("ConfigError", (Exception,), {})},
                     "d3d.data": {}, "d3d.data.benchmarks": {"Record": object}, "d3d.specs": {"BenchmarkSpec": object}}.items():
     sys.modules[name] = types.SimpleNamespace(**attrs)
 verdict, sandbox = importlib.import_module("d3d.grading.verdict"), importlib.import_module("d3d.grading.sandbox")
 job = json.loads(sys.stdin.read())
 try:
     print(json.dumps(verdict.run_tests(job["answer"], job["tests"], job["timeout_s"], sandbox.Limits(**job["limits"]))))
-except sys.modules["d3d.config"].ConfigError as err:
+except sys.modules["d3d.errors"].ConfigError as err:
     print(json.dumps(["refused", str(err)]))
 """
 
@@ -497,7 +496,7 @@ def test_output_is_capped_and_only_its_tail_kept():
 
 
 def test_where_bwrap_is_missing_grading_refuses_in_one_line_unless_told_unsafe(monkeypatch):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     import d3d.grading.sandbox as grading
 
     real = shutil.which
@@ -524,7 +523,7 @@ def test_where_libseccomp_is_missing_grading_refuses_in_one_line(monkeypatch):
     memory loopholes open, so grading refuses, naming the package, as it does without bwrap."""
     import ctypes.util
 
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     import d3d.grading.sandbox as grading
 
     real = ctypes.util.find_library
@@ -641,7 +640,7 @@ def test_the_sandbox_shows_nothing_of_the_graders_environment(who):
 def test_without_bwrap_a_grade_is_refused_in_one_line(monkeypatch, tmp_path):
     """grade() without bwrap returned a wrong verdict as root (the chain's `not found` as the failure)
     and a FileNotFoundError traceback as a user: now the refusal `isolation()` gives."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     real = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real(name, *a, **k))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from d3d.pipeline import earlier_record, stage_overrides
+from d3d.pipeline import earlier_record
+from d3d.config import stage_overrides
 
 
 def test_overrides_go_only_to_stages_that_have_the_key():
@@ -63,7 +64,7 @@ def test_a_root_with_any_characters_wires_the_stages(tmp_path, monkeypatch, name
 
 
 def stops_on_a_setting(cfg, **kwargs):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     raise ConfigError("train.lr=-1: must be positive.\n Fix: set train.lr above 0.")
 
@@ -141,7 +142,7 @@ def test_a_record_folder_that_cannot_be_made_is_one_line_before_any_stage(tmp_pa
 
 def test_a_record_path_that_is_a_folder_is_one_line(tmp_path):
     """pipeline.json a folder: the stage ran, then writing the record was an IsADirectoryError traceback."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     (tmp_path / "pipeline.json").mkdir()
     with pytest.raises(ConfigError, match=r"pipeline.json is a folder, not the pipeline's record. Fix: move it away"):

@@ -66,7 +66,7 @@ def test_a_malformed_prompt_file_names_its_file_and_line(cache_dir, tmp_path, te
 
 
 def test_a_missing_prompt_file_is_one_line_with_the_key(cache_dir, tmp_path):
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     cfg = compose("generate", ["data=local", f"data.local_file={tmp_path / 'nope.jsonl'}"]).data
     with pytest.raises(ConfigError, match=r"^data.local_file=.*nope.jsonl: .* is not a file\. Fix"):
@@ -81,7 +81,7 @@ def test_a_missing_prompt_file_is_one_line_with_the_key(cache_dir, tmp_path):
 ])
 def test_a_prompt_file_that_is_no_utf8_file_is_one_line(cache_dir, tmp_path, kind, match):
     """latin-1 bytes and a symlink loop were tracebacks (UnicodeDecodeError, RuntimeError) (issue 38)."""
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from tests.unit.test_benchmarks import _hostile_path
 
     path = _hostile_path(tmp_path, kind)

@@ -10,7 +10,7 @@ def test_a_new_pruning_criterion_is_one_registry_entry(tmp_path, monkeypatch):
     """choose_layers dispatches on prune.method through SCORERS: a criterion registered there is
     used with no other change, and an unknown name is refused naming the ones there are."""
     import d3d.prune as p
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     from types import SimpleNamespace
 
@@ -65,7 +65,7 @@ def test_a_layer_count_read_as_layers_kept_is_refused_in_one_line(num_layers, la
     """Removing every layer, or so many that fewer than a quarter stay (num_layers misread as the
     layers to keep), is refused with the fix; a quarter left, or the paper's 5 of 36, passes."""
     import d3d.prune as p
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         p.check_layer_count(num_layers, layers)
@@ -79,7 +79,7 @@ def test_the_layer_count_is_checked_before_the_drafter_loads(tmp_path, monkeypat
     import json
 
     import d3d.prune as p
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.settings import bind_config
     from tests.conftest import compose
 
@@ -89,7 +89,7 @@ def test_the_layer_count_is_checked_before_the_drafter_loads(tmp_path, monkeypat
     raw = compose("prune", ["+experiment=smoke", f"drafter.checkpoint={folder}", "prune.num_layers=31"], tmp_path)
     assert p.starting_layers(bind_config(raw, "prune")) == 36
     monkeypatch.setattr(p, "fp32_drafter", lambda *a, **k: pytest.fail("the drafter loaded before the check"))
-    monkeypatch.setattr(p, "load_examples", lambda *a, **k: pytest.fail("the responses loaded before the check"))
+    monkeypatch.setattr(p, "held_out", lambda *a, **k: pytest.fail("the responses loaded before the check"))
     with pytest.raises(ConfigError, match=r"^prune.num_layers=31 would leave 5 of the drafter's 36 layers"):
         p.run_prune(raw)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.settings import bind_config
 from tests.conftest import compose
 
@@ -126,8 +126,7 @@ def test_every_numeric_key_of_every_recipe_refuses_hostile_values_in_one_line_wi
     float key of every recipe's sections (nested ones too): one line that starts with the dotted key and
     says the fix. Before: type errors named no fix; NaN passed every `value < low` check (prune.min_retention,
     train.partial_mask, eval.exec_timeout_s: nan ran); negative λ, weight decay, betas and tiny sizes ran."""
-    from d3d.eval import check_eval_settings
-    from d3d.settings import bind
+    from d3d.settings import bind, check_eval_settings
 
     checked, missed = 0, []
     for root, section, schema, value in _sections():
@@ -189,8 +188,7 @@ def test_every_decode_file_refuses_hostile_values_named_by_its_own_section(metho
 
 def test_eval_lists_refuse_empty_and_scalars():
     """eval.concurrency=[] was max() of nothing, a traceback; eval.auto_budget_prompts=0 took every prompt."""
-    from d3d.eval import check_eval_settings
-    from d3d.settings import bind
+    from d3d.settings import bind, check_eval_settings
 
     cfg = compose("eval", ["+experiment=smoke"])
     from omegaconf import OmegaConf

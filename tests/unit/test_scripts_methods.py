@@ -18,7 +18,7 @@ import re
 import tokenize
 
 from d3d.bench import PEERS
-from d3d.config import config_dir
+from d3d.configdir import config_dir
 from d3d.decoding.methods import METHODS
 from tests.conftest import ROOT
 

@@ -47,7 +47,8 @@ def test_gpu_preset_launches_each_arm_over_the_node_gpus(sweep):
     """--preset gpu: every arm is its own `accelerate launch` over the node's GPUs (training under the
     chosen conf/accelerate file, evaluation under ddp.yaml), at the paper's sizes: qwen3_8b's 20k steps and
     2048 new tokens, each benchmark's seeded subset (no eval.n cap), the seven benchmarks."""
-    from d3d.config import compose, config_dir
+    from d3d.config import compose
+    from d3d.configdir import config_dir
 
     result = sweep.main(["ar_loss", "--preset", "gpu", "--gpus", "2", "--accelerate", "fsdp", "--dry-run",
                          "--root", "/scratch/d3d"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from d3d.train import batch_at
+from d3d.examples import batch_at
 
 
 def test_each_rank_and_micro_batch_reads_its_own_slice():
@@ -37,9 +37,10 @@ def test_a_run_resumed_on_other_responses_is_refused_before_the_drafter_loads(tm
 
     import pytest
 
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.settings import bind_config
-    from d3d.train import TrainRecipe, load_examples
+    from d3d.examples import load_examples
+    from d3d.train import TrainRecipe
     from d3d.training import train_resume_key, with_global_batch
     from d3d.utils.checkpoints import mark_complete
     from d3d.utils.io import write_json
@@ -69,10 +70,10 @@ def test_a_prune_run_resumed_on_other_responses_is_refused_before_the_drafter_lo
     """The same for d3d.prune: its calibration and hold-out split, and its recovery, read the responses."""
     import pytest
 
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.prune import prune_resume_key, run_prune
     from d3d.settings import bind_config
-    from d3d.train import load_examples
+    from d3d.examples import load_examples
     from d3d.training import with_global_batch
     from tests.conftest import compose
 

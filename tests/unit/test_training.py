@@ -84,6 +84,6 @@ def test_an_indivisible_global_batch_is_refused_before_the_drafter_loads(tmp_pat
     import d3d.train
 
     monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setattr(d3d.train, "load_examples", lambda *a, **k: pytest.fail("data loaded before the check"))
+    monkeypatch.setattr(d3d.train, "held_out", lambda *a, **k: pytest.fail("data loaded before the check"))
     with pytest.raises(ConfigError, match=r"train.global_batch_size=4 is not a multiple of train.batch_size=2 x 3"):
         d3d.train.run_train(compose("train", ["+experiment=smoke", "train.global_batch_size=4"], tmp_path))

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 
 SANDBOXES = ("bwrap", "unsafe_subprocess")  # eval.sandbox: the second runs graded code unsandboxed
 NOBODY = 65534  # the uid graded code has inside its sandbox and, for a root grader, on the host

@@ -31,7 +31,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.data.benchmarks import Record
 from d3d.grading.answers import PROGRAMS, math_correct
 from d3d.grading.sandbox import Limits, run_program

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from d3d.models.generation import generate_batch, generation_kwargs, split_response
 
 Batch = list[tuple[Any, list[int]]]  # (prompt, prompt token ids); a prompt has an `id`

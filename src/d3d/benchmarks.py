@@ -1,5 +1,6 @@
-"""`python -m d3d.data`: list every benchmark, where it loads from here (and why not from a source
-listed before it), and its item counts."""
+"""`python -m d3d.benchmarks` (or `d3d-benchmarks`): list every benchmark, where it loads from here (and
+why not from a source listed before it), and its item counts. A program above d3d.settings, outside
+d3d.data: it binds the shipped benchmark files, which data/ takes from its callers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from d3d.config import compose, config_dir
+from d3d.config import compose
+from d3d.configdir import config_dir
 from d3d.data.benchmarks import BenchmarkUnavailable, iter_specs, load_records, seeded_subset
 from d3d.settings import bind_config, shipped_benchmark
 
