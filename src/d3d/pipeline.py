@@ -22,7 +22,8 @@ Each stage runs in a process of its own (a fresh interpreter, multiprocessing's 
 the up-front check of every stage's settings and `--demo`'s CPU choice (both import torch): the
 command's own process composes configs and waits, so the memory a stage held (weights, allocator
 caches, imported libraries) is returned when the stage ends, and each stage's peak resident memory
-is its own (`peak_rss_gb` per stage in pipeline.json; the run's peak is the largest stage's).
+is its own (`peak_rss_gb` per stage in pipeline.json, and each invocation's `check`, where a fresh
+cache converts the models; the run's peak is the largest of them).
 docs/reliability.md (Round 7) says why a spawned child rather than `python -m d3d.<stage>`.
 """
 
@@ -49,6 +50,9 @@ STAGES = ("generate", "train", "prune", "eval")
 # process does not hold torch and the models' libraries while the stages run).
 RUNNERS = {"generate": "d3d.generate:run_generate", "train": "d3d.train:run_train",
            "prune": "d3d.prune:run_prune", "eval": "d3d.eval:run_eval"}
+# The up-front check of every stage's settings, run the same way. On a fresh cache it is the process
+# that first resolves the target, so the GGUF conversion (a whole fp32 model) happens, and peaks, in it.
+CHECK = "d3d.pipeline:check_stages"
 
 
 class StageError(UserError):
@@ -209,11 +213,16 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     # decode files, before the first stage runs: a bad decode.block_size used to fail after
     # generate, train and prune had run (~45 minutes on the CPU default).
     checked = {s: stage_config(s, overrides, wiring[s]) for s in ("generate", "train", "eval") if s in stages}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    check = {}
     if checked:
-        in_own_process("up-front check", "d3d.pipeline:check_stages", checked)
+        start = time.perf_counter()
+        ran = in_own_process("up-front check", CHECK, checked)
+        check = {"check": {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_gb": ran["peak_rss_gb"],
+                           "pid": ran["pid"]}}
     record = earlier_record(record_dir / "pipeline.json")
-    this = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "overrides": overrides,
-            **({"demo": demo} if demo else {}), "stages": list(stages)}
+    this = {"started": started, "overrides": overrides, **({"demo": demo} if demo else {}), "stages": list(stages),
+            **check}
     record["invocations"].append(this)
     total = time.perf_counter()
     for stage in stages:
@@ -231,13 +240,16 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
     this["pipeline_process_peak_rss_gb"] = round(peak_rss_gb(), 3)
     record["stages"] = {s: record["stages"][s] for s in STAGES if s in record["stages"]}  # pipeline order
     record["stages_wall_s"] = round(sum(v["wall_s"] for v in record["stages"].values()), 1)
-    peaks = [v["peak_rss_gb"] for v in record["stages"].values() if "peak_rss_gb" in v]  # older records lack it
+    # older records lack them; the checks' too: the one that converted the models may be the largest
+    peaks = [v["peak_rss_gb"] for v in [*record["stages"].values(), *(i.get("check", {}) for i in record["invocations"])]
+             if "peak_rss_gb" in v]
     if peaks:
-        record["peak_rss_gb"] = max(peaks)  # the run's peak: the largest stage's
+        record["peak_rss_gb"] = max(peaks)  # the run's peak: its largest process's
     write_json(record_dir / "pipeline.json", record)
     print("\n[d3d.pipeline] stage wall times (peak memory): " + ", ".join(
         f"{s} {record['stages'][s]['wall_s'] / 60:.1f} min ({record['stages'][s]['peak_rss_gb']:.1f} GB)" for s in stages)
-        + f"; total {this['wall_s'] / 60:.1f} min")
+        + f"; total {this['wall_s'] / 60:.1f} min"
+        + (f"; the up-front check {check['check']['peak_rss_gb']:.1f} GB" if check else ""))
     if len(record["stages"]) > len(stages):  # earlier invocations' stages too
         print("[d3d.pipeline] with the earlier invocations' stages (pipeline.json): " + ", ".join(
             f"{s} {v['wall_s'] / 60:.1f} min" for s, v in record["stages"].items())

@@ -28,7 +28,7 @@ from d3d.models.drafter_settings import DrafterSettings, draft_map
 from d3d.objective import ObjectiveConfig
 from d3d.training import (
     D3DTrainingStep, GROWING_TRAIN_KEYS, autocast, compute_dtype, cut_responses, drafter_state_dict,
-    enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers,
+    enable_activation_checkpointing, freeze_embeddings_except_mask, freeze_lower_layers, fuses_adamw,
     make_accelerator, make_optimizer, make_scheduler, my_share, optimizer_step, plain_drafter,
     sum_over_processes, train_resume_key, with_global_batch, world_size,
 )
@@ -153,7 +153,7 @@ class TrainRecipe:
         self.objective = ObjectiveConfig.from_cfg(tc, settings.block_size)
         step_module = D3DTrainingStep(drafter, settings.vocab_size, self.objective.ar_weight,
                                       tc.loss_chunk_rows)
-        optimizer = make_optimizer(step_module, tc.lr, tc.weight_decay, tc.betas)
+        optimizer = make_optimizer(step_module, tc.lr, tc.weight_decay, tc.betas, fused=fuses_adamw(accelerator))
         scheduler = make_scheduler(optimizer, tc.warmup_steps, tc.max_steps)
         self.step_module, self.optimizer, self.scheduler = accelerator.prepare(step_module, optimizer, scheduler)
 

@@ -208,15 +208,28 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def make_optimizer(model, lr: float, weight_decay: float, betas: list[float]):
-    """AdamW with weight decay on the matrices only (not norms, biases or embeddings)."""
+def make_optimizer(model, lr: float, weight_decay: float, betas: list[float], fused: bool = False):
+    """AdamW with weight decay on the matrices only (not norms, biases or embeddings). `fused`:
+    torch's fused kernel (`fused_adamw`), for a single CPU process (`fuses_adamw`): there torch's
+    default is its per-tensor loop, whose update makes two temporaries the size of each tensor
+    (1.0 GB beside the Qwen drafter's tied embedding) and ran ~10x slower on an AVX2 EPYC. The
+    two give the same weights to fp32 rounding, not bit for bit (docs/reliability.md, Round 8)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **({"fused": True} if fused else {}))
+
+
+def fuses_adamw(accelerator) -> bool:
+    """AdamW fused on one CPU process only: on CUDA torch's default (foreach) is kept, and the
+    sharded and multi-process wrappers (DDP, FSDP2's DTensors, DeepSpeed) keep the optimizer they
+    were tested with."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.device.type == "cpu" and accelerator.distributed_type == DistributedType.NO
 
 
 def make_scheduler(optimizer, warmup: int, total: int, shape: str = "cosine"):
@@ -484,7 +497,7 @@ def recover(accelerator, model, train, tc: StepSettings, s, steps: int, seed: in
     # The same training step as d3d.train (the module, its chunked loss and device-built mask).
     step_module = (D3DTrainingStep(model, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows) if teacher is None
                    else DistillStep(model, teacher, s.vocab_size, objective.ar_weight, tc.loss_chunk_rows))
-    optimizer = make_optimizer(step_module, lr, tc.weight_decay, tc.betas)
+    optimizer = make_optimizer(step_module, lr, tc.weight_decay, tc.betas, fused=fuses_adamw(accelerator))
     scheduler = make_scheduler(optimizer, warmup, steps, schedule)
     step_module, optimizer, scheduler = accelerator.prepare(step_module, optimizer, scheduler)
     step_module.train()

@@ -147,3 +147,33 @@ def test_a_record_path_that_is_a_folder_is_one_line(tmp_path):
     (tmp_path / "pipeline.json").mkdir()
     with pytest.raises(ConfigError, match=r"pipeline.json is a folder, not the pipeline's record. Fix: move it away"):
         earlier_record(tmp_path / "pipeline.json")
+
+
+CHECK_HELD_GB = 0.3
+
+
+def check_holding_memory(cfgs):
+    """The up-front check, holding CHECK_HELD_GB more memory while it runs (as converting a GGUF does)."""
+    from d3d.pipeline import check_stages
+
+    held = b"\x01" * int(CHECK_HELD_GB * 2**30)  # written, so resident
+    check_stages(cfgs)
+    assert held[-1] == 1
+
+
+def test_the_up_front_checks_peak_memory_is_in_the_record(tmp_path, monkeypatch):
+    """On a fresh cache the up-front check is the process that first resolves the target, so the GGUF
+    conversion (a whole fp32 model) peaks in it; its memory was in no record, and the run's peak_rss_gb
+    counted the stages only."""
+    import os
+
+    import d3d.pipeline
+
+    monkeypatch.setenv("D3D_TEST_NOTES", str(tmp_path / "notes"))
+    monkeypatch.setattr(d3d.pipeline, "CHECK", f"{__name__}:check_holding_memory")
+    monkeypatch.setitem(d3d.pipeline.RUNNERS, "train", f"{__name__}:noted_train")
+    d3d.pipeline.main(["+experiment=smoke", f"paths.root_dir={tmp_path}", "--stages", "train"])
+    record = json.loads(next((tmp_path / "outputs" / "pipeline").glob("*/pipeline.json")).read_text())
+    check, train = record["invocations"][0]["check"], record["stages"]["train"]
+    assert check["peak_rss_gb"] > CHECK_HELD_GB and check["pid"] not in (os.getpid(), train["pid"])
+    assert record["peak_rss_gb"] == check["peak_rss_gb"] > train["peak_rss_gb"] + CHECK_HELD_GB / 2
