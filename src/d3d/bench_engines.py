@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from d3d.config import ConfigError, resolve_path
+from d3d.errors import ConfigError
+from d3d.utils.io import resolve_path
 
 EXPORT = "export"  # a row's value that serves bench.engine.export
 SPECULATIVE_CONFIG = "speculative_config.json"  # what d3d.export writes for vLLM

@@ -61,6 +61,7 @@ from d3d.acceptance import speculation_profile
 from d3d.config import hydra_job
 from d3d.errors import ConfigError, UserError
 from d3d.estimator import estimate_acceptance
+from d3d.utils.checkpoints import saved_config
 from d3d.utils.io import resolve_path, write_json
 from d3d.models.drafter import SavedDrafter, check_same_tokenizer, mask_convention
 from d3d.models.drafter_settings import DrafterSettings, draft_map
@@ -386,7 +387,7 @@ def check(folder: Path, served: Served, examples) -> None:
     model, _ = SavedDrafter.named(folder, "export.out_dir").load(device="cpu", dtype="float32")
     model.eval()
     s = DrafterSettings.of(model)
-    config = json.loads((folder / "config.json").read_text())
+    config = saved_config(folder) or {}  # what vLLM reads: the mask id at the top level
     wrong = [f"{what} {got!r}, not {want!r}" for what, got, want in (
         ("block attention", s.block_attention, "causal"),
         ("mask id", s.mask_token_id, served.mask_id),

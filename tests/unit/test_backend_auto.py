@@ -94,7 +94,7 @@ def test_the_gpu_overlays_time_compiled_once_the_record_at_paths_gpu_check_passe
 
 
 def test_auto_left_unresolved_is_refused_in_one_line():
-    from d3d.config import ConfigError
+    from d3d.errors import ConfigError
     from d3d.decoding import DecodeConfig
 
     with pytest.raises(ConfigError, match=r"^decode\.backend='auto': auto is chosen where a run starts .* Fix: set "

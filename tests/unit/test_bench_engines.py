@@ -12,7 +12,7 @@ import pytest
 from d3d import bench_engines
 from d3d.bench import bind_bench, summary_markdown
 from d3d.bench_engines import EngineSettings, check_engines, engine_summary, engines_markdown, run_engines
-from d3d.config import ConfigError
+from d3d.errors import ConfigError
 from tests.conftest import compose
 
 PROFILE = {"num_speculative_tokens": 3, "cumulative": [0.9, 0.5, 0.2], "conditional": [0.9, 0.5 / 0.9, 0.4],
