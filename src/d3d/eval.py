@@ -554,7 +554,8 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig, auto: dict | None = None) -> Pat
     auto_budget = resolve_auto_budget(methods, fitting, out_dir, cfg, ev, target, tok, drafter, cache, state)
     budgets = budget_records(bound, methods)
     notes = run_notes(methods, budgets, DrafterSettings.of(drafter).block_size if drafter is not None else None)
-    notes = [f"decode.backend=auto chose {auto['backend']}: {auto['why']}"] * bool(auto) + notes
+    if auto:  # the backend decode.backend=auto chose, first among the notes (run.json, summary.md)
+        notes = [f"decode.backend=auto chose {auto['backend']}: {auto['why']}", *notes]
     for note in notes:
         print(f"[d3d.eval] {note}", flush=True)
     eos = eos_ids(tok, target)

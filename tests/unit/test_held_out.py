@@ -21,6 +21,12 @@ def stop(*args, **kwargs):
     raise Stop
 
 
+class StopAtLoad:
+    """Stands in for d3d.models.drafter.SavedDrafter in a script: naming the drafter ends the run."""
+
+    named = staticmethod(stop)
+
+
 @pytest.fixture
 def responses(tmp_path):
     """12 responses, 4 of them caught in a repetition loop: train.drop_looping changes the split."""
@@ -65,9 +71,9 @@ def train_held_out(tmp_path, responses, monkeypatch) -> tuple[int, ...]:
 
 # script, its arguments besides the overrides, and the name in it that is called once the split is made
 SCRIPTS = [
-    ("estimate_tau", ["--drafter", "unused"], "load_drafter"),
+    ("estimate_tau", ["--drafter", "unused"], "SavedDrafter"),
     ("recovery_study", ["--drafter", "unused"], "make_accelerator"),
-    ("prune_study", ["--drafter", "unused"], "load_drafter"),
+    ("prune_study", ["--drafter", "unused"], "SavedDrafter"),
     ("served_tau", ["--served", "unused", "--out", "unused.json"], "cpu"),
     ("bench_train", [], "build_drafter"),
 ]
@@ -81,7 +87,7 @@ def test_a_script_holds_out_what_d3d_train_holds_out_with_drop_looping(script, a
     assert tuple(split_examples(load_examples(responses, 384), 3, 0)[1].rows.tolist()) != expected
     made.clear()
     module = load_script(script)
-    monkeypatch.setattr(module, after_split, stop)
+    monkeypatch.setattr(module, after_split, StopAtLoad if after_split == "SavedDrafter" else stop)
     monkeypatch.setenv("D3D_VLLM_PYTHON", sys.executable)  # served_tau asks for vLLM's interpreter first
     monkeypatch.setattr(sys, "argv", [script, *args, *overrides(tmp_path, responses)])
     with pytest.raises(Stop):
