@@ -3,27 +3,15 @@ environment (.venv-vllm: it pins its own torch), and write what it made as JSON:
 `python tests/vllm_spec_run.py <in.json> <out.json>`, in = {"target", "prompts" (token ids),
 "max_tokens", "dtype", "speculative_config" (or null)}; out = {"outputs" (token ids per prompt),
 "metrics" (the spec-decode counters, summed)}. Used by tests/integration/test_serving.py and
-scripts/served_tau.py; it imports nothing of d3d, so the engine's process stays the engine's."""
+scripts/served_tau.py; of d3d it imports only the counter reader d3d.bench_engines.counters (no torch, no
+model: the engine's process stays the engine's), the one d3d.bench's engine rows use."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-
-def counters(llm) -> dict:
-    """vLLM's spec-decode counters (`vllm:spec_decode_*`), summed over engines; per-position ones as lists."""
-    out: dict = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith("vllm:spec_decode"):
-            continue
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if hasattr(metric, "values"):  # a vector: one count per draft position
-            prev = out.get(name, [0] * len(metric.values))
-            out[name] = [a + b for a, b in zip(prev, metric.values)]
-        elif hasattr(metric, "value"):
-            out[name] = out.get(name, 0) + metric.value
-    return out
+from d3d.bench_engines import counters
 
 
 def main(inp: str, outp: str) -> None:
