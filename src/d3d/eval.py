@@ -554,10 +554,10 @@ def _evaluate(raw: DictConfig, cfg: EvalConfig, auto: dict | None = None) -> Pat
     auto_budget = resolve_auto_budget(methods, fitting, out_dir, cfg, ev, target, tok, drafter, cache, state)
     budgets = budget_records(bound, methods)
     notes = run_notes(methods, budgets, DrafterSettings.of(drafter).block_size if drafter is not None else None)
-    if auto:  # the backend decode.backend=auto chose, first among the notes (run.json, summary.md)
-        notes = [f"decode.backend=auto chose {auto['backend']}: {auto['why']}", *notes]
     for note in notes:
         print(f"[d3d.eval] {note}", flush=True)
+    if auto:  # said by run_eval before anything loaded; recorded here, first among the notes (run.json, summary.md)
+        notes = [f"decode.backend=auto chose {auto['backend']}: {auto['why']}", *notes]
     eos = eos_ids(tok, target)
     gens = {name: SpecGenerator(target, tok, drafter if method_row(dc.method).needs_drafter else None, dc, eos,
                                 seed=cfg.seed)
