@@ -4,6 +4,7 @@ d3d.configdir), and the resume check they share.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -53,14 +54,30 @@ def slug(value: object, limit: int = 120) -> str:
 
 def checkpoint_settings(checkpoint: str | None) -> dict:
     """The settings a trained drafter was saved with: its config.json's `d3d` section (block_size,
-    block_attention, draft_vocab, mask_token_id, ...; written by d3d.train and d3d.prune), or {} with no
-    checkpoint or a folder that holds none (refused, with its fix, where it loads). Every read of a
-    checkpoint's settings at config time goes through here, torch-free and before any model loads:
-    they are the defaults of every job that loads the drafter (`${d3d.from_checkpoint:...}` in
-    conf/drafter/), and d3d.settings.check_checkpoint_settings refuses a value set against them."""
-    from d3d.utils.checkpoints import saved_settings
+    block_attention, draft_vocab, mask_token_id, ...; written by d3d.train and d3d.prune), causal
+    blocks for a PARD-format folder (d3d.utils.checkpoints.saved_defaults), or {} with no checkpoint or
+    a folder that holds neither (refused, with its fix, where it loads). Every read of a checkpoint's
+    settings at config time goes through here, torch-free and before any model loads: they are the
+    defaults of every job that loads the drafter (`${d3d.from_checkpoint:...}` in conf/drafter/), and
+    d3d.settings.check_checkpoint_settings refuses a value set against them."""
+    if not checkpoint:
+        return {}
+    config = resolve_path(checkpoint) / "config.json"
+    try:
+        stat = config.stat()
+    except OSError:
+        return {}
+    return copy.deepcopy(dict(_settings_of(str(config.parent), stat.st_mtime_ns, stat.st_size)))
 
-    return dict(saved_settings(resolve_path(checkpoint)) or {}) if checkpoint else {}
+
+@functools.lru_cache(maxsize=64)
+def _settings_of(folder: str, mtime_ns: int, size: int) -> tuple:
+    """One parse of a folder's settings per version of its config.json (OmegaConf resolves each
+    ${d3d.from_checkpoint:...} key every time it is read, and a composed config reads several): the
+    file's mtime and size are in the key, so a checkpoint saved again is read again."""
+    from d3d.utils.checkpoints import saved_defaults
+
+    return tuple((saved_defaults(folder) or {}).items())
 
 
 def from_checkpoint(checkpoint: str | None, key: str, default: object) -> object:

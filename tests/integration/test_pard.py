@@ -16,9 +16,8 @@ from transformers import AutoModelForCausalLM
 from d3d.errors import ConfigError
 from d3d.eval import run_eval
 from d3d.export import run_export
-from d3d.models.drafter import (
-    MASK_ID_KEYS, build_drafter, check_is_drafter, load_drafter, named_mask_id, save_drafter,
-)
+from d3d.models.drafter import build_drafter, check_is_drafter, load_drafter, save_drafter
+from d3d.utils.checkpoints import MASK_ID_KEYS, named_mask_id
 from d3d.models.drafter_settings import DrafterSettings
 from d3d.models.target import load_tokenizer, resolve_model_path
 from d3d.settings import bind_config
@@ -79,8 +78,10 @@ def test_a_pard_format_drafter_decodes_in_d3ds_loop_equal_to_ar(tmp_path, monkey
     s = DrafterSettings.of(model)
     assert (s.block_attention, s.mask_token_id, s.block_size, s.init) == ("causal", mask_id, 4, f"pard:{key}")
     with caplog.at_level(logging.INFO, logger="d3d.models.drafter"):
-        out = run_eval(compose("eval", SMOKE + [f"drafter.checkpoint={folder}", "eval.methods=[ar,sync,async,tree]",
-                                                f"eval.out_dir={tmp_path}/ev"], tmp_path))
+        # no drafter.block_attention: a PARD folder's causal rule is its default (d3d.utils.checkpoints.saved_defaults)
+        as_given = [o for o in SMOKE if not o.startswith("drafter.block_attention")]
+        out = run_eval(compose("eval", as_given + [f"drafter.checkpoint={folder}", "eval.methods=[ar,sync,async,tree]",
+                                                   f"eval.out_dir={tmp_path}/ev"], tmp_path))
     assert f"mask id {mask_id} from config.json's {key}" in caplog.text
     rows = list(read_jsonl(out / "rows.jsonl"))
     assert {r["method"] for r in rows} == {"ar", "sync", "async", "tree"}

@@ -120,3 +120,48 @@ def test_a_checkpoint_without_a_setting_takes_the_drafters_default(tmp_path):
     (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert checkpoint_settings(str(plain)) == {} == checkpoint_settings(str(tmp_path / "nowhere"))
     assert checkpoint_settings(None) == {} and checkpoint_settings(str(old))["block_size"] == 4
+
+
+@pytest.mark.parametrize("key", ["pard_token", "mask_token_id"])
+def test_a_pard_format_folder_decodes_with_causal_blocks_by_default(key, tmp_path):
+    """A PARD-format folder (a mask id, no d3d settings) was trained with causal blocks, the rule its
+    loader gives it (d3d.models.drafter.pard_settings): every job binds that rule with no drafter key
+    (it used to need drafter.block_attention=causal by hand, else the loader refused it), the block
+    size stays the run's (the folder does not say), and the other rule set by hand is refused in one
+    line before anything loads."""
+    from d3d.models.drafter import check_block_attention
+
+    folder = tmp_path / "pard"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 64, key: 63}))
+    for job in JOBS:
+        drafter = bound_drafter(job, tmp_path, f"drafter.checkpoint={folder}")
+        assert saved_of(drafter) == {"block_size": 16, "block_attention": "causal", "draft_vocab": None}
+    check_block_attention(folder, drafter.block_attention)  # the loader's backstop agrees
+    with pytest.raises(ConfigError, match=r"^drafter.block_attention=bidirectional was set, but the checkpoint .* "
+                                          r"was trained with drafter.block_attention=causal\. Fix: "):
+        bound_drafter("eval", tmp_path, f"drafter.checkpoint={folder}", "drafter.block_attention=bidirectional")
+
+
+def test_a_checkpoints_config_is_parsed_once_per_version(tmp_path, monkeypatch):
+    """OmegaConf resolves every ${d3d.from_checkpoint:...} key each time it is read: one parse of the
+    folder's config.json serves them all, and a config.json saved again (a resumed run's newer
+    checkpoint in the same folder) is read again, not served stale."""
+    import os
+
+    import d3d.utils.checkpoints as checkpoints
+    from d3d.config import checkpoint_settings
+
+    parses = []
+    real = checkpoints.saved_defaults
+    monkeypatch.setattr(checkpoints, "saved_defaults", lambda folder: parses.append(folder) or real(folder))
+    folder = saved_drafter(tmp_path)
+    bound_drafter("eval", tmp_path, f"drafter.checkpoint={folder}")
+    assert checkpoint_settings(str(folder))["block_size"] == 8
+    assert len(parses) == 1
+    config = folder / "config.json"
+    config.write_text(json.dumps({"d3d": {**SAVED, "block_size": 4}}))
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    assert checkpoint_settings(str(folder))["block_size"] == 4 and len(parses) == 2
+    checkpoint_settings(str(folder))["block_size"] = 99  # a caller's copy, not the cache's
+    assert checkpoint_settings(str(folder))["block_size"] == 4

@@ -36,7 +36,7 @@ from d3d.errors import ConfigError
 from d3d.models.drafter_settings import DRAFT_MAP, DrafterSettings
 from d3d.models.target import drafter_device, load_model, load_tokenizer, resolve_model_path, torch_dtype
 from d3d.specs import DrafterSpec, ModelSpec
-from d3d.utils.checkpoints import saved_config, torn_json
+from d3d.utils.checkpoints import MASK_ID_KEYS, named_mask_id, saved_config, torn_json
 
 log = logging.getLogger("d3d.models.drafter")
 
@@ -395,10 +395,6 @@ def weights_fingerprint(folder: str | Path) -> str:
 
 # ---------------------------------------------------------------------------- PARD-format folders
 
-# Where a parallel drafter's config.json names its mask id, read in the order vLLM's parallel drafting
-# reads them (docs/serving.md), so d3d decodes with the id vLLM would serve: the first key present wins.
-# d3d.export writes `mask_token_id`; PARD's own folders `pard_token`.
-MASK_ID_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 # The two public mask ids of Qwen3 drafters (151,936 embedding rows; its tokenizer's 151,669 tokens end
 # at 151668): export.json's mask_convention names the one an export's id is.
 QWEN3_ROWS = 151936
@@ -408,17 +404,6 @@ QWEN3_MASK_IDS = {151669: "SDAR (151669, the first id after Qwen3's tokens)", 15
 def mask_convention(mask_id: int, vocab_size: int) -> str | None:
     """Which public Qwen3 convention `mask_id` follows; None for another id or another vocabulary."""
     return QWEN3_MASK_IDS.get(mask_id) if vocab_size == QWEN3_ROWS else None
-
-
-def named_mask_id(config: dict) -> tuple[str, int] | None:
-    """(key, id) of the first MASK_ID_KEYS entry that config.json holds, or None."""
-    for key in MASK_ID_KEYS:
-        value = config
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if value is not None:
-            return key, int(value)
-    return None
 
 
 def pard_mask_id(config: dict) -> tuple[str, int]:

@@ -141,6 +141,35 @@ def saved_settings(folder: str | os.PathLike) -> dict | None:
     return raw if isinstance(raw, dict) else None
 
 
+# Where a parallel drafter's config.json names its mask id, read in the order vLLM's parallel drafting
+# reads them (docs/serving.md), so d3d decodes with the id vLLM would serve: the first key present wins.
+# d3d.export writes `mask_token_id`; PARD's own folders `pard_token`.
+MASK_ID_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
+
+
+def named_mask_id(config: dict) -> tuple[str, int] | None:
+    """(key, id) of the first MASK_ID_KEYS entry that config.json holds, or None."""
+    for key in MASK_ID_KEYS:
+        value = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            return key, int(value)
+    return None
+
+
+def saved_defaults(folder: str | os.PathLike) -> dict | None:
+    """The settings a saved drafter folder decodes with unless a run sets others: its d3d settings
+    (saved_settings), or for a PARD-format folder (no d3d settings, a mask id that MASK_ID_KEYS names)
+    causal blocks, the rule it was trained with (d3d.models.drafter.pard_settings). None for a
+    folder that is neither."""
+    settings = saved_settings(folder)
+    if settings is not None:
+        return settings
+    config = saved_config(folder)
+    return {"block_attention": "causal"} if config is not None and named_mask_id(config) else None
+
+
 def drafter_problem(folder: Path) -> str | None:
     """Why a saved drafter folder would not load (None: it looks whole), read from its files without
     loading the model: folders written in place before they were published could be cut by a kill
