@@ -94,6 +94,7 @@ from d3d.decoding import DecodeConfig  # noqa: E402
 from d3d.decoding.methods import METHODS, ROLES  # noqa: E402
 from d3d.models.drafter_settings import DrafterSettings  # noqa: E402
 from d3d.models.random_models import as_drafter, random_model  # noqa: E402
+from d3d.utils.runinfo import gpu_name  # noqa: E402
 
 
 def _script(name: str):
@@ -639,7 +640,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = Report(out_dir / "gpu_check.json", {
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "device": dev,
-        "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor(),
+        "device_name": (gpu_name() or torch.cuda.get_device_name(dev)) if dev.startswith("cuda") else platform.processor(),
         "capability": list(torch.cuda.get_device_capability(dev)) if dev.startswith("cuda") else None,
         "toy": args.toy, "part": args.part, "budget_s": budget_s, "h200_estimate": plan})
     sized = "these stages at full size (--toy runs them smaller)" if args.toy else "this run"

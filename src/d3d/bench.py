@@ -54,7 +54,7 @@ from d3d.settings import EVERY_SECTION, bind, bind_decode, check_checkpoint_sett
 from d3d.decoding.cost import check_decode_cost
 from d3d.specs import DrafterSpec, PathsSpec, TargetSpec
 from d3d.utils.hardware import cpu_label
-from d3d.utils.runinfo import run_info
+from d3d.utils.runinfo import gpu_name, run_info
 
 # transformers' decoders a user would run instead of ours: bench.methods names them beside `methods.*`
 PEERS = ("generate", "assisted", "prompt_lookup")
@@ -281,7 +281,7 @@ def resume_key(cfg: BenchConfig, rows: dict[str, Timed]) -> dict:
                else {"drafter": f"untrained {cfg.drafter.name}"})
     return {"target": cfg.target.name, "dtype": cfg.target.dtype, **drafter, "benchmark": b.benchmark,
             "max_new_tokens": b.max_new_tokens, "exact_tokens": b.exact_tokens, "cpu": cpu_info()["model"],
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cuda": gpu_name(),
             "rows": {name: t.settings for name, t in rows.items()},
             **({"also_drafters": {label: SavedDrafter.named(p, f"bench.also_drafters.{label}").resume_record()
                                   for label, p in b.also_drafters.items()}} if b.also_drafters else {})}

@@ -100,3 +100,29 @@ def test_auto_left_unresolved_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^decode\.backend='auto': auto is chosen where a run starts .* Fix: set "
                                           r"decode\.backend to one of eager, static, compiled, frozen\.$"):
         DecodeConfig(method="sync", backend="auto")
+
+
+def test_the_gpu_is_named_by_one_reader_that_asks_cuda_nothing(tmp_path, monkeypatch):
+    """eval (before anything touches CUDA) and the GPU check (CUDA in use) must name one GPU alike, or
+    auto would find the check's record "another GPU's": both read the driver's listing first, which
+    asks CUDA nothing, and CUDA's own name only where there is no listing and CUDA is in use already."""
+    import d3d.utils.runinfo as runinfo
+
+    listing = tmp_path / "gpus"
+    (listing / "0000:18:00.0").mkdir(parents=True)
+    (listing / "0000:18:00.0" / "information").write_text("Model: \t\t NVIDIA H200\nIRQ:  42\n")
+    monkeypatch.setattr(runinfo, "NVIDIA_GPUS", listing)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200 (CUDA's spelling)")
+    assert runinfo.gpu_name() == "NVIDIA H200"  # the listing, CUDA in use or not
+    monkeypatch.setattr(runinfo, "NVIDIA_GPUS", tmp_path / "none")
+    assert runinfo.gpu_name() == "NVIDIA H200 (CUDA's spelling)"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert runinfo.gpu_name() is None  # never a CUDA probe of its own
+
+
+def test_the_gpu_model_matches_across_case_and_spacing(tmp_path):
+    """One model spelled with other spacing or case is the same GPU; another model is not."""
+    path = record(tmp_path / "gpu_check.json", device_name="NVIDIA  h200 ")
+    assert resolve_backend("cuda", path, GPU, torch.__version__)[0] == "compiled"
+    assert resolve_backend("cuda", path, "NVIDIA H200 NVL", torch.__version__)[0] == "eager"

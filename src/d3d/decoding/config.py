@@ -114,7 +114,7 @@ def resolve_backend(device_type: str, record: str | Path, gpu: str | None, torch
     env, stages = rec.get("env", {}), rec.get("stages", {})
     if env.get("toy") or not str(env.get("device", "")).startswith("cuda"):
         return "eager", f"the GPU check record {record} is not a full-size GPU run ({fallback})"
-    if env.get("device_name") != gpu:
+    if " ".join(str(env.get("device_name")).split()).casefold() != " ".join(str(gpu).split()).casefold():
         return "eager", f"the GPU check passed on {env.get('device_name')}, not on this {gpu} ({fallback})"
     if env.get("torch") != torch_version:
         return "eager", f"the GPU check ran under torch {env.get('torch')}, this is {torch_version} ({fallback})"

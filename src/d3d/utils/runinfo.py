@@ -30,17 +30,22 @@ def git_dirty() -> bool | None:
         return None
 
 
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's listing: <pci bus id>/information per GPU
+
+
 def gpu_name() -> str | None:
-    """The first visible GPU's name. Asked of CUDA only where this process has initialised it
-    already: d3d.generate records its run before an engine's workers start, and a CUDA probe in the
-    parent would keep a forked engine core from using the GPU; there the driver's own listing
-    (/proc/driver/nvidia/gpus) names the model."""
-    if torch.cuda.is_initialized():
-        return torch.cuda.get_device_name(0)
-    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+    """This machine's GPU model, one reader for every record that names it (eval's decode.backend=auto,
+    the GPU check, bench's resume key), so that two records of one machine name it alike. The
+    driver's own listing (/proc/driver/nvidia/gpus, its first GPU) asks CUDA nothing: d3d.generate
+    records its run before an engine's workers start, and a CUDA probe in the parent would keep a
+    forked engine core from using the GPU. Where that listing is missing (a container without it),
+    CUDA's name, asked only of a process that has initialised CUDA already."""
+    for info in sorted(NVIDIA_GPUS.glob("*/information")):
         for line in info.read_text(errors="replace").splitlines():
             if line.startswith("Model:"):
                 return line.split(":", 1)[1].strip()
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_name(0)
     return None
 
 
