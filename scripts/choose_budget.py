@@ -4,10 +4,12 @@ speedup per budget (d3d.decoding.budget).
 
     python scripts/choose_budget.py --drafter checkpoints/cpu_default_lam1/final --n 6
     python scripts/choose_budget.py --drafter <ckpt> --method async_tree
-    python scripts/choose_budget.py --drafter <ckpt> --responses data/responses/<target>/<set> target=...
+    python scripts/choose_budget.py --drafter <ckpt> --held-out train.responses_dir=data/responses/<target>/<set> target=...
 
-Calibration responses: --responses (a d3d.generate folder; the held-out tail of it is used), else
-greedy responses the target writes now to the last --n prompts of the `data` prompt set. Prints the
+Calibration responses: with --held-out the first --n of d3d.train's held-out split (d3d.examples.held_out:
+train.responses_dir, max_len, drop_looping, val_size and seed, as the overrides set them), responses
+the drafter was not trained on; else greedy responses the target writes now to the last --n prompts
+of the `data` prompt set. Prints the
 table and writes outputs/bench/budget_<target>.json (the choice, every budget, costs, the CPU).
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from d3d.config import compose
+from d3d.config import compose, stage_overrides
 from d3d.utils.io import resolve_path, write_json
 from d3d.settings import bind_config, shipped_benchmark
 from d3d.data.chat import chat_prompt_ids, eos_ids
@@ -35,10 +37,11 @@ from d3d.utils.runinfo import run_info
 
 def calibration(args, cfg, target, tok) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) pairs of target greedy responses."""
-    if args.responses:
-        from d3d.examples import load_examples
+    if args.held_out:
+        from d3d.examples import held_out
 
-        examples = load_examples(resolve_path(args.responses), int(args.max_len))[-args.n:]
+        train = bind_config(compose("train", stage_overrides("train", args.overrides)), "train")
+        examples = held_out(train.train, train.seed).val[: args.n]
         return [(ex.ids, ex.prompt_len) for ex in examples]
     prompts = load_prompt_set(cfg.data, resolve_path(cfg.paths.cache_dir), shipped_benchmark)[-args.n:]
     return greedy_pairs(target, tok, [chat_prompt_ids(tok, p.messages) for p in prompts], args.max_new_tokens,
@@ -50,10 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--method", default=ROLES["trays"], choices=[n for n, r in METHODS.items() if r.trays],
                     help="a method with trays (its tray knobs are the budget's)")
-    ap.add_argument("--responses", default=None)
+    ap.add_argument("--held-out", action="store_true",
+                    help="calibrate on d3d.train's held-out responses (train.* overrides say which), not new ones")
     ap.add_argument("--n", type=int, default=6, help="calibration responses")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--overlap", choices=["auto", "serial", "stream"], default="auto",
                     help="auto: the packed pass overlaps verification on CUDA, runs serially on CPU")
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
-    cfg = bind_config(compose("generate", args.overrides), "generate")
+    cfg = bind_config(compose("generate", stage_overrides("generate", args.overrides)), "generate")
     _, tok, target = load_target(cfg.target, resolve_path(cfg.paths.cache_dir))
     drafter, _ = SavedDrafter.named(args.drafter, "--drafter").load(device=str(target.device), dtype=cfg.target.dtype)
     s = DrafterSettings.of(drafter)

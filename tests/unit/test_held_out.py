@@ -93,3 +93,17 @@ def test_a_script_holds_out_what_d3d_train_holds_out_with_drop_looping(script, a
     with pytest.raises(Stop):
         module.main()
     assert expected in made, f"{script} held out other responses than d3d.train: {made}"
+
+
+def test_choose_budget_calibrates_on_what_d3d_train_holds_out(tmp_path, responses, made, monkeypatch):
+    """scripts/choose_budget.py --held-out: its calibration responses are the held-out split's first --n
+    (it took the responses folder's last rows before, responses the drafter may have trained on)."""
+    import argparse
+
+    expected = train_held_out(tmp_path, responses, monkeypatch)
+    made.clear()
+    args = argparse.Namespace(held_out=True, n=2, overrides=overrides(tmp_path, responses))
+    pairs = load_script("choose_budget").calibration(args, None, None, None)  # no model: the split only
+    assert expected in made, f"choose_budget held out other responses than d3d.train: {made}"
+    rows = [json.loads(line) for line in (responses / "responses.rank0.jsonl").read_text().splitlines()]
+    assert pairs == [(rows[i]["prompt_ids"] + rows[i]["response_ids"], 3) for i in expected[:2]]
