@@ -1,5 +1,6 @@
 """The README's front is what a newcomer reads first: the quickstart up to the next section fits 40
-lines, its two commands and `make bench` are Makefile targets, the tree's command binds with the tree
+lines and holds exactly two commands, they and `make bench` are Makefile targets, the tree's command (after
+the demo) binds with the tree
 among its methods, the glossary defines the words the front uses, and no line speaks of how or where
 the project was built."""
 
@@ -29,8 +30,16 @@ def test_the_front_commands_are_makefile_targets():
     assert {"demo", "test", "bench"} <= named and named <= targets
 
 
+def test_the_quickstart_has_exactly_two_commands_for_a_fresh_machine():
+    fresh = section("Quickstart").split("\n### ")[0]  # what a fresh machine runs, before "After the demo"
+    blocks = re.findall(r"```bash\n(.*?)```", fresh, flags=re.S)
+    commands = [line.split("#")[0].strip() for b in blocks for line in b.splitlines() if line.split("#")[0].strip()]
+    assert commands == ["make demo", "make test"]
+
+
 def test_the_trees_command_runs_the_tree(tmp_path):
-    line = next(b for b in re.findall(r"```bash\n(.*?)```", section("Quickstart"), flags=re.S) if "d3d.eval" in b).strip()
+    line = next(b for b in re.findall(r"```bash\n(.*?)```", section("Quickstart").split("\n### After the demo")[1], flags=re.S)
+                if "d3d.eval" in b).strip()
     argv = shlex.split(line)
     assert argv[:3] == ["python", "-m", "d3d.eval"]
     cfg = compose("eval", argv[3:], tmp_path)
