@@ -64,7 +64,8 @@ class StageCrashed(RuntimeError):
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory, in GB. On Linux VmHWM, the high-water mark of this program's
+    """This process's peak resident memory, in GiB (2**30 bytes: the `peak_rss_gb` keys of pipeline.json
+    are GiB, record["peak_rss_unit"] says so). On Linux VmHWM, the high-water mark of this program's
     own memory: ru_maxrss of a spawned child starts at the parent's RSS (it is carried over the
     fork that precedes the exec), so it would count the pipeline's process in every stage."""
     try:
@@ -245,11 +246,12 @@ def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: d
              if "peak_rss_gb" in v]
     if peaks:
         record["peak_rss_gb"] = max(peaks)  # the run's peak: its largest process's
+        record["peak_rss_unit"] = "GiB"  # 2**30 bytes (VmHWM's kB / 2**20); 12 GiB = 12.9 GB
     write_json(record_dir / "pipeline.json", record)
     print("\n[d3d.pipeline] stage wall times (peak memory): " + ", ".join(
-        f"{s} {record['stages'][s]['wall_s'] / 60:.1f} min ({record['stages'][s]['peak_rss_gb']:.1f} GB)" for s in stages)
+        f"{s} {record['stages'][s]['wall_s'] / 60:.1f} min ({record['stages'][s]['peak_rss_gb']:.1f} GiB)" for s in stages)
         + f"; total {this['wall_s'] / 60:.1f} min"
-        + (f"; the up-front check {check['check']['peak_rss_gb']:.1f} GB" if check else ""))
+        + (f"; the up-front check {check['check']['peak_rss_gb']:.1f} GiB" if check else ""))
     if len(record["stages"]) > len(stages):  # earlier invocations' stages too
         print("[d3d.pipeline] with the earlier invocations' stages (pipeline.json): " + ", ".join(
             f"{s} {v['wall_s'] / 60:.1f} min" for s, v in record["stages"].items())

@@ -42,7 +42,7 @@ def test_pipeline_runs_every_stage_and_wires_the_drafters(tmp_path, monkeypatch,
     assert len({s["pid"] for s in stages} | {os.getpid()}) == 5  # a process of its own per stage
     peaks = {name: s["peak_rss_gb"] for name, s in record["stages"].items()}
     assert all(peaks["generate"] - peaks[s] > HELD_GB / 2 for s in ("train", "prune", "eval")), peaks
-    assert record["peak_rss_gb"] == peaks["generate"] == max(peaks.values())
+    assert record["peak_rss_gb"] == peaks["generate"] == max(peaks.values()) and record["peak_rss_unit"] == "GiB"
     train_out, prune_out, eval_out = (Path(record["stages"][s]["output"]) for s in ("train", "prune", "eval"))
     steps = list(read_jsonl(prune_out / "steps.jsonl"))
     assert [s["layers"] for s in steps] == [2, 1]  # started from the trained 2-layer drafter
