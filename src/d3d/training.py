@@ -254,7 +254,7 @@ def mixed_precision(setting: str) -> str:
     """auto = bf16 autocast (fp32 weights and optimizer state) where bf16 matmuls are native: CUDA,
     and CPUs with AVX512-BF16 or AMX (d3d.utils.hardware; there a bf16 training step is faster,
     scripts/bench_train.py --precisions no bf16). fp32 on AVX2-only CPUs, where bf16 matmuls of many
-    rows run 2-7x slower than fp32 (docs/results.md)."""
+    rows run 1.6x (16 rows) to 3x (64 rows) slower than fp32 (docs/design.md, dtype)."""
     if setting == "auto":
         from d3d.utils.hardware import cpu_prefers_bf16
 
