@@ -204,7 +204,9 @@ def check_train(cfg, check_only: bool = True) -> None:
 def run_pipeline(overrides: list[str], stages: list[str] = list(STAGES), demo: dict | None = None) -> dict:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
-        raise ConfigError(f"unknown stage(s) {', '.join(unknown)}. Fix: choose from {' '.join(STAGES)}.")
+        hint = (" and put the overrides before --stages (`--stages` takes every word after it)"
+                if any("=" in s for s in unknown) else "")
+        raise ConfigError(f"unknown stage(s) {', '.join(unknown)}. Fix: choose from {' '.join(STAGES)}{hint}.")
     # in the pipeline's order, each once: `--stages eval prune` ran eval first, on a pruned drafter not made yet
     stages = [s for s in STAGES if s in stages]
     train_cfg, wiring = wire_stages(overrides, stages)

@@ -123,6 +123,18 @@ def test_stages_run_in_the_pipelines_order_each_once(tmp_path, monkeypatch):
     assert notes.read_text().split() == ["train", "prune"]
 
 
+def test_overrides_after_stages_are_told_to_move_before_it(capsys):
+    """`--stages train +experiment=...` reads every word after --stages as a stage: the one line says
+    where the overrides go, not only that "+experiment=..." is no stage."""
+    import d3d.pipeline
+
+    with pytest.raises(SystemExit) as code:
+        d3d.pipeline.main(["--stages", "train", "+experiment=smoke", "train.max_steps=2"])
+    line = capsys.readouterr().err.strip()
+    assert code.value.code == 2 and "\n" not in line, line
+    assert "unknown stage(s) +experiment=smoke, train.max_steps=2" in line and "put the overrides before --stages" in line
+
+
 def test_a_record_folder_that_cannot_be_made_is_one_line_before_any_stage(tmp_path, monkeypatch, capsys):
     """<paths.output_dir>/pipeline a file (or read-only): the record failed with a traceback after the
     first stage had run."""
