@@ -340,6 +340,20 @@ def fp32_drafter(cfg: PruneConfig, device: str, folder: Path | None = None):
     return build_drafter(cfg.drafter, cfg.target, resolve_path(cfg.paths.cache_dir), device=device, dtype="float32")
 
 
+def freeze_below(model, first_trainable: int, start_kept: list[int]) -> None:
+    """prune.recovery_from_layer: the layers below `first_trainable` of the drafter pruning started
+    from (positions in its kept_layers, `start_kept`) take no gradient in recovery, the others train,
+    whichever of them a removal took out, in a fresh run and a resumed one alike (a resumed drafter
+    has fewer layers, so its own indices are not the starting drafter's). With
+    train.trainable_from_layer's value, recovery trains what d3d.train trained: on the Qwen demo's
+    drafter (24 layers, the upper 12 trained) all-layer recovery took the prune stage to 11.0 GiB in
+    its first recovery step, with no room for the second's AdamW state under 12 GB."""
+    position = {original: i for i, original in enumerate(start_kept)}
+    for layer, original in zip(decoder_layers(model), DrafterSettings.of(model).kept_layers):
+        if position[original] < first_trainable:
+            layer.requires_grad_(False)
+
+
 def final_step(history: list[dict], min_retention: float) -> int:
     """The step final/ holds: the last one that kept the retention (step 0 keeps it by definition)."""
     return next(r["step"] for r in reversed(history) if r["retention"] >= min_retention or r["step"] == 0)
@@ -443,6 +457,8 @@ def _prune(cfg: PruneConfig) -> Path:
         s = DrafterSettings.of(model)
         scored_s = time.perf_counter() - start
         before = measure(model, calib, holdout, s, pc.tree_nodes, acc, "_before_recovery")
+        if pc.recovery_from_layer:  # before each recovery: the one before may hand back another module
+            freeze_below(model, pc.recovery_from_layer, history[0]["kept_layers"])
         model = recover(acc, model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher,
                         pc.recovery_lr, pc.recovery_warmup_steps, pc.recovery_schedule)
         after = measure(model, calib, holdout, s, pc.tree_nodes, acc)

@@ -459,11 +459,12 @@ class PruneSettings:
     recovery_warmup_steps: int  # linear warm-up of each recovery's fresh AdamW
     recovery_schedule: str  # constant | cosine (to 0 at the last recovery step), after the warm-up
     recovery_loss: str  # objective (the D3D loss) | distill (KL to the unpruned drafter's block laws + λ·AR)
+    recovery_from_layer: Optional[int]  # recovery trains the starting drafter's layers from this one up (null: all)
 
     def __post_init__(self) -> None:
         # the layer count's upper bound needs the drafter: d3d.prune checks it before loading weights
         at_least("prune", self, num_layers=1, calib_size=1, holdout_size=0, recovery_steps=0, packed_blocks=1,
-                 stop_at_step=0, tree_nodes=1, layers_per_step=1, recovery_warmup_steps=0)
+                 stop_at_step=0, tree_nodes=1, layers_per_step=1, recovery_warmup_steps=0, recovery_from_layer=0)
         if self.recovery_schedule not in ("constant", "cosine"):
             raise ConfigError(f"prune.recovery_schedule={self.recovery_schedule!r}: no such schedule. Fix: constant or "
                               f"cosine.")

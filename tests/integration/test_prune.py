@@ -385,3 +385,27 @@ def test_save_dtype_writes_the_drafters_in_bf16_and_resumes_from_fp32(root):
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
     model, _ = load_drafter(out / "final", dtype="float32")
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_recovery_trains_only_the_layers_from_recovery_from_layer(root):
+    """prune.recovery_from_layer=2 on the 4-layer drafter: recovery leaves the starting drafter's layers
+    0 and 1 as the removal left them (no gradient, no AdamW state) and trains 2 and 3, whichever one
+    the step removed; without it every layer trains."""
+    from safetensors.torch import load_file
+
+    finals = {}
+    for name, extra in (("frozen_below_2", ["prune.recovery_from_layer=2"]), ("all_layers", []),
+                        ("none", ["prune.recovery_steps=0"])):
+        rows, out, _ = prune(root, f"from_{name}", "prune.num_layers=1", "prune.recovery_steps=2",
+                             "prune.recovery_lr=1e-3", *extra)
+        finals[name] = (rows[-1]["kept_layers"], load_file(str(out / "final" / "model.safetensors")))
+    kept, none = finals["none"]
+    assert all(finals[n][0] == kept for n in finals)  # the same layer goes first in every run
+
+    def changed(name) -> dict[int, bool]:  # by the starting drafter's layer index
+        weights = finals[name][1]
+        return {original: any(not torch.equal(weights[k], none[k]) for k in weights if k.startswith(f"model.layers.{i}."))
+                for i, original in enumerate(kept)}
+
+    assert changed("frozen_below_2") == {o: o >= 2 for o in kept}
+    assert all(changed("all_layers").values())
