@@ -347,7 +347,7 @@ def freeze_below(model, first_trainable: int, start_kept: list[int]) -> None:
     has fewer layers, so its own indices are not the starting drafter's). With
     train.trainable_from_layer's value, recovery trains what d3d.train trained: on the Qwen demo's
     drafter (24 layers, the upper 12 trained) all-layer recovery took the prune stage to 11.0 GiB in
-    its first recovery step, with no room for the second's AdamW state under 12 GB."""
+    its first recovery step, before its AdamW state (8 bytes a trained weight, ~2.7 GiB) existed."""
     position = {original: i for i, original in enumerate(start_kept)}
     for layer, original in zip(decoder_layers(model), DrafterSettings.of(model).kept_layers):
         if position[original] < first_trainable:
