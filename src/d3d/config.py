@@ -67,17 +67,17 @@ def checkpoint_settings(checkpoint: str | None) -> dict:
         stat = config.stat()
     except OSError:
         return {}
-    return copy.deepcopy(dict(_settings_of(str(config.parent), stat.st_mtime_ns, stat.st_size)))
+    return copy.deepcopy(_settings_of(str(config.parent), stat.st_mtime_ns, stat.st_size))  # the caller's own
 
 
 @functools.lru_cache(maxsize=64)
-def _settings_of(folder: str, mtime_ns: int, size: int) -> tuple:
+def _settings_of(folder: str, mtime_ns: int, size: int) -> dict:
     """One parse of a folder's settings per version of its config.json (OmegaConf resolves each
     ${d3d.from_checkpoint:...} key every time it is read, and a composed config reads several): the
     file's mtime and size are in the key, so a checkpoint saved again is read again."""
     from d3d.utils.checkpoints import saved_defaults
 
-    return tuple((saved_defaults(folder) or {}).items())
+    return dict(saved_defaults(folder) or {})
 
 
 def from_checkpoint(checkpoint: str | None, key: str, default: object) -> object:

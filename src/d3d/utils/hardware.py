@@ -3,8 +3,8 @@
 bf16 is the right dtype on CPUs with native bf16 matrix instructions (AVX512-BF16, AMX-BF16): a
 16-token bf16 pass there costs ~1.1x a 1-token pass and bf16 is no slower per token than fp32.
 On AVX2-only CPUs bf16 is emulated, bf16 matmuls run 1.6x (16 rows) to 3x (64 rows) slower than
-fp32, and fp32 is right (docs/design.md, dtype). So `auto` decides from the CPU's flags, read from /proc/cpuinfo (Linux)
-or, failing that, from torch's own capability probe. D3D_CPU_BF16=1/0 overrides the decision.
+fp32, and fp32 is right (docs/design.md, dtype). So `auto` decides from the CPU's flags, read from
+/proc/cpuinfo (Linux) or, failing that, from torch's own capability probe. D3D_CPU_BF16=1/0 overrides the decision.
 """
 
 from __future__ import annotations
