@@ -459,13 +459,16 @@ def _prune(cfg: PruneConfig) -> Path:
         before = measure(model, calib, holdout, s, pc.tree_nodes, acc, "_before_recovery")
         if pc.recovery_from_layer:  # before each recovery: the one before may hand back another module
             freeze_below(model, pc.recovery_from_layer, history[0]["kept_layers"])
+        recovery_start = time.perf_counter()
         model = recover(acc, model, train, tc, s, pc.recovery_steps, cfg.seed + step, tok.pad_token_id, teacher,
                         pc.recovery_lr, pc.recovery_warmup_steps, pc.recovery_schedule)
+        recovery_s = time.perf_counter() - recovery_start
         after = measure(model, calib, holdout, s, pc.tree_nodes, acc)
         row = {"step": step, "removed": original[0] if len(original) == 1 else original,
                "layers": len(decoder_layers(model)), "kept_layers": s.kept_layers, "tau_of": tau_name(pc.tree_nodes),
                "scores": scores, **before, **after, "retention": retention(after, history[0]),
-               **latencies(model, s, pc), "choose_s": round(scored_s, 1), "step_s": round(time.perf_counter() - start, 1)}
+               **latencies(model, s, pc), "choose_s": round(scored_s, 2), "recovery_s": round(recovery_s, 2),
+               "step_s": round(time.perf_counter() - start, 2)}
         if main:
             publish_step(model, tok, out_dir, row, writer, final=row["retention"] >= pc.min_retention,
                          save_dtype=tc.save_dtype)
