@@ -20,7 +20,8 @@ from tests.conftest import ROOT
 
 # How the pages write each kind of figure, by the last segment of its key path (or its divisor)
 UNIT = {"ratio": "{n}×", "x_generate": "{n}×", "projected_speedup": "{n}×", "sync_speedup": "{n}×",
-        "tau": "τ {n}", "tokens_per_s": "{n} tok/s", "minutes": "{n} min"}
+        "tau": "τ {n}", "tokens_per_s": "{n} tok/s", "minutes": "{n} min",
+        "peak_rss_gb": "{n} GiB"}  # pipeline.json's peaks are GiB (its peak_rss_unit)
 
 
 def telling(value: str) -> bool:
