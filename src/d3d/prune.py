@@ -45,8 +45,8 @@ from d3d.models.target import pick_device
 from d3d.settings import bind_config
 from d3d.specs import PruneConfig, PruneSettings
 from d3d.training import (
-    BATCH_SPLIT_KEYS, RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, make_accelerator,
-    mixed_precision, my_share, recover, sum_over_processes, with_global_batch, world_size,
+    BATCH_SPLIT_KEYS, RESUMABLE_TRAIN_KEYS, cut_responses, freeze_embeddings_except_mask, freeze_lower_layers,
+    make_accelerator, mixed_precision, my_share, recover, sum_over_processes, with_global_batch, world_size,
 )
 from d3d.utils.checkpoints import (
     MARKER, check_record_reaches, drafter_problem, mark_complete, promote, publish, saved_config, saved_step, trim_rows,
@@ -349,9 +349,7 @@ def freeze_below(model, first_trainable: int, start_kept: list[int]) -> None:
     drafter (24 layers, the upper 12 trained) all-layer recovery took the prune stage to 11.0 GiB in
     its first recovery step, before its AdamW state (8 bytes a trained weight, ~2.7 GiB) existed."""
     position = {original: i for i, original in enumerate(start_kept)}
-    for layer, original in zip(decoder_layers(model), DrafterSettings.of(model).kept_layers):
-        if position[original] < first_trainable:
-            layer.requires_grad_(False)
+    freeze_lower_layers(model, first_trainable, [position[o] for o in DrafterSettings.of(model).kept_layers])
 
 
 def final_step(history: list[dict], min_retention: float) -> int:

@@ -191,9 +191,12 @@ def freeze_embeddings_except_mask(model, mask_id: int) -> None:
         out.weight.requires_grad_(False)
 
 
-def freeze_lower_layers(model, first_trainable: int) -> None:
-    """Train only layers >= first_trainable (and the final norm): a cheaper backward on CPU."""
-    for i, layer in enumerate(model.base_model.layers):
+def freeze_lower_layers(model, first_trainable: int, positions: list[int] | None = None) -> None:
+    """Train only layers >= first_trainable (and the final norm): a cheaper backward on CPU.
+    `positions`: the index each layer is compared by, where it is not the layer's own (d3d.prune
+    freezes by the drafter pruning started from, prune.freeze_below)."""
+    layers = model.base_model.layers
+    for layer, i in zip(layers, range(len(layers)) if positions is None else positions):
         if i < first_trainable:
             layer.requires_grad_(False)
 
